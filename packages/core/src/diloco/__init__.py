@@ -1,0 +1,28 @@
+"""diloco: DiLoCo training on whatever GPUs you can rent.
+
+Importing this package loads no plugin, no torch and no cloud SDK, and almost nothing else:
+every replica imports it on start, so names are resolved lazily (PEP 562). Backends are
+discovered on first use (`diloco.plugins.backends()`).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "ReplicaContext": "context",
+    "BackendError": "errors", "DilocoError": "errors", "SpecError": "errors", "UserError": "errors",
+    "hookimpl": "hookspecs",
+    "LaunchPlan": "protocol", "ReplicaHandle": "protocol", "ReplicaResult": "protocol",
+    "ReplicaStatus": "protocol", "ServerlessExecutor": "protocol",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'diloco' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"diloco.{module}"), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,342 @@
+"""The `diloco` command line. Thin: each command parses, calls the library, renders.
+
+A `UserError` anywhere becomes one line on stderr and exit code 2; a failed run exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import click
+
+from .errors import BackendError, UserError
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except UserError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+        except BackendError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="diloco-core", prog_name="diloco")
+def main() -> None:
+    """Run DiLoCo training on whatever GPUs you can rent."""
+
+
+@main.command()
+def backends() -> None:
+    """List installed backends: name, distribution, version."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .plugins import backends as found, broken_plugins
+
+    table = Table("backend", "distribution", "version")
+    for info in found().values():
+        table.add_row(info.name, info.distribution, info.version)
+    console = Console(width=120)
+    console.print(table)
+    for b in broken_plugins():
+        console.print(f"plugin {b.name} from {b.distribution} failed to load: {b.error}", style="red", markup=False)
+
+
+@main.command()
+@click.argument("spec_path", metavar="SPEC")
+@click.option("--format", "fmt", type=click.Choice(["auto", "json", "yaml"]), default="auto",
+              help="Output format (auto: what the backend's request is usually written in).")
+def dryrun(spec_path: str, fmt: str) -> None:
+    """Print exactly what `diloco run SPEC` would submit, secrets redacted."""
+    from .launcher import dryrun as plan_run
+    from .spec import load_spec
+
+    plan = plan_run(load_spec(spec_path))
+    fmt = plan.format if fmt == "auto" else fmt
+    if fmt == "yaml":
+        import yaml  # backends that render YAML depend on PyYAML themselves
+
+        docs = plan.request if isinstance(plan.request, list) else [plan.request]
+        click.echo(yaml.safe_dump_all(docs, sort_keys=False), nl=False)
+    else:
+        click.echo(json.dumps(plan.request, indent=2))
+
+
+def _supervise(sup, on_interrupt: str) -> None:
+    from rich.console import Console
+
+    from .supervisor import GroupState, RunFailed
+
+    console = Console(highlight=False, soft_wrap=True)
+    try:
+        state = sup.run(start=sup.state is GroupState.INIT)
+    except RunFailed as exc:
+        console.print(f"run {sup.record.run_id} FAILED: {exc}", style="bold red", markup=False)
+        for rank, err in sorted(exc.errors.items()):
+            if err:
+                last = err.strip().splitlines()[-1]
+                console.print(f"  rank {rank}: {last}", style="red", markup=False)
+        console.print(f"  full errors: diloco status {sup.record.run_id}", markup=False)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        choice = on_interrupt
+        if choice == "ask":
+            choice = "cancel"
+            if sys.stdin.isatty():
+                try:
+                    choice = click.prompt("\ninterrupted: cancel the run or detach (replicas keep running)?",
+                                          type=click.Choice(["cancel", "detach"]), default="detach")
+                except (click.Abort, EOFError):
+                    choice = "cancel"
+        if choice == "detach":
+            sup.record.event("detached", pid=os.getpid())
+            console.print(f"detached; replicas keep running. Reattach: diloco resume {sup.record.run_id}",
+                          markup=False)
+            sys.exit(130)
+        console.print("cancelling…", markup=False)
+        sup.record.request_cancel()
+        sup.tick()
+        sys.exit(130)
+    if state is GroupState.STOPPED:
+        console.print(f"run {sup.record.run_id} was cancelled", style="yellow", markup=False)
+        sys.exit(1)
+    console.print(f"run {sup.record.run_id} SUCCEEDED", style="bold green", markup=False)
+    summary = sup.record.data.get("summary")
+    if summary:
+        console.print(summary, markup=False)
+
+
+_INTERRUPT = click.option("--on-interrupt", type=click.Choice(["ask", "cancel", "detach"]), default="ask",
+                          show_default=True, help="What Ctrl-C does; `ask` prompts on a terminal, else cancels.")
+
+
+@main.command()
+@click.argument("spec_path", metavar="SPEC")
+@_INTERRUPT
+def run(spec_path: str, on_interrupt: str) -> None:
+    """Launch a run from SPEC, supervise it, and wait for it to end."""
+    from .display import ProgressPrinter
+    from .launcher import new_run
+    from .spec import load_spec
+
+    spec = load_spec(spec_path)
+    sup = new_run(spec)
+    click.echo(f"run {sup.record.run_id}: {spec.replicas} × {spec.backend}, store {sup.launch.rendezvous}")
+    sup.on_tick = ProgressPrinter(sup.record)
+    _supervise(sup, on_interrupt)
+
+
+@main.command()
+@click.argument("run_id", metavar="RUN")
+@_INTERRUPT
+def resume(run_id: str, on_interrupt: str) -> None:
+    """Reattach to a run whose launcher died or detached, and supervise it to the end."""
+    from .display import ProgressPrinter
+    from .launcher import resume_run
+    from .state import RunRecord
+
+    record = RunRecord.load(run_id)
+    if record.data.get("state") in ("SUCCEEDED", "FAILED", "STOPPED"):
+        raise UserError(f"run {record.run_id} already ended ({record.data['state']}); nothing to resume")
+    _refuse_if_supervised(record)
+    sup = resume_run(record)
+    record.event("resumed", pid=os.getpid())
+    printer = ProgressPrinter(record)
+    printer.seen_events = len(record.events())
+    sup.on_tick = printer
+    _supervise(sup, on_interrupt)
+
+
+def _launcher_alive(record) -> bool:
+    launcher = record.data.get("launcher") or {}
+    pid, beat = launcher.get("pid"), launcher.get("heartbeat", 0)
+    if not pid or pid == os.getpid():
+        return False
+    interval = float((record.data.get("spec") or {}).get("restart", {}).get("monitor_interval", 1.0))
+    if time.time() - beat > max(30.0, 10 * interval):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _refuse_if_supervised(record) -> None:
+    if _launcher_alive(record):
+        raise UserError(f"run {record.run_id} is still supervised by process {record.data['launcher']['pid']}; "
+                        "stop that launcher first (or wait for it)")
+
+
+def _current_handles(record):
+    from .protocol import ReplicaHandle
+
+    return [ReplicaHandle.from_dict(r["handle"]) for r in record.data.get("ranks", []) if r.get("handle")]
+
+
+@main.command()
+@click.argument("run_id", metavar="RUN")
+@click.option("--json", "as_json", is_flag=True, help="Print the record and live statuses as JSON.")
+@click.option("--events", "n_events", default=10, show_default=True, help="How many recent events to show.")
+def status(run_id: str, as_json: bool, n_events: int) -> None:
+    """Show a run's state, each rank's live status, recent events and round metrics."""
+    from rich.console import Console
+
+    from .display import format_event, format_round, status_table
+    from .launcher import executor_for
+    from .metrics import read_rounds
+    from .state import RunRecord
+
+    record = RunRecord.load(run_id)
+    live: dict[int, str] = {}
+    try:
+        executor = executor_for(record)
+        for h in _current_handles(record):
+            live[h.rank] = executor.poll(h).value
+    except UserError as exc:
+        live = {}
+        click.echo(f"warning: cannot poll replicas live ({exc}); showing recorded statuses", err=True)
+    rounds = read_rounds(record.data.get("launch", {}).get("rendezvous"), record.run_id, complete_only=False)
+    if as_json:
+        click.echo(json.dumps({"record": record.data, "live": live, "events": record.events(),
+                               "rounds": rounds}, indent=2, default=str))
+        return
+    console = Console(width=140, highlight=False)
+    console.print(status_table(record, live))
+    if record.data.get("state") not in ("SUCCEEDED", "FAILED", "STOPPED") and not _launcher_alive(record):
+        console.print(f"no launcher is supervising this run: diloco resume {record.run_id}", style="yellow",
+                      markup=False)
+    if record.data.get("failure"):
+        console.print(f"failure: {record.data['failure']}", style="red", markup=False)
+    if rounds:
+        console.print(f"rounds: {len(rounds)}; latest:", markup=False)
+        for rnd in rounds[-3:]:
+            console.print("  " + format_round(rnd), markup=False)
+    events = record.events()[-n_events:]
+    if events:
+        console.print("events:", markup=False)
+        for e in events:
+            console.print("  " + format_event(e), markup=False)
+
+
+@main.command()
+@click.argument("run_id", metavar="RUN")
+@click.option("--rank", type=int, default=None, help="Only this rank (default: every rank).")
+@click.option("--attempt", type=int, default=None, help="This attempt (default: the latest).")
+@click.option("-n", "--lines", "n_lines", type=int, default=200, show_default=True)
+@click.option("--follow", "-f", is_flag=True, help="Keep printing new output until the replica ends.")
+def logs(run_id: str, rank: int | None, attempt: int | None, n_lines: int, follow: bool) -> None:
+    """Print replicas' output."""
+    from .launcher import executor_for
+    from .protocol import ReplicaHandle
+    from .state import RunRecord
+
+    record = RunRecord.load(run_id)
+    executor = executor_for(record)
+    ranks = record.data.get("ranks", [])
+    if rank is not None and not any(r["rank"] == rank for r in ranks):
+        raise UserError(f"run {record.run_id} has no rank {rank} (ranks 0..{len(ranks) - 1})")
+    chosen = [r for r in ranks if rank is None or r["rank"] == rank]
+    handles = []
+    for r in chosen:
+        history = [ReplicaHandle.from_dict(h) for h in r.get("history", [])]
+        if attempt is not None:
+            history = [h for h in history if h.attempt == attempt]
+            if not history:
+                raise UserError(f"rank {r['rank']} has no attempt {attempt}")
+        if history:
+            handles.append(history[-1])
+    if follow:
+        if len(handles) != 1:
+            raise UserError("--follow needs one replica: add --rank R")
+        _follow(executor, handles[0], n_lines)
+        return
+    for h in handles:
+        if len(handles) > 1:
+            click.echo(f"==> rank {h.rank} attempt {h.attempt} <==")
+        click.echo(executor.stream_logs(h, n_lines=n_lines), nl=False)
+
+
+def _follow(executor, handle, n_lines: int) -> None:
+    """Print the tail, then new lines as they come, until the replica ends."""
+    seen = executor.stream_logs(handle, n_lines=n_lines)
+    click.echo(seen, nl=False)
+    path = getattr(executor, "log_path", None)
+    if path is None:  # remote backends: re-read the tail and print what is new
+        while not executor.poll(handle).is_terminal:
+            time.sleep(1.0)
+            text = executor.stream_logs(handle, n_lines=n_lines)
+            new = text[len(seen):] if text.startswith(seen) else text.splitlines(keepends=True)[-1:]
+            click.echo("".join(new), nl=False)
+            seen = text
+        return
+    log_path = path(handle)
+    pos = log_path.stat().st_size if log_path.exists() else 0
+    while True:
+        done = executor.poll(handle).is_terminal
+        if log_path.exists():
+            with open(log_path, "rb") as f:
+                f.seek(pos)
+                chunk = f.read()
+                pos += len(chunk)
+            if chunk:
+                click.echo(chunk.decode("utf-8", "replace"), nl=False)
+        if done:
+            return
+        time.sleep(0.2)
+
+
+@main.command()
+@click.argument("run_id", metavar="RUN")
+def cancel(run_id: str) -> None:
+    """Stop every replica of a run (idempotent), from any shell."""
+    from .launcher import executor_for
+    from .state import RunRecord
+
+    record = RunRecord.load(run_id)
+    record.request_cancel()
+    executor = executor_for(record)
+    handles = _current_handles(record)
+    for h in handles:
+        executor.cancel(h)
+    if not _launcher_alive(record) and record.data.get("state") not in ("SUCCEEDED", "FAILED", "STOPPED"):
+        record.data["state"] = "STOPPED"
+        record.save()
+        record.event("run_cancelled", by="diloco cancel")
+    click.echo(f"cancelled run {record.run_id} ({len(handles)} replicas)")
+
+
+@main.command(name="list")
+@click.option("--limit", default=20, show_default=True)
+def list_runs(limit: int) -> None:
+    """List recorded runs, newest first."""
+    from datetime import datetime
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from .state import iter_runs
+
+    table = Table("run", "backend", "replicas", "state", "created")
+    for i, record in enumerate(iter_runs()):
+        if i >= limit:
+            break
+        spec = record.data.get("spec", {})
+        created = datetime.fromtimestamp(record.data.get("created_at", 0)).strftime("%Y-%m-%d %H:%M:%S")
+        table.add_row(record.run_id, spec.get("backend", "?"), str(spec.get("replicas", "?")),
+                      record.data.get("state", "?"), created)
+    Console(width=140).print(table)
+
+
+if __name__ == "__main__":
+    main()

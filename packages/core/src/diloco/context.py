@@ -1,0 +1,92 @@
+"""What a training function receives: who it is in the run, and where the run meets.
+
+`ReplicaContext.from_env()` reads the variables every backend sets (see `diloco.launchenv`),
+so the same function runs unchanged under any backend, or from a plain script that sets them.
+Deliberately light (no dataclasses, logging loaded on first use): every replica imports it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from functools import cached_property
+
+
+from . import envvars as v
+
+
+class ReplicaContext:
+    def __init__(self, rank: int, world_size: int, run_id: str, attempt: int = 0, rendezvous: str | None = None,
+                 settings: dict[str, object] | None = None, args: dict[str, object] | None = None):
+        self.rank = rank
+        self.world_size = world_size
+        self.run_id = run_id
+        self.attempt = attempt
+        self.rendezvous = rendezvous
+        if settings is not None:
+            self.settings = dict(settings)
+        if args is not None:
+            self.args = dict(args)
+        self._raw_settings = "{}"
+        self._raw_args = "{}"
+
+    @cached_property
+    def settings(self) -> dict[str, object]:
+        """The spec's [diloco] table (parsed on first use: JSON costs every replica start)."""
+        return _parse_json(self._raw_settings)
+
+    @cached_property
+    def args(self) -> dict[str, object]:
+        """The entrypoint arguments (the spec's [args] table)."""
+        return _parse_json(self._raw_args)
+
+    def __repr__(self) -> str:
+        return (f"ReplicaContext(rank={self.rank}, world_size={self.world_size}, run_id={self.run_id!r}, "
+                f"attempt={self.attempt}, rendezvous={self.rendezvous!r})")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ReplicaContext:
+        env = os.environ if environ is None else environ
+        ctx = cls(
+            rank=int(env.get(v.ENV_RANK, "0")),
+            world_size=int(env.get(v.ENV_WORLD_SIZE, "1")),
+            run_id=env.get(v.ENV_RUN_ID, "local"),
+            attempt=int(env.get(v.ENV_ATTEMPT, "0")),
+            rendezvous=env.get(v.ENV_RENDEZVOUS) or None,
+        )
+        ctx._raw_settings = env.get(v.ENV_SETTINGS) or "{}"
+        ctx._raw_args = env.get(v.ENV_ENTRYPOINT_ARGS) or "{}"
+        return ctx
+
+    @cached_property
+    def log(self):
+        """A logger that prefixes every line with the rank and attempt."""
+        import logging
+        import sys
+
+        logger = logging.getLogger(f"diloco.replica.{self.rank}")
+        if not logger.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter(
+                f"%(asctime)s [rank {self.rank} attempt {self.attempt}] %(levelname)s %(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            logger.propagate = False
+        return logger
+
+    @cached_property
+    def store(self):
+        """The run's object store (opened on first use; needs a rendezvous URI)."""
+        from .store import open_store
+
+        if not self.rendezvous:
+            raise RuntimeError(f"no rendezvous URI: set {v.ENV_RENDEZVOUS} or the spec's `rendezvous`")
+        return open_store(self.rendezvous)
+
+
+def _parse_json(text: str) -> dict[str, object]:
+    if text in ("", "{}"):
+        return {}
+    import json
+
+    return json.loads(text)

@@ -1,0 +1,96 @@
+"""What the CLI shows: run progress while supervising, and a run's status from its records.
+
+Rendering is kept out of the supervisor so the supervisor stays testable and backend-agnostic.
+Metrics come from the run's object store (`diloco.metrics`), so they look the same on every
+backend.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .state import RunRecord
+
+_EVENT_STYLE = {"failed": "red", "run_failed": "bold red", "give_up": "red", "run_succeeded": "bold green",
+                "succeeded": "green", "relaunch_scheduled": "yellow", "gang_restart": "yellow",
+                "run_cancelled": "yellow", "cancelled": "yellow", "resumed": "cyan", "detached": "cyan"}
+
+
+def _clock(t: float) -> str:
+    return datetime.fromtimestamp(t).strftime("%H:%M:%S")
+
+
+def format_event(e: dict[str, Any]) -> str:
+    kind = e.get("event", "?")
+    fields = {k: v for k, v in e.items() if k not in ("t", "event")}
+    if kind == "failed" and fields.get("error"):
+        err = str(fields.pop("error")).strip().splitlines()
+        fields["error"] = err[-1] if err else ""
+    if kind == "run_failed":
+        fields.pop("errors", None)
+    body = " ".join(f"{k}={v}" for k, v in fields.items())
+    return f"{_clock(e.get('t', 0))} {kind} {body}".rstrip()
+
+
+class ProgressPrinter:
+    """Prints each new event of a run, and a line per finished DiLoCo round."""
+
+    def __init__(self, record: RunRecord, console: Console | None = None, metrics_every: float = 2.0):
+        self.record = record
+        self.console = console or Console(highlight=False, soft_wrap=True)
+        self.seen_events = 0
+        self.last_round = -1
+        self.metrics_every = metrics_every
+        self._next_metrics = 0.0
+
+    def __call__(self, _supervisor: Any = None) -> None:
+        events = self.record.events()
+        for e in events[self.seen_events:]:
+            self.console.print(format_event(e), style=_EVENT_STYLE.get(e.get("event", "")), markup=False)
+        self.seen_events = len(events)
+        now = time.monotonic()
+        if now >= self._next_metrics:
+            self._next_metrics = now + self.metrics_every
+            self._print_rounds()
+
+    def _print_rounds(self) -> None:
+        from .metrics import read_rounds
+
+        rendezvous = self.record.data.get("launch", {}).get("rendezvous")
+        for rnd in read_rounds(rendezvous, self.record.run_id, after=self.last_round):
+            self.console.print(format_round(rnd), markup=False)
+            self.last_round = rnd["round"]
+
+
+def format_round(rnd: dict[str, Any]) -> str:
+    loss = rnd.get("loss")
+    parts = [f"round {rnd['round']}", f"members {rnd.get('members')}"]
+    if loss is not None:
+        parts.append(f"loss {loss:.4f}")
+    if rnd.get("tokens_per_s"):
+        parts.append(f"{rnd['tokens_per_s']:,.0f} tok/s")
+    if rnd.get("sync_share") is not None:
+        parts.append(f"sync {100 * rnd['sync_share']:.1f}%")
+    return "  ".join(parts)
+
+
+def status_table(record: RunRecord, live: dict[int, str] | None) -> Table:
+    table = Table(title=f"run {record.run_id}  [{record.data.get('state', '?')}]", title_justify="left")
+    for col in ("rank", "attempt", "status", "restarts", "last error"):
+        table.add_column(col)
+    for r in record.data.get("ranks", []):
+        handle = r.get("handle") or {}
+        attempt = (handle.get("metadata") or {}).get("attempt", 0)
+        status = (live or {}).get(r["rank"], r.get("status", "?"))
+        if r.get("relaunch_at"):
+            status += " (relaunch pending)"
+        if r.get("given_up"):
+            status += " (given up)"
+        err = (r.get("last_error") or "").strip().splitlines()
+        table.add_row(str(r["rank"]), str(attempt), status, str(r.get("restarts", 0)), err[-1][:80] if err else "")
+    return table

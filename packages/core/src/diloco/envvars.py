@@ -1,0 +1,17 @@
+"""Environment variable names shared by launchers and the replica runtime.
+
+Kept free of imports: the in-replica bootstrap reads these before anything else loads, and
+every millisecond here is paid once per replica start.
+"""
+
+ENV_RANK = "REPLICA_RANK"
+ENV_WORLD_SIZE = "WORLD_SIZE"
+ENV_RENDEZVOUS = "DILOCO_RENDEZVOUS"
+ENV_RUN_ID = "DILOCO_RUN_ID"
+ENV_ATTEMPT = "DILOCO_ATTEMPT"
+ENV_ENTRYPOINT = "DILOCO_ENTRYPOINT"
+ENV_ENTRYPOINT_ARGS = "DILOCO_ENTRYPOINT_ARGS"
+ENV_SETTINGS = "DILOCO_SETTINGS"
+ENV_TIMEOUT = "DILOCO_TIMEOUT"
+ENV_RESULT_PATH = "DILOCO_RESULT_PATH"
+ENV_STARTED_PATH = "DILOCO_STARTED_PATH"

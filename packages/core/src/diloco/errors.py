@@ -1,0 +1,34 @@
+"""Errors diloco raises on purpose.
+
+`UserError` is the one a person caused (a bad spec, an unknown backend, a missing run): the
+CLI prints its message as a single line and exits with code 2 — never a traceback. Anything
+else escaping a command is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class DilocoError(Exception):
+    """Base class of every error diloco raises deliberately."""
+
+
+class UserError(DilocoError):
+    """A mistake the user can fix: the message says what is wrong and how to fix it."""
+
+    exit_code = 2
+
+
+class SpecError(UserError):
+    """The run spec is invalid; the message names the file and the key."""
+
+
+class BackendNotFound(UserError):
+    """No installed plugin provides the requested backend."""
+
+
+class RunNotFound(UserError):
+    """No record of the requested run in the state directory."""
+
+
+class BackendError(DilocoError):
+    """The backend refused or failed an operation (an API error, a missing credential)."""

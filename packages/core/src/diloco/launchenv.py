@@ -1,0 +1,126 @@
+"""The environment every replica starts with, built the same way by every backend.
+
+Backends differ in how they start a process; they must not differ in what the process sees.
+This module is the one place that turns (rank, world size, run, entrypoint args) into
+environment variables, parses entrypoints, and redacts secrets for anything printed or saved.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import protocol as p
+from .errors import UserError
+
+REDACTED = "REDACTED"
+_SECRET_NAME = re.compile(r"(SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|PRIVATE|API_?KEY|ACCESS_KEY|SESSION_KEY)", re.I)
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_FUNCTION_REF = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")
+
+
+@dataclass(frozen=True)
+class Entrypoint:
+    """A parsed entrypoint: an importable function ("pkg.mod:fn") or a command line."""
+
+    function: str | None = None
+    command: tuple[str, ...] | None = None
+
+    def to_env(self) -> str:
+        """DILOCO_ENTRYPOINT's value: "module:function", or a JSON array for a command.
+
+        Plain text for functions so the in-replica bootstrap needs no JSON parser to start.
+        """
+        return self.function or json.dumps(list(self.command or ()))
+
+    @classmethod
+    def from_env(cls, text: str) -> Entrypoint:
+        if text.startswith("["):
+            return cls(command=tuple(json.loads(text)))
+        return cls(function=text)
+
+    def describe(self) -> str:
+        return self.function or " ".join(self.command or ())
+
+
+def parse_entrypoint(entrypoint: str | Sequence[str]) -> Entrypoint:
+    """Accept "module:function", the original "module.function", or a command list."""
+    if isinstance(entrypoint, str):
+        text = entrypoint.strip()
+        if not _FUNCTION_REF.match(text):
+            raise UserError(f"entrypoint {entrypoint!r} is not 'module:function'; "
+                            "give an importable function or a command list like [\"python\", \"train.py\"]")
+        if ":" not in text:
+            if "." not in text:
+                raise UserError(f"entrypoint {entrypoint!r} names no function; write it as 'module:function'")
+            module, _, func = text.rpartition(".")
+            text = f"{module}:{func}"
+        return Entrypoint(function=text)
+    items = list(entrypoint)
+    if not items or not all(isinstance(x, str) and x for x in items):
+        raise UserError("entrypoint command must be a non-empty list of non-empty strings")
+    return Entrypoint(command=tuple(items))
+
+
+def is_secret_name(name: str) -> bool:
+    return bool(_SECRET_NAME.search(name))
+
+
+def redact_env(env: Mapping[str, str], secret_names: Sequence[str] = ()) -> dict[str, str]:
+    """Copy of `env` with the values of secret-looking or declared-secret names replaced."""
+    secrets = set(secret_names)
+    return {k: (REDACTED if k in secrets or is_secret_name(k) else v) for k, v in env.items()}
+
+
+def replica_env(*, rank: int, n_replicas: int, run_id: str, attempt: int,
+                entrypoint: Entrypoint, entrypoint_args: Mapping[str, Any] | None,
+                rendezvous: str | None, timeout: float | None,
+                env: Mapping[str, str] | None = None,
+                settings: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """Environment for one replica attempt (without secrets: the caller adds those last).
+
+    Scalar entrypoint args also appear as upper-cased variables (`lr = 0.1` → `LR=0.1`) so
+    command-line entrypoints can read them; the whole mapping travels as JSON for functions.
+    """
+    args = dict(entrypoint_args or {})
+    rank_env = str(args.pop("rank_env", p.ENV_RANK))
+    if not _ENV_NAME.match(rank_env):
+        raise UserError(f"entrypoint arg rank_env={rank_env!r} is not a valid environment variable name")
+    out: dict[str, str] = {}
+    for key, value in args.items():
+        if isinstance(value, (str, int, float, bool)) and _ENV_NAME.match(key):
+            out[key.upper()] = str(value).lower() if isinstance(value, bool) else str(value)
+    out.update(dict(env or {}))
+    out.update({
+        rank_env: str(rank),
+        p.ENV_RANK: str(rank),
+        p.ENV_WORLD_SIZE: str(n_replicas),
+        p.ENV_RUN_ID: run_id,
+        p.ENV_ATTEMPT: str(attempt),
+        p.ENV_ENTRYPOINT: entrypoint.to_env(),
+        p.ENV_ENTRYPOINT_ARGS: json.dumps(args, sort_keys=True),
+        "PYTHONUNBUFFERED": "1",
+    })
+    if rendezvous:
+        out[p.ENV_RENDEZVOUS] = rendezvous
+    if timeout:
+        out[p.ENV_TIMEOUT] = str(float(timeout))
+    if settings:
+        out[p.ENV_SETTINGS] = json.dumps(dict(settings), sort_keys=True)
+    return out
+
+
+def check_ranks(n_replicas: int, ranks: Sequence[int] | None) -> list[int]:
+    """Validate a launch's rank subset; default all ranks in order."""
+    if n_replicas < 1:
+        raise UserError(f"n_replicas must be at least 1, got {n_replicas}")
+    if ranks is None:
+        return list(range(n_replicas))
+    chosen = list(ranks)
+    bad = [r for r in chosen if not 0 <= r < n_replicas]
+    if bad or len(set(chosen)) != len(chosen):
+        raise UserError(f"ranks {chosen} must be distinct and within 0..{n_replicas - 1}")
+    return chosen

@@ -1,0 +1,311 @@
+"""LocalProcessExecutor: replicas as real subprocesses on this machine.
+
+Every replica attempt is `python -m diloco.runner` in its own session (so its pid is its
+process-group id and cancel/timeout kill the whole tree) with stdout+stderr in its own log file.
+All state lives in files under the run's work directory — pid and process start time, a
+"started" marker, the runner's result JSON, a "cancelled" marker — so any process holding a
+handle (a second shell, a resumed launcher) can poll, stream logs and cancel. The start time
+guards against a recycled pid being mistaken for the replica.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import protocol as p
+from .errors import UserError
+from .launchenv import check_ranks, parse_entrypoint, redact_env, replica_env
+from .protocol import LaunchPlan, ReplicaHandle, ReplicaResult, ReplicaStatus
+from .state import new_run_id, state_dir
+
+
+def _proc_start_ticks(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot (Linux), or None if it is not alive."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError:  # not Linux: fall back to a signal-0 probe
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        return -1
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):  # zombie or dead: exited, waiting to be reaped
+        return None
+    return int(fields[19])
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def tail_text(path: Path, n_lines: int) -> str:
+    """Last `n_lines` lines of a file without reading all of it."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            block, data = 8192, b""
+            while size > 0 and data.count(b"\n") <= n_lines:
+                step = min(block, size)
+                size -= step
+                f.seek(size)
+                data = f.read(step) + data
+                block *= 2
+    except FileNotFoundError:
+        return ""
+    lines = data.decode("utf-8", "replace").splitlines()
+    return "\n".join(lines[-n_lines:]) + ("\n" if lines else "")
+
+
+def check_function_exists(ref: str, search_path: list[str]) -> None:
+    """Fail fast, before any process starts, if "module:function" cannot be found.
+
+    Finds the module's source without executing it (importing user code in the launcher could
+    be slow or have side effects) and looks for a top-level definition of the function's name.
+    """
+    import ast
+    from importlib.machinery import PathFinder
+
+    module, _, func = ref.partition(":")
+    path: list[str] | None = search_path
+    spec = None
+    for part in module.split("."):
+        spec = PathFinder.find_spec(part, path)
+        if spec is None:
+            raise UserError(f"entrypoint {ref!r}: no module named {module!r} in the workdir "
+                            f"({search_path[0]}) or the installed packages")
+        path = list(spec.submodule_search_locations or [])
+    origin = spec.origin if spec else None
+    if not origin or not origin.endswith(".py"):
+        return  # a compiled or namespace module: trust it, the replica reports any error
+    try:
+        tree = ast.parse(Path(origin).read_text())
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise UserError(f"entrypoint {ref!r}: cannot read {origin}: {exc}") from None
+    top = func.split(".")[0]
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif not isinstance(node, (ast.Expr,)):
+            return  # conditional definitions etc.: too dynamic to judge statically
+    if top not in names:
+        raise UserError(f"entrypoint {ref!r}: {origin} defines no top-level {top!r}")
+
+
+class LocalProcessExecutor:
+    """Runs each replica as a local subprocess. Options ([backend] table of a spec):
+
+    workdir: directory replicas start in; it is prepended to PYTHONPATH so `module:function`
+        entrypoints next to the spec import (default: the spec's directory / the cwd).
+    grace_period: seconds between SIGTERM and SIGKILL on cancel (default 5).
+    devices: GPU ids to spread ranks over (rank r gets CUDA_VISIBLE_DEVICES=devices[r % len]).
+    state_dir: where logs and result files live (default: diloco's state dir).
+    """
+
+    backend_name = "local"
+    supports_inter_replica_network = True
+    supports_rank_relaunch = True
+
+    def __init__(self, *, workdir: str | None = None, grace_period: float = 5.0,
+                 devices: Sequence[int | str] | None = None, state_dir: str | None = None):
+        if grace_period < 0:
+            raise ValueError("grace_period must be >= 0")
+        self.workdir = str(Path(workdir or os.getcwd()).resolve())
+        self.grace_period = float(grace_period)
+        self.devices = [str(d) for d in devices] if devices else []
+        self._state_dir = Path(state_dir) if state_dir else None
+        self._procs: dict[tuple[str, int, int], subprocess.Popen] = {}
+
+    # -- launching -------------------------------------------------------------------------
+
+    def _run_dir(self, run_id: str) -> Path:
+        return (self._state_dir or state_dir()) / "local" / run_id
+
+    def _plan(self, n_replicas, entrypoint, entrypoint_args, *, gpu, timeout, run_id, rendezvous,
+              ranks, attempt, env, secret_env) -> tuple[str, list[dict[str, Any]]]:
+        ep = parse_entrypoint(entrypoint)
+        if ep.function:
+            check_function_exists(ep.function, [self.workdir, *sys.path])
+        run_id = run_id or new_run_id("local")
+        if timeout is not None and timeout < 0:
+            raise ValueError("timeout must be >= 0")
+        run_dir = self._run_dir(run_id)
+        pythonpath = os.pathsep.join(x for x in [self.workdir, os.environ.get("PYTHONPATH", "")] if x)
+        plans = []
+        for rank in check_ranks(n_replicas, ranks):
+            stem = run_dir / f"rank-{rank}.attempt-{attempt}"
+            renv = replica_env(rank=rank, n_replicas=n_replicas, run_id=run_id, attempt=attempt,
+                               entrypoint=ep, entrypoint_args=entrypoint_args, rendezvous=rendezvous,
+                               timeout=timeout, env=env)
+            renv.update({p.ENV_RESULT_PATH: f"{stem}.result.json", p.ENV_STARTED_PATH: f"{stem}.started.json",
+                         "PYTHONPATH": pythonpath})
+            if self.devices:
+                renv["CUDA_VISIBLE_DEVICES"] = self.devices[rank % len(self.devices)]
+            plans.append({"rank": rank, "stem": str(stem), "env": renv,
+                          "secret_names": sorted((secret_env or {}).keys())})
+        return run_id, plans
+
+    def dryrun(self, n_replicas, entrypoint, entrypoint_args=None, *, gpu=None, timeout=3600,
+               run_id=None, rendezvous=None, ranks=None, attempt=0, env=None, secret_env=None) -> LaunchPlan:
+        run_id, plans = self._plan(n_replicas, entrypoint, entrypoint_args, gpu=gpu, timeout=timeout,
+                                   run_id=run_id, rendezvous=rendezvous, ranks=ranks, attempt=attempt,
+                                   env=env, secret_env=secret_env)
+        processes = []
+        for plan in plans:
+            shown = redact_env(plan["env"], plan["secret_names"])
+            shown.update({k: "REDACTED" for k in plan["secret_names"]})
+            processes.append({"rank": plan["rank"], "argv": [sys.executable, "-m", "diloco.runner"],
+                              "cwd": self.workdir, "log": plan["stem"] + ".log", "env": shown})
+        return LaunchPlan(self.backend_name, {"run_id": run_id, "processes": processes})
+
+    def launch_replicas(self, n_replicas, entrypoint, entrypoint_args=None, *, gpu=None, timeout=3600,
+                        run_id=None, rendezvous=None, ranks=None, attempt=0, env=None,
+                        secret_env=None) -> list[ReplicaHandle]:
+        run_id, plans = self._plan(n_replicas, entrypoint, entrypoint_args, gpu=gpu, timeout=timeout,
+                                   run_id=run_id, rendezvous=rendezvous, ranks=ranks, attempt=attempt,
+                                   env=env, secret_env=secret_env)
+        self._run_dir(run_id).mkdir(parents=True, exist_ok=True)
+        handles = []
+        for plan in plans:
+            stem = plan["stem"]
+            for suffix in (".result.json", ".started.json", ".cancelled"):
+                Path(stem + suffix).unlink(missing_ok=True)
+            full_env = {**os.environ, **plan["env"], **dict(secret_env or {})}
+            with open(stem + ".log", "ab") as log:
+                proc = subprocess.Popen([sys.executable, "-m", "diloco.runner"], cwd=self.workdir,
+                                        env=full_env, stdin=subprocess.DEVNULL, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+            self._procs[(run_id, plan["rank"], attempt)] = proc
+            handles.append(ReplicaHandle(plan["rank"], self.backend_name, {
+                "run_id": run_id, "attempt": attempt, "pid": proc.pid,
+                "start_ticks": _proc_start_ticks(proc.pid), "stem": stem,
+                "launched_at": time.time()}))
+        return handles
+
+    # -- observing -------------------------------------------------------------------------
+
+    def _paths(self, handle: ReplicaHandle) -> tuple[Path, Path, Path, Path]:
+        stem = handle.metadata["stem"]
+        return (Path(stem + ".result.json"), Path(stem + ".started.json"),
+                Path(stem + ".cancelled"), Path(stem + ".log"))
+
+    def _alive(self, handle: ReplicaHandle) -> bool:
+        md = handle.metadata
+        proc = self._procs.get((md["run_id"], handle.rank, handle.attempt))
+        if proc is not None and proc.poll() is not None:
+            return False
+        ticks = _proc_start_ticks(int(md["pid"]))
+        if ticks is None:
+            return False
+        return md.get("start_ticks") in (None, -1) or ticks in (-1, md["start_ticks"])
+
+    def _read_result(self, path: Path) -> dict[str, Any] | None:
+        try:
+            return json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def poll(self, handle: ReplicaHandle) -> ReplicaStatus:
+        result_path, started_path, cancelled_path, _ = self._paths(handle)
+        result = self._read_result(result_path)
+        if result is not None:
+            return ReplicaStatus(result["status"])
+        if cancelled_path.exists():
+            return ReplicaStatus.CANCELLED
+        if self._alive(handle):
+            return ReplicaStatus.RUNNING if started_path.exists() else ReplicaStatus.PENDING
+        return ReplicaStatus.FAILED
+
+    def _result(self, handle: ReplicaHandle, status: ReplicaStatus) -> ReplicaResult:
+        result_path, _, _, log_path = self._paths(handle)
+        data = self._read_result(result_path) or {}
+        if status is ReplicaStatus.CANCELLED:
+            return ReplicaResult(handle.rank, status, None, "cancelled", None, handle.attempt)
+        if data:
+            return ReplicaResult(handle.rank, status, data.get("exit_code"), data.get("error"),
+                                 data.get("result"), handle.attempt)
+        if not status.is_terminal:
+            return ReplicaResult(handle.rank, status, None, None, None, handle.attempt)
+        self._reap(handle, wait=True)  # it may be a zombie that poll() saw before it was reaped
+        proc = self._procs.get((handle.metadata["run_id"], handle.rank, handle.attempt))
+        code = proc.returncode if proc is not None else None
+        how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
+               else f"exited with code {code}" if code is not None else "died")
+        tail = tail_text(log_path, 5).strip()
+        error = f"replica process {how} without reporting a result" + (f"; last output:\n{tail}" if tail else "")
+        return ReplicaResult(handle.rank, status, code, error, None, handle.attempt)
+
+    def stream_logs(self, handle: ReplicaHandle, *, n_lines: int = 200) -> str:
+        log_path = self._paths(handle)[3]
+        if not log_path.exists():
+            return f"(no output yet from rank {handle.rank} attempt {handle.attempt})\n"
+        return tail_text(log_path, n_lines)
+
+    def log_path(self, handle: ReplicaHandle) -> Path:
+        """The log file itself, for `diloco logs --follow`."""
+        return self._paths(handle)[3]
+
+    def collect(self, handles: Sequence[ReplicaHandle], *, timeout: float | None = None) -> list[ReplicaResult]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending = list(handles)
+        while True:
+            statuses = [self.poll(h) for h in pending]
+            if all(s.is_terminal for s in statuses) or (deadline is not None and time.monotonic() >= deadline):
+                return [self._result(h, s) for h, s in zip(pending, statuses)]
+            time.sleep(0.05)
+
+    # -- stopping --------------------------------------------------------------------------
+
+    def cancel(self, handle: ReplicaHandle) -> None:
+        result_path, _, cancelled_path, _ = self._paths(handle)
+        if result_path.exists() or not self._alive(handle):
+            return  # already ended on its own: nothing to stop, and its real status stays
+        cancelled_path.touch()
+        pgid = int(handle.metadata["pid"])
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + self.grace_period
+        while time.monotonic() < deadline:
+            self._reap(handle)
+            if not _group_alive(pgid):
+                return
+            time.sleep(0.05)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._reap(handle, wait=True)
+
+    def _reap(self, handle: ReplicaHandle, wait: bool = False) -> None:
+        proc = self._procs.get((handle.metadata["run_id"], handle.rank, handle.attempt))
+        if proc is not None:
+            try:
+                proc.wait(timeout=2) if wait else proc.poll()
+            except subprocess.TimeoutExpired:
+                pass

@@ -1,0 +1,166 @@
+"""The bootstrap that runs inside every replica: `python -m diloco.runner`.
+
+It reads the entrypoint from DILOCO_ENTRYPOINT, marks the replica started, runs it, and writes
+a JSON result (status, exit code, traceback, return value) where DILOCO_RESULT_PATH points.
+It also enforces DILOCO_TIMEOUT itself, so a hung replica dies on every backend: a watchdog
+thread records the timeout and kills the replica's whole process group.
+
+Function entrypoints are called as `fn(**args)`; a parameter named `ctx` receives the
+`ReplicaContext`. Command entrypoints run as a child in the same process group, so killing the
+group (cancel, timeout) takes the command and everything it started.
+
+Imports are kept to the minimum (subprocess, traceback, inspect load only when needed): this
+module's start-up is paid once per replica launch (see bench/launch.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import sys
+import threading
+import time
+
+
+from . import envvars as v
+from .context import ReplicaContext
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write-then-rename, so the launcher never reads half a result."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _result_json(data: dict[str, object]) -> str:
+    import json  # loaded only now: json pulls in re and enum, ~8 ms of every replica's start
+
+    try:
+        return json.dumps(data)
+    except (TypeError, ValueError):
+        return json.dumps({**data, "result": repr(data["result"])})
+
+
+def load_function(ref: str):
+    module_name, _, attr = ref.partition(":")
+    obj: object = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"entrypoint {ref!r} is not callable")
+    return obj
+
+
+def _parameters(fn) -> tuple[set[str], bool]:
+    """(parameter names, accepts **kwargs) — from the code object when it is a plain function."""
+    code = getattr(fn, "__code__", None)
+    if code is not None and not hasattr(fn, "__wrapped__"):
+        n = code.co_argcount + code.co_kwonlyargcount
+        return set(code.co_varnames[:n]), bool(code.co_flags & 0x08)
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    return set(params), any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def call_function(fn, ctx: ReplicaContext) -> object:
+    kwargs = dict(ctx.args)
+    names, accepts_any = _parameters(fn)
+    if "ctx" in names:
+        kwargs["ctx"] = ctx
+    if not accepts_any:
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"entrypoint does not accept argument(s) {unknown}; it takes {sorted(names)}")
+    return fn(**kwargs)
+
+
+class _Outcome:
+    """Writes the result exactly once, whoever finishes first (the entrypoint or the watchdog)."""
+
+    def __init__(self, path: str | None, rank: int, attempt: int):
+        self.path, self.rank, self.attempt = path, rank, attempt
+        self._lock = threading.Lock()
+        self.written = False
+
+    def write(self, status: str, exit_code: int, error: str | None = None, result: object = None) -> bool:
+        with self._lock:
+            if self.written:
+                return False
+            self.written = True
+        if self.path:
+            write_text_atomic(self.path, _result_json({
+                "rank": self.rank, "attempt": self.attempt, "status": status, "exit_code": exit_code,
+                "error": error, "result": result, "ended_at": time.time()}))
+        return True
+
+
+def _start_watchdog(timeout: float, outcome: _Outcome) -> None:
+    def fire() -> None:
+        msg = f"replica timed out after {timeout:g}s (spec `timeout`)"
+        if outcome.write("failed", 124, msg):
+            print(f"diloco: {msg}; killing the replica", file=sys.stderr, flush=True)
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    timer = threading.Timer(timeout, fire)
+    timer.daemon = True
+    timer.start()
+
+
+def _run_command(cmd: list[str], outcome: _Outcome) -> int:
+    import subprocess
+
+    if cmd[0] in ("python", "python3"):
+        cmd = [sys.executable, *cmd[1:]]  # the interpreter diloco runs in, not whatever PATH finds
+    code = subprocess.call(cmd)
+    if code == 0:
+        outcome.write("succeeded", 0)
+        return 0
+    outcome.write("failed", code, f"command {' '.join(cmd)!r} exited with code {code}")
+    return 1
+
+
+def main() -> int:
+    ctx = ReplicaContext.from_env()
+    entrypoint = os.environ[v.ENV_ENTRYPOINT]
+    outcome = _Outcome(os.environ.get(v.ENV_RESULT_PATH), ctx.rank, ctx.attempt)
+    timeout = float(os.environ.get(v.ENV_TIMEOUT) or 0)
+    if timeout > 0:
+        _start_watchdog(timeout, outcome)
+    # SIGTERM (cancel) becomes a clean exit so `finally` blocks in user code run.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    started = os.environ.get(v.ENV_STARTED_PATH)
+    if started:
+        write_text_atomic(started, f'{{"pid": {os.getpid()}, "started_at": {time.time()!r}}}')
+    try:
+        if not entrypoint.startswith("["):  # "module:function"; a command is a JSON array
+            result = call_function(load_function(entrypoint), ctx)
+            outcome.write("succeeded", 0, result=result)
+            return 0
+        import json
+
+        return _run_command(json.loads(entrypoint), outcome)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if code == 143:
+            return 143  # cancelled: the launcher's marker says so, no result to write
+        if code == 0:
+            outcome.write("succeeded", 0)
+        else:
+            outcome.write("failed", code, f"entrypoint exited with code {code}")
+        return code
+    except BaseException:
+        import traceback
+
+        tb = traceback.format_exc()
+        sys.stderr.write(tb)
+        sys.stderr.flush()
+        outcome.write("failed", 1, tb)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""The run spec: a small TOML file, validated to one clear line per mistake.
+
+    name = "tiny-lm"                        # optional; default: the file's name
+    backend = "local"                       # or a [backend] table with name = "..." + options
+    replicas = 4
+    entrypoint = "train:main"               # or ["python", "train.py"]
+    workdir = "."                           # where the code lives (relative to this file)
+    gpu = "H100"                            # optional logical GPU name
+    timeout = 3600                          # seconds, per replica attempt
+    rendezvous = "file:///tmp/store"        # optional; default: inside the run's records
+    secrets = ["HF_TOKEN"]                  # launcher env vars forwarded, never recorded
+    [args]    ...                           # entrypoint arguments
+    [env]     ...                           # extra environment variables (not secret)
+    [backend] name = "eks", ...             # instead of backend = "...": the backend and its options
+    [restart] policy / max_restarts / max_restarts_per_rank / backoff / min_replicas
+    [diloco]  sync_every / outer_lr / ...   # DiLoCo settings read by diloco-replica
+
+Unknown keys, wrong types and out-of-range values raise `SpecError` naming file and key.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import SpecError, UserError
+from .launchenv import parse_entrypoint
+
+
+def _type_name(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "an array", dict: "a table"}.get(type(value), type(value).__name__)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One key of a table: its type, bounds or choices, and default."""
+
+    kind: str                     # "int" | "float" | "str" | "bool" | "table" | "strlist" | "entrypoint"
+    default: Any = None
+    required: bool = False
+    min: float | None = None
+    max: float | None = None
+    choices: tuple[str, ...] = ()
+    help: str = ""
+
+    def check(self, where: str, key: str, value: Any) -> Any:
+        fail = lambda want: SpecError(f"{where}: `{key}` must be {want}, got {value!r} ({_type_name(value)})")  # noqa: E731
+        if self.kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise fail("an integer")
+        elif self.kind == "float":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise fail("a number")
+            value = float(value)
+        elif self.kind == "bool":
+            if not isinstance(value, bool):
+                raise fail("true or false")
+        elif self.kind == "str":
+            if not isinstance(value, str) or not value:
+                raise fail("a non-empty string")
+            if self.choices and value not in self.choices:
+                raise SpecError(f"{where}: `{key}` must be one of {', '.join(self.choices)}; got {value!r}")
+        elif self.kind == "table":
+            if not isinstance(value, dict):
+                raise fail("a table")
+        elif self.kind == "backend":
+            if isinstance(value, dict):
+                name = value.get("name")
+                if not isinstance(name, str) or not name:
+                    raise SpecError(f"{where}: the [backend] table needs `name`, e.g. name = \"local\"")
+            elif not isinstance(value, str) or not value:
+                raise fail('a backend name or a [backend] table with name = "..."')
+        elif self.kind == "strlist":
+            if not isinstance(value, list) or not all(isinstance(x, str) and x for x in value):
+                raise fail("an array of strings")
+        elif self.kind == "entrypoint":
+            if not isinstance(value, (str, list)):
+                raise fail("'module:function' or an array of strings")
+            try:
+                parse_entrypoint(value)
+            except UserError as exc:
+                raise SpecError(f"{where}: `{key}`: {exc}") from None
+        if self.min is not None and value < self.min:
+            raise SpecError(f"{where}: `{key}` must be at least {self.min:g}, got {value!r}")
+        if self.max is not None and value > self.max:
+            raise SpecError(f"{where}: `{key}` must be at most {self.max:g}, got {value!r}")
+        return value
+
+
+def check_table(where: str, table: Mapping[str, Any], schema: Mapping[str, Field],
+                prefix: str = "") -> dict[str, Any]:
+    """Validate `table` against `schema`; return it with defaults filled in."""
+    unknown = sorted(set(table) - set(schema))
+    if unknown:
+        allowed = ", ".join(sorted(schema))
+        raise SpecError(f"{where}: unknown key `{prefix}{unknown[0]}` (allowed: {allowed})")
+    out = {}
+    for key, f in schema.items():
+        if key in table:
+            out[key] = f.check(where, prefix + key, table[key])
+        elif f.required:
+            raise SpecError(f"{where}: missing required key `{prefix}{key}`" + (f" ({f.help})" if f.help else ""))
+        else:
+            out[key] = f.default
+    return out
+
+
+TOP_LEVEL = {
+    "name": Field("str", help="a name for the run"),
+    "backend": Field("backend", required=True, help='e.g. backend = "local"'),
+    "replicas": Field("int", required=True, min=1, max=4096, help="e.g. replicas = 4"),
+    "entrypoint": Field("entrypoint", required=True, help='e.g. entrypoint = "train:main"'),
+    "workdir": Field("str"),
+    "gpu": Field("str"),
+    "timeout": Field("float", default=3600.0, min=1),
+    "rendezvous": Field("str"),
+    "secrets": Field("strlist", default=[]),
+    "args": Field("table", default={}),
+    "env": Field("table", default={}),
+    "restart": Field("table", default={}),
+    "diloco": Field("table", default={}),
+}
+
+RESTART = {
+    "policy": Field("str", default="per-rank", choices=("per-rank", "gang", "never")),
+    "max_restarts": Field("int", default=10, min=0, help="relaunches allowed across the whole run"),
+    "max_restarts_per_rank": Field("int", default=3, min=0),
+    "backoff": Field("float", default=1.0, min=0),
+    "backoff_max": Field("float", default=60.0, min=0),
+    "min_replicas": Field("int", min=1, help="ranks that must stay alive and succeed (default: all)"),
+    "monitor_interval": Field("float", default=1.0, min=0.01),
+}
+
+DILOCO = {
+    "sync_every": Field("int", default=50, min=1, help="H: inner steps between syncs"),
+    "outer_lr": Field("float", default=0.7, min=0),
+    "outer_momentum": Field("float", default=0.9, min=0, max=1),
+    "nesterov": Field("bool", default=True),
+    "transport": Field("str", default="fp32", choices=("fp32", "bf16", "fp16", "int8")),
+    "round_timeout": Field("float", default=300.0, min=0.1),
+    "min_replicas": Field("int", default=1, min=1),
+    "poll_interval": Field("float", default=0.05, min=0.001),
+}
+
+_URI = re.compile(r"^(file|s3|memory)://")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass
+class RunSpec:
+    name: str
+    backend: str
+    replicas: int
+    entrypoint: str | list[str]
+    workdir: str
+    timeout: float
+    gpu: str | None = None
+    rendezvous: str | None = None
+    secrets: list[str] = field(default_factory=list)
+    args: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    restart: dict[str, Any] = field(default_factory=dict)
+    diloco: dict[str, Any] = field(default_factory=dict)
+    source: str = "<spec>"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The spec as recorded with the run: plain data, secrets named but never valued."""
+        return {k: v for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunSpec:
+        return cls(**dict(data))
+
+
+def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", base_dir: Path | None = None,
+               name_default: str = "run") -> RunSpec:
+    where = source
+    data = dict(data)
+    top = check_table(where, data, TOP_LEVEL)
+    restart = check_table(where, top["restart"], RESTART, "restart.")
+    diloco = check_table(where, top["diloco"], DILOCO, "diloco.")
+    if restart["min_replicas"] is not None and restart["min_replicas"] > top["replicas"]:
+        raise SpecError(f"{where}: `restart.min_replicas` ({restart['min_replicas']}) exceeds `replicas` "
+                        f"({top['replicas']})")
+    if diloco["min_replicas"] > top["replicas"]:
+        raise SpecError(f"{where}: `diloco.min_replicas` ({diloco['min_replicas']}) exceeds `replicas` "
+                        f"({top['replicas']})")
+    for key, value in top["env"].items():
+        if not _ENV_NAME.match(key) or not isinstance(value, (str, int, float, bool)):
+            raise SpecError(f"{where}: `env.{key}` must be a valid variable name with a string value")
+    for name in top["secrets"]:
+        if not _ENV_NAME.match(name):
+            raise SpecError(f"{where}: `secrets` entry {name!r} is not an environment variable name")
+    if top["rendezvous"] and not _URI.match(top["rendezvous"]):
+        raise SpecError(f"{where}: `rendezvous` must be a file://, s3:// or memory:// URI, "
+                        f"got {top['rendezvous']!r}")
+    base = base_dir or Path.cwd()
+    workdir = (base / (top["workdir"] or ".")).resolve()
+    if not workdir.is_dir():
+        raise SpecError(f"{where}: `workdir` {str(workdir)!r} is not a directory")
+    backend = top["backend"] if isinstance(top["backend"], dict) else {"name": top["backend"]}
+    options = {k: v for k, v in backend.items() if k != "name"}
+    return RunSpec(
+        name=top["name"] or name_default, backend=backend["name"], replicas=top["replicas"],
+        entrypoint=top["entrypoint"], workdir=str(workdir), timeout=top["timeout"], gpu=top["gpu"],
+        rendezvous=top["rendezvous"], secrets=list(top["secrets"]), args=dict(top["args"]),
+        env={k: str(v) for k, v in top["env"].items()}, backend_options=options,
+        restart=restart, diloco=diloco, source=source)
+
+
+def load_spec(path: str | Path) -> RunSpec:
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(f"spec file {str(p)!r} not found")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{p}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{p}: not a text file") from None
+    return parse_spec(data, source=str(p), base_dir=p.parent, name_default=p.stem if p.stem != "diloco"
+                      else p.resolve().parent.name)
+
+
+def validate_backend_options(where: str, cls: type, options: Mapping[str, Any]) -> None:
+    """Check the [backend] table's option keys against the executor's keyword parameters."""
+    import inspect
+
+    params = {n: x for n, x in inspect.signature(cls.__init__).parameters.items() if n != "self"}
+    if any(x.kind is inspect.Parameter.VAR_KEYWORD for x in params.values()):
+        return
+    unknown = sorted(set(options) - set(params))
+    if unknown:
+        raise SpecError(f"{where}: unknown key `backend.{unknown[0]}` for backend "
+                        f"{getattr(cls, 'backend_name', '?')!r} (allowed: {', '.join(sorted(params)) or 'none'})")

@@ -1,0 +1,132 @@
+"""Where runs are recorded, and how: one directory per run under the state directory.
+
+`runs/<run_id>/run.json` holds the spec (secrets never included), the backend, the handles of
+every attempt and the run's status; `events.jsonl` is the append-only event log. Every write
+of run.json is atomic (temp file + rename), so a launcher killed mid-write leaves the previous
+record intact and `diloco status` from another shell never reads half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .errors import RunNotFound
+
+ENV_STATE_DIR = "DILOCO_STATE_DIR"
+
+
+def state_dir() -> Path:
+    """$DILOCO_STATE_DIR, else the user's state dir (e.g. ~/.local/state/diloco)."""
+    override = os.environ.get(ENV_STATE_DIR)
+    if override:
+        return Path(override).expanduser().resolve()
+    import platformdirs
+
+    return Path(platformdirs.user_state_dir("diloco"))
+
+
+def new_run_id(name: str) -> str:
+    """A run id that is also a valid DNS label prefix: lowercase, digits, dashes."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:30].strip("-") or "run"
+    if not slug[0].isalpha():
+        slug = "r-" + slug
+    return f"{slug}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+class RunRecord:
+    """The durable record of one run. `data` is the JSON document; `save()` persists it."""
+
+    def __init__(self, run_id: str, data: dict[str, Any], root: Path | None = None):
+        self.run_id = run_id
+        self.data = data
+        self.dir = (root or state_dir()) / "runs" / run_id
+
+    @property
+    def path(self) -> Path:
+        return self.dir / "run.json"
+
+    @property
+    def events_path(self) -> Path:
+        return self.dir / "events.jsonl"
+
+    @property
+    def cancel_marker(self) -> Path:
+        return self.dir / "cancel-requested"
+
+    def request_cancel(self) -> None:
+        """Tell whichever launcher supervises this run to stop it (works across processes)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.cancel_marker.touch()
+
+    def cancel_requested(self) -> bool:
+        return self.cancel_marker.exists()
+
+    def save(self) -> None:
+        self.data["updated_at"] = time.time()
+        write_json_atomic(self.path, self.data)
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Append one event to the run's log (one JSON object a line, flushed at once)."""
+        entry = {"t": time.time(), "event": kind, **fields}
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with open(self.events_path, "a") as f:
+            f.write(json.dumps(entry, sort_keys=True) + "\n")
+        return entry
+
+    def events(self) -> list[dict[str, Any]]:
+        try:
+            lines = self.events_path.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a killed launcher
+        return out
+
+    @classmethod
+    def create(cls, run_id: str, data: dict[str, Any], root: Path | None = None) -> RunRecord:
+        record = cls(run_id, {"run_id": run_id, "created_at": time.time(), **data}, root)
+        record.save()
+        return record
+
+    @classmethod
+    def load(cls, run_id: str, root: Path | None = None) -> RunRecord:
+        base = root or state_dir()
+        path = base / "runs" / run_id / "run.json"
+        if not path.exists():
+            matches = [p.name for p in (base / "runs").glob(f"{run_id}*")] if (base / "runs").is_dir() else []
+            if len(matches) == 1:
+                return cls.load(matches[0], root)
+            hint = f"; did you mean one of {', '.join(sorted(matches)[:5])}?" if matches else \
+                "; `diloco list` shows the recorded runs"
+            raise RunNotFound(f"no run {run_id!r} in {base / 'runs'}{hint}")
+        return cls(run_id, json.loads(path.read_text()), base)
+
+
+def iter_runs(root: Path | None = None) -> Iterator[RunRecord]:
+    base = (root or state_dir()) / "runs"
+    if not base.is_dir():
+        return
+    for d in sorted(base.iterdir(), key=lambda x: x.stat().st_mtime, reverse=True):
+        if (d / "run.json").exists():
+            try:
+                yield RunRecord.load(d.name, root)
+            except (json.JSONDecodeError, OSError):
+                continue

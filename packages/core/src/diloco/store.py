@@ -1,0 +1,109 @@
+"""Opening the run's object store from its rendezvous URI (obstore, imported lazily).
+
+- ``file:///abs/path``: a local directory (created if missing). obstore writes local files
+  through a temporary file and a rename, so readers never see a partial object.
+- ``s3://bucket/prefix``: any S3-compatible endpoint; credentials, region and endpoint come
+  from the usual AWS variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,
+  AWS_REGION / AWS_DEFAULT_REGION, AWS_ENDPOINT_URL). An http:// endpoint is allowed (moto,
+  MinIO on a private network).
+- ``memory://``: in-process, for unit tests.
+
+`Store` wraps the obstore object with the few operations diloco needs and a key prefix, so
+callers address objects by run-relative keys.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+from .errors import UserError
+
+_MEMORY_STORES: dict[str, Any] = {}
+
+
+class ObjectExists(Exception):
+    """A create-only put found the key already there."""
+
+
+@dataclass
+class Store:
+    """An object store plus a key prefix. Keys are '/'-separated, relative to the prefix."""
+
+    raw: Any
+    prefix: str
+    uri: str
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def put(self, key: str, data: bytes | memoryview, *, create_only: bool = False) -> None:
+        import obstore
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        try:
+            obstore.put(self.raw, self._key(key), data, mode="create" if create_only else "overwrite")
+        except (AlreadyExistsError, PreconditionError) as exc:
+            raise ObjectExists(key) from exc
+
+    def get(self, key: str) -> bytes | None:
+        """The object's bytes, or None if it does not exist."""
+        import obstore
+
+        try:
+            return obstore.get(self.raw, self._key(key)).bytes().to_bytes()
+        except FileNotFoundError:
+            return None
+
+    def list(self, prefix: str, *, offset: str | None = None) -> Iterator[dict[str, Any]]:
+        """Objects under `prefix` (run-relative paths in 'path'), optionally after `offset`."""
+        import obstore
+
+        kwargs = {"offset": self._key(offset)} if offset else {}
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        for batch in obstore.list(self.raw, self._key(prefix), **kwargs):
+            for meta in batch:
+                yield {**meta, "path": meta["path"][strip:]}
+
+    def delete(self, key: str) -> None:
+        import obstore
+
+        try:
+            obstore.delete(self.raw, self._key(key))
+        except FileNotFoundError:
+            pass
+
+
+def open_store(uri: str) -> Store:
+    """Open the store a rendezvous URI names; a clear UserError for anything unusable."""
+    from obstore.store import LocalStore, MemoryStore, S3Store
+
+    parsed = urlparse(uri)
+    if parsed.scheme == "file":
+        path = parsed.path
+        if not path.startswith("/"):
+            raise UserError(f"rendezvous {uri!r}: file:// URIs need an absolute path (file:///abs/dir)")
+        os.makedirs(path, exist_ok=True)
+        return Store(LocalStore(path), "", uri)
+    if parsed.scheme == "memory":
+        name = parsed.netloc + parsed.path
+        if name not in _MEMORY_STORES:
+            _MEMORY_STORES[name] = MemoryStore()
+        return Store(_MEMORY_STORES[name], "", uri)
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise UserError(f"rendezvous {uri!r} names no bucket: write s3://bucket/prefix")
+        config: dict[str, Any] = {}
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if endpoint:
+            config["endpoint"] = endpoint
+        if region:
+            config["region"] = region
+        client_options = {"allow_http": True} if endpoint and endpoint.startswith("http://") else None
+        raw = S3Store(parsed.netloc, config=config, client_options=client_options)
+        return Store(raw, parsed.path.strip("/"), uri)
+    raise UserError(f"rendezvous {uri!r}: unsupported scheme {parsed.scheme!r}; use file://, s3:// or memory://")

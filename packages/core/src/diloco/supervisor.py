@@ -1,0 +1,303 @@
+"""The supervisor: keeps a run's replicas alive through the executor protocol alone.
+
+A DiLoCo replica meets the others only at round boundaries, through the object store, so one
+dead replica can be replaced while the rest keep training (torchft/prime style), unlike torch
+elastic, which restarts the whole group. Policies ([restart] table):
+
+- ``per-rank`` (default): relaunch only the failed rank, same rank, attempt + 1; it rejoins
+  the training at the next round from the global state in the store.
+- ``gang``: cancel every rank and relaunch all of them as the next attempt (torch elastic's
+  behaviour); also used for backends whose executor cannot relaunch one rank alone.
+- ``never``: no relaunches.
+
+Budgets: ``max_restarts`` counts relaunches across the whole run (a gang restart counts once);
+``max_restarts_per_rank`` caps each rank. Relaunches back off exponentially per rank
+(``backoff`` * 2^n, at most ``backoff_max``) without blocking the monitoring of other ranks.
+``min_replicas`` (default: all) is how many ranks must stay alive and, at the end, have
+succeeded; a rank whose budget is spent is given up, and the run goes on while enough remain.
+Below that, every rank is cancelled and the run fails with each rank's last error.
+
+All state is in the run record (handles of every attempt, budgets, status), written on every
+change, so a new launcher can reattach (`diloco resume`) and continue where this one stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from .protocol import ReplicaHandle, ReplicaResult, ReplicaStatus, ServerlessExecutor
+from .state import RunRecord
+
+
+class GroupState(str, Enum):
+    """torch elastic's worker-group states, for the run as a whole."""
+
+    INIT = "INIT"
+    HEALTHY = "HEALTHY"
+    UNHEALTHY = "UNHEALTHY"
+    STOPPED = "STOPPED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    UNKNOWN = "UNKNOWN"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (GroupState.SUCCEEDED, GroupState.FAILED, GroupState.STOPPED)
+
+
+class RunFailed(Exception):
+    """Raised by `Supervisor.run` when the run failed; carries every rank's last error."""
+
+    def __init__(self, message: str, errors: dict[int, str | None]):
+        super().__init__(message)
+        self.errors = errors
+
+
+@dataclass
+class RankState:
+    rank: int
+    handle: ReplicaHandle | None = None
+    status: str = "pending"
+    restarts: int = 0
+    given_up: bool = False
+    relaunch_at: float | None = None
+    last_error: str | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)  # every attempt's handle
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "handle": self.handle.to_dict() if self.handle else None,
+                "status": self.status, "restarts": self.restarts, "given_up": self.given_up,
+                "relaunch_at": self.relaunch_at, "last_error": self.last_error, "history": self.history}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RankState:
+        handle = ReplicaHandle.from_dict(data["handle"]) if data.get("handle") else None
+        return cls(rank=data["rank"], handle=handle, status=data.get("status", "pending"),
+                   restarts=data.get("restarts", 0), given_up=data.get("given_up", False),
+                   relaunch_at=data.get("relaunch_at"), last_error=data.get("last_error"),
+                   history=list(data.get("history", [])))
+
+
+@dataclass
+class LaunchArgs:
+    """Everything `launch_replicas` needs besides ranks and attempt (secrets excluded)."""
+
+    n_replicas: int
+    entrypoint: Any
+    entrypoint_args: dict[str, Any]
+    gpu: str | None
+    timeout: float
+    run_id: str
+    rendezvous: str | None
+    env: dict[str, str]
+
+
+class Supervisor:
+    def __init__(self, executor: ServerlessExecutor, record: RunRecord, launch: LaunchArgs,
+                 restart: dict[str, Any], *, secret_env: dict[str, str] | None = None,
+                 on_tick: Callable[[Supervisor], None] | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.executor = executor
+        self.record = record
+        self.launch = launch
+        self.policy = restart.get("policy", "per-rank")
+        if self.policy == "per-rank" and not getattr(executor, "supports_rank_relaunch", False):
+            self.policy = "gang"
+        self.max_restarts = int(restart.get("max_restarts", 10))
+        self.max_per_rank = int(restart.get("max_restarts_per_rank", 3))
+        self.backoff = float(restart.get("backoff", 1.0))
+        self.backoff_max = float(restart.get("backoff_max", 60.0))
+        self.min_replicas = int(restart.get("min_replicas") or launch.n_replicas)
+        self.interval = float(restart.get("monitor_interval", 1.0))
+        self.secret_env = dict(secret_env or {})
+        self.on_tick = on_tick
+        self.clock = clock
+        saved = record.data.get("ranks")
+        self.ranks = ([RankState.from_dict(r) for r in saved] if saved
+                      else [RankState(r) for r in range(launch.n_replicas)])
+        self.restarts_used = int(record.data.get("restarts_used", 0))
+        self.state = GroupState(record.data.get("state", GroupState.INIT.value))
+
+    # -- persistence -----------------------------------------------------------------------
+
+    def save(self) -> None:
+        self.record.data.update({
+            "state": self.state.value, "ranks": [r.to_dict() for r in self.ranks],
+            "restarts_used": self.restarts_used, "policy": self.policy,
+            "launcher": {"pid": os.getpid(), "host": socket.gethostname(), "heartbeat": self.clock()},
+        })
+        self.record.save()
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        self.record.event(kind, **fields)
+
+    # -- launching -------------------------------------------------------------------------
+
+    def _launch(self, ranks: list[int], attempt_of: dict[int, int]) -> None:
+        by_attempt: dict[int, list[int]] = {}
+        for r in ranks:
+            by_attempt.setdefault(attempt_of[r], []).append(r)
+        for attempt, group in sorted(by_attempt.items()):
+            a = self.launch
+            handles = self.executor.launch_replicas(
+                a.n_replicas, a.entrypoint, a.entrypoint_args, gpu=a.gpu, timeout=a.timeout,
+                run_id=a.run_id, rendezvous=a.rendezvous, ranks=group, attempt=attempt,
+                env=a.env, secret_env=self.secret_env)
+            for h in handles:
+                st = self.ranks[h.rank]
+                st.handle, st.status, st.relaunch_at = h, ReplicaStatus.PENDING.value, None
+                st.history.append(h.to_dict())
+            self._event("launch", ranks=group, attempt=attempt)
+        self.save()
+
+    def start(self) -> None:
+        """First launch of every rank, attempt 0."""
+        self._launch([r.rank for r in self.ranks], {r.rank: 0 for r in self.ranks})
+        self.state = GroupState.HEALTHY
+        self.save()
+
+    # -- monitoring ------------------------------------------------------------------------
+
+    def alive(self) -> list[RankState]:
+        return [r for r in self.ranks if r.status in ("pending", "running") or r.relaunch_at is not None]
+
+    def _rank_error(self, st: RankState) -> str | None:
+        res: ReplicaResult = self.executor.collect([st.handle], timeout=0)[0]
+        return res.error or (f"exit code {res.exit_code}" if res.exit_code else None)
+
+    def _give_up_or_schedule(self, st: RankState, now: float) -> None:
+        if self.policy == "never" or st.restarts >= self.max_per_rank or self.restarts_used >= self.max_restarts:
+            st.given_up = True
+            self._event("give_up", rank=st.rank, restarts=st.restarts, reason=(
+                "restart policy is never" if self.policy == "never" else "restart budget spent"))
+            return
+        delay = min(self.backoff * (2 ** st.restarts), self.backoff_max)
+        st.relaunch_at = now + delay
+        self._event("relaunch_scheduled", rank=st.rank, delay=round(delay, 3), attempt=st.handle.attempt + 1)
+
+    def tick(self) -> GroupState:
+        """One monitor pass: poll every rank, react to changes, relaunch what is due."""
+        now = self.clock()
+        changed = False
+        for st in self.ranks:
+            if st.handle is None or st.relaunch_at is not None or st.status in ("succeeded", "failed", "cancelled"):
+                continue
+            status = self.executor.poll(st.handle)
+            if status.value == st.status:
+                continue
+            changed = True
+            st.status = status.value
+            if status is ReplicaStatus.RUNNING:
+                self._event("running", rank=st.rank, attempt=st.handle.attempt)
+            elif status is ReplicaStatus.SUCCEEDED:
+                self._event("succeeded", rank=st.rank, attempt=st.handle.attempt)
+            elif status is ReplicaStatus.CANCELLED:
+                self._event("cancelled", rank=st.rank, attempt=st.handle.attempt)
+            elif status is ReplicaStatus.FAILED:
+                st.last_error = self._rank_error(st)
+                self._event("failed", rank=st.rank, attempt=st.handle.attempt, error=_short(st.last_error))
+                if self.policy == "gang":
+                    self._gang_restart(now, failed=st)
+                    break
+                self._give_up_or_schedule(st, now)
+        if (self.record.cancel_requested() or any(r.status == "cancelled" for r in self.ranks)) \
+                and not self.state.is_final:
+            return self._finish_cancelled()
+        due = [st for st in self.ranks if st.relaunch_at is not None and st.relaunch_at <= now]
+        if due:
+            for st in due:
+                st.restarts += 1
+                if self.policy != "gang":
+                    self.restarts_used += 1
+            self._launch([st.rank for st in due], {st.rank: st.handle.attempt + 1 for st in due})
+            changed = True
+        live = len(self.alive())
+        succeeded = sum(r.status == "succeeded" for r in self.ranks)
+        if live + succeeded < self.min_replicas:
+            return self._fail(f"only {live + succeeded} of {self.launch.n_replicas} replicas are alive or done, "
+                              f"below min_replicas={self.min_replicas}")
+        if live == 0:
+            if succeeded >= self.min_replicas:
+                self.state = GroupState.SUCCEEDED
+                self._event("run_succeeded", succeeded=succeeded, given_up=[r.rank for r in self.ranks if r.given_up])
+            else:
+                return self._fail("every replica ended and too few succeeded")
+            changed = True
+        else:
+            unhealthy = any(r.relaunch_at is not None or r.given_up for r in self.ranks)
+            new_state = GroupState.UNHEALTHY if unhealthy else GroupState.HEALTHY
+            changed = changed or new_state != self.state
+            self.state = new_state
+        if changed:
+            self.save()
+        return self.state
+
+    def _gang_restart(self, now: float, failed: RankState) -> None:
+        if self.restarts_used >= self.max_restarts:
+            for st in self.ranks:
+                st.given_up = st.given_up or st.status == "failed"
+            self._event("give_up", rank=failed.rank, restarts=self.restarts_used, reason="gang restart budget spent")
+            self._stop_all()
+            return
+        self._event("gang_restart", failed_rank=failed.rank)
+        self._stop_all()
+        delay = min(self.backoff * (2 ** self.restarts_used), self.backoff_max)
+        for st in self.ranks:
+            st.status, st.relaunch_at = "failed", now + delay
+        self.restarts_used += 1  # a gang restart costs the run one restart, not one per rank
+
+    def _stop_all(self) -> None:
+        for st in self.ranks:
+            if st.handle is not None and st.status in ("pending", "running"):
+                self.executor.cancel(st.handle)
+                st.status = "cancelled_by_supervisor"
+
+    def _fail(self, reason: str) -> GroupState:
+        self._stop_all()
+        for st in self.ranks:
+            st.relaunch_at = None
+        self.state = GroupState.FAILED
+        self.record.data["failure"] = reason
+        self._event("run_failed", reason=reason, errors={str(r.rank): _short(r.last_error) for r in self.ranks})
+        self.save()
+        return self.state
+
+    def _finish_cancelled(self) -> GroupState:
+        self._stop_all()
+        for st in self.ranks:
+            st.relaunch_at = None
+        self.state = GroupState.STOPPED
+        self._event("run_cancelled")
+        self.save()
+        return self.state
+
+    def errors(self) -> dict[int, str | None]:
+        return {r.rank: r.last_error for r in self.ranks}
+
+    def run(self, *, start: bool = True) -> GroupState:
+        """Launch (unless resuming) and supervise until the run ends."""
+        if start and self.state is GroupState.INIT:
+            self.start()
+        while True:
+            state = self.tick()
+            if self.on_tick:
+                self.on_tick(self)
+            if state.is_final:
+                break
+            self.record.data.setdefault("launcher", {})["heartbeat"] = self.clock()
+            time.sleep(self.interval)
+        if state is GroupState.FAILED:
+            raise RunFailed(self.record.data.get("failure", "run failed"), self.errors())
+        return state
+
+
+def _short(text: str | None, limit: int = 2000) -> str | None:
+    if text is None or len(text) <= limit:
+        return text
+    return "…" + text[-limit:]

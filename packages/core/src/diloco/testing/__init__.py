@@ -1,0 +1,151 @@
+"""Conformance kit: the protocol's contract as tests any backend package can run.
+
+A backend proves it honours the executor contract by subclassing `ExecutorConformance` in its
+own test suite and saying how to build an executor::
+
+    from diloco.testing import ExecutorConformance
+
+    class TestFooConformance(ExecutorConformance):
+        def make_executor(self):
+            return FooExecutor(namespace="test")
+
+`make_executor` is called more than once per test: a second instance stands for another
+process, so durable handles are checked for real. Override `wait_timeout` for slow backends,
+and `setup_method`/fixtures for whatever stand-ins the backend's tests need (a Kubernetes API
+emulator, an S3 server).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from diloco.protocol import ReplicaHandle, ReplicaStatus, ServerlessExecutor
+
+REPORT = "diloco.testing.entrypoints:report"
+FAIL_ON = "diloco.testing.entrypoints:fail_on"
+SLEEP = "diloco.testing.entrypoints:sleep"
+SECRET_VALUE = "conformance-secret-value-7f3a"
+
+
+class ExecutorConformance:
+    n_replicas = 3
+    wait_timeout = 60.0
+
+    def make_executor(self) -> ServerlessExecutor:
+        raise NotImplementedError("subclasses return a fresh executor instance")
+
+    # helpers ------------------------------------------------------------------------------
+
+    def run_id(self) -> str:
+        return f"conf-{uuid.uuid4().hex[:8]}"
+
+    def launch(self, executor: ServerlessExecutor, entrypoint: str, args: dict[str, Any] | None = None,
+               **kwargs: Any) -> list[ReplicaHandle]:
+        kwargs.setdefault("run_id", self.run_id())
+        kwargs.setdefault("timeout", 120)
+        return executor.launch_replicas(kwargs.pop("n", self.n_replicas), entrypoint, args or {}, **kwargs)
+
+    def wait_until(self, executor: ServerlessExecutor, handle: ReplicaHandle, wanted: set[str]) -> str:
+        deadline = time.monotonic() + self.wait_timeout
+        status = executor.poll(handle)
+        while status.value not in wanted and time.monotonic() < deadline:
+            time.sleep(0.1)
+            status = executor.poll(handle)
+        return status.value
+
+    # the contract -------------------------------------------------------------------------
+
+    def test_satisfies_protocol(self):
+        executor = self.make_executor()
+        assert isinstance(executor, ServerlessExecutor)
+        assert isinstance(executor.backend_name, str) and executor.backend_name
+        assert isinstance(executor.supports_rank_relaunch, bool)
+
+    def test_handles_in_rank_order_and_results_shape(self):
+        executor = self.make_executor()
+        handles = self.launch(executor, REPORT)
+        assert [h.rank for h in handles] == list(range(self.n_replicas))
+        assert all(h.backend_name == executor.backend_name for h in handles)
+        results = executor.collect(handles, timeout=self.wait_timeout)
+        assert [r.rank for r in results] == list(range(self.n_replicas))
+        for r in results:
+            assert r.status == ReplicaStatus.SUCCEEDED == "succeeded", r.error
+            assert r.exit_code == 0 and r.error is None
+            if r.result is not None:  # backends that can carry return values must carry the right ones
+                assert r.result["rank"] == r.rank and r.result["world_size"] == self.n_replicas
+
+    def test_failed_rank_reports_its_error(self):
+        executor = self.make_executor()
+        handles = self.launch(executor, FAIL_ON, {"fail_rank": 1})
+        results = executor.collect(handles, timeout=self.wait_timeout)
+        assert [r.status for r in results] == ["succeeded", "failed", "succeeded"][: self.n_replicas]
+        assert results[1].exit_code not in (0, None)
+        assert "deliberate failure on rank 1" in (results[1].error or executor.stream_logs(handles[1]))
+
+    def test_statuses_are_protocol_values(self):
+        executor = self.make_executor()
+        handles = self.launch(executor, REPORT, n=1)
+        seen = {executor.poll(handles[0])}
+        executor.collect(handles, timeout=self.wait_timeout)
+        seen.add(executor.poll(handles[0]))
+        assert seen <= set(ReplicaStatus) and ReplicaStatus.SUCCEEDED in seen
+
+    def test_logs_hold_replica_output(self):
+        executor = self.make_executor()
+        handles = self.launch(executor, REPORT, {"marker": "hello-from-conformance"}, n=2)
+        executor.collect(handles, timeout=self.wait_timeout)
+        text = executor.stream_logs(handles[1], n_lines=50)
+        assert "hello-from-conformance" in text and "rank=1" in text
+
+    def test_cancel_is_idempotent(self):
+        executor = self.make_executor()
+        handles = self.launch(executor, SLEEP, {"seconds": 120}, n=2)
+        assert self.wait_until(executor, handles[0], {"running"}) == "running"
+        executor.cancel(handles[0])
+        executor.cancel(handles[0])  # again: no error
+        assert self.wait_until(executor, handles[0], {"cancelled"}) == "cancelled"
+        for h in handles:
+            executor.cancel(h)
+        done = self.launch(executor, REPORT, n=1)
+        executor.collect(done, timeout=self.wait_timeout)
+        executor.cancel(done[0])  # already ended: still no error, status kept
+        assert executor.poll(done[0]) == "succeeded"
+
+    def test_durable_handle_round_trip(self):
+        first = self.make_executor()
+        handles = self.launch(first, SLEEP, {"seconds": 120}, n=1)
+        text = handles[0].to_json()
+        json.loads(text)  # plain JSON, no pickle
+        again = ReplicaHandle.from_json(text)
+        assert again == handles[0]
+        other = self.make_executor()  # stands for another process
+        assert self.wait_until(other, again, {"running"}) == "running"
+        assert isinstance(other.stream_logs(again, n_lines=10), str)
+        other.cancel(again)
+        assert self.wait_until(first, handles[0], {"cancelled"}) == "cancelled"
+        assert SECRET_VALUE not in text
+
+    def test_relaunch_one_rank_as_new_attempt(self):
+        executor = self.make_executor()
+        if not executor.supports_rank_relaunch:
+            return
+        run_id = self.run_id()
+        handles = self.launch(executor, REPORT, run_id=run_id, ranks=[1], attempt=1)
+        assert [(h.rank, h.attempt) for h in handles] == [(1, 1)]
+        (result,) = executor.collect(handles, timeout=self.wait_timeout)
+        assert result.status == "succeeded" and result.attempt == 1
+        if result.result is not None:
+            assert result.result["rank"] == 1 and result.result["attempt"] == 1
+
+    def test_dryrun_shows_request_without_secrets(self):
+        executor = self.make_executor()
+        plan = executor.dryrun(self.n_replicas, REPORT, {"lr": 0.1}, run_id=self.run_id(),
+                               env={"AWS_SECRET_ACCESS_KEY": SECRET_VALUE, "PLAIN": "visible-value"},
+                               secret_env={"HF_TOKEN": SECRET_VALUE})
+        rendered = json.dumps(plan.request, default=str)
+        assert plan.backend_name == executor.backend_name
+        assert SECRET_VALUE not in rendered
+        assert "visible-value" in rendered

@@ -1,0 +1,60 @@
+"""Fixtures for diloco-core's tests: an isolated state dir and a way to run the real CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from diloco import plugins
+
+
+@pytest.fixture(autouse=True)
+def state_dir(tmp_path, monkeypatch) -> Path:
+    d = tmp_path / "state"
+    monkeypatch.setenv("DILOCO_STATE_DIR", str(d))
+    plugins.reset()
+    yield d
+    plugins.reset()
+
+
+@pytest.fixture
+def cli(state_dir):
+    """Run `python -m diloco ARGS` as a separate process (a second shell, as a user would)."""
+
+    def run(*args: str, env: dict[str, str] | None = None, timeout: float = 120, cwd=None,
+            check_rc: int | None = None) -> subprocess.CompletedProcess:
+        full_env = {**os.environ, "DILOCO_STATE_DIR": str(state_dir), **(env or {})}
+        proc = subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True,
+                              env=full_env, timeout=timeout, cwd=cwd)
+        if check_rc is not None:
+            assert proc.returncode == check_rc, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        return proc
+
+    return run
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """A directory with a small training-like module and a spec that runs it."""
+    d = tmp_path / "proj"
+    d.mkdir()
+    (d / "job.py").write_text(
+        "import os, time\n"
+        "def main(ctx, steps: int = 3, fail_rank: int = -1, delay: float = 0.05):\n"
+        "    for i in range(steps):\n"
+        "        print(f'rank {ctx.rank}/{ctx.world_size} step {i}', flush=True)\n"
+        "        time.sleep(delay)\n"
+        "    if ctx.rank == fail_rank:\n"
+        "        raise ValueError(f'exploded on rank {ctx.rank}')\n"
+        "    return {'rank': ctx.rank, 'pid': os.getpid()}\n")
+    return d
+
+
+def write_spec(directory: Path, text: str, name: str = "diloco.toml") -> Path:
+    path = directory / name
+    path.write_text(text)
+    return path

@@ -1,0 +1,56 @@
+"""Bad input: one clear line naming the problem, exit code 2, no traceback, nothing recorded."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import write_spec
+
+GOOD = 'backend = "local"\nreplicas = 2\nentrypoint = "job:main"\n'
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('backend = "local\nreplicas = 2\n', "not valid TOML"),
+    ('backend = "eks"\nreplicas = 2\nentrypoint = "job:main"\n', "pip install diloco-backend-eks"),
+    ('backend = "nosuch"\nreplicas = 2\nentrypoint = "job:main"\n', "backend 'nosuch' is not installed"),
+    ('backend = "local"\nreplicas = 0\nentrypoint = "job:main"\n', "`replicas` must be at least 1, got 0"),
+    ('backend = "local"\nreplicas = -1\nentrypoint = "job:main"\n', "`replicas` must be at least 1, got -1"),
+    ('backend = "local"\nreplicas = "four"\nentrypoint = "job:main"\n', "`replicas` must be an integer"),
+    ('backend = "local"\nreplicas = 2\nentrypoint = "nomodule_here:main"\n', "no module named 'nomodule_here'"),
+    ('backend = "local"\nreplicas = 2\nentrypoint = "job:missing"\n', "defines no top-level 'missing'"),
+    ('backend = "local"\nreplicas = 2\nentrypoint = "not a function ref"\n', "is not 'module:function'"),
+    (GOOD + "timeout = -5\n", "`timeout` must be at least 1"),
+    (GOOD + "colour = 'blue'\n", "unknown key `colour`"),
+    (GOOD + "[restart]\npolicy = 'sometimes'\n", "`restart.policy` must be one of"),
+    (GOOD + "[diloco]\nsync_every = 0\n", "`diloco.sync_every` must be at least 1"),
+    (GOOD + "[diloco]\ntransport = 'int4'\n", "`diloco.transport` must be one of"),
+    (GOOD + "rendezvous = 'ftp://x'\n", "`rendezvous` must be a file://, s3:// or memory:// URI"),
+    (GOOD + "secrets = ['NOT_SET_ANYWHERE_X']\n", "secret NOT_SET_ANYWHERE_X is listed"),
+    ('replicas = 2\nentrypoint = "job:main"\n[backend]\nname = "local"\nnope = 1\n', "unknown key `backend.nope`"),
+    ('replicas = 2\nentrypoint = "job:main"\n[backend]\nname = "local"\ngrace_period = -1\n', "grace_period"),
+])
+def test_bad_spec_is_one_line_exit_2(cli, project, state_dir, text, expected):
+    spec = write_spec(project, text)
+    proc = cli("run", str(spec))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not (state_dir / "runs").exists() or not any((state_dir / "runs").iterdir())
+
+
+def test_missing_spec_file(cli, tmp_path):
+    proc = cli("run", str(tmp_path / "nope.toml"))
+    assert proc.returncode == 2 and "not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_unknown_run_names_the_fix(cli):
+    proc = cli("status", "no-such-run")
+    assert proc.returncode == 2 and "diloco list" in proc.stderr
+
+
+def test_dryrun_validates_too(cli, project):
+    spec = write_spec(project, 'backend = "local"\nreplicas = "four"\nentrypoint = "job:main"\n')
+    proc = cli("dryrun", str(spec))
+    assert proc.returncode == 2 and "`replicas` must be an integer" in proc.stderr

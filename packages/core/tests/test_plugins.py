@@ -1,0 +1,99 @@
+"""Plugin discovery through real entry points in group `diloco`.
+
+A plugin "package" is a module plus a `.dist-info` directory on PYTHONPATH: exactly what pip
+leaves in site-packages, and what importlib.metadata reads — no install step needed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import write_spec
+
+PLUGIN = '''
+from diloco import hookimpl
+from diloco.local import LocalProcessExecutor
+
+class {cls}(LocalProcessExecutor):
+    backend_name = "{name}"
+
+@hookimpl
+def diloco_register_executors():
+    return [{cls}]
+'''
+
+
+def make_plugin(site: Path, dist: str, module: str, name: str, body: str | None = None) -> None:
+    site.mkdir(exist_ok=True)
+    (site / f"{module}.py").write_text(body if body is not None else PLUGIN.format(cls="PluginExecutor", name=name))
+    info = site / f"{dist.replace('-', '_')}-1.2.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.2.3\n")
+    (info / "entry_points.txt").write_text(f"[diloco]\n{name} = {module}\n")
+
+
+def test_third_party_backend_is_listed_and_runs_a_job(cli, tmp_path, project):
+    site = tmp_path / "site"
+    make_plugin(site, "diloco-backend-acme", "acme_plugin", "acme")
+    env = {"PYTHONPATH": str(site)}
+    listing = cli("backends", env=env, check_rc=0).stdout
+    assert "acme" in listing and "diloco-backend-acme" in listing and "1.2.3" in listing
+    assert "local" in listing and "diloco-core" in listing
+    spec = write_spec(project, 'backend = "acme"\nreplicas = 2\nentrypoint = "job:main"\n'
+                               '[restart]\nmonitor_interval = 0.1\n')
+    proc = cli("run", str(spec), env=env, check_rc=0)
+    assert "2 × acme" in proc.stdout and "SUCCEEDED" in proc.stdout
+
+
+def test_two_plugins_claiming_one_name_is_an_error_naming_both(cli, tmp_path, project):
+    site = tmp_path / "site"
+    make_plugin(site, "diloco-backend-one", "one_plugin", "twin")
+    make_plugin(site, "diloco-backend-two", "two_plugin", "twin")
+    spec = write_spec(project, 'backend = "twin"\nreplicas = 1\nentrypoint = "job:main"\n')
+    proc = cli("run", str(spec), env={"PYTHONPATH": str(site)})
+    assert proc.returncode == 2
+    assert "diloco-backend-one" in proc.stderr and "diloco-backend-two" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_broken_plugin_is_reported_not_fatal(cli, tmp_path):
+    site = tmp_path / "site"
+    make_plugin(site, "diloco-backend-broken", "broken_plugin", "broken", body="raise ImportError('sdk missing')\n")
+    proc = cli("backends", env={"PYTHONPATH": str(site)}, check_rc=0)
+    assert "local" in proc.stdout and "diloco-backend-broken failed to load" in proc.stdout
+    spec = write_spec(tmp_path, 'backend = "broken"\nreplicas = 1\nentrypoint = "x:y"\n')
+    bad = cli("run", str(spec), env={"PYTHONPATH": str(site)})
+    assert bad.returncode == 2 and "failed to load: ImportError: sdk missing" in bad.stderr
+
+
+def test_autoload_can_be_disabled(cli, tmp_path):
+    site = tmp_path / "site"
+    make_plugin(site, "diloco-backend-acme", "acme_plugin", "acme")
+    listing = cli("backends", env={"PYTHONPATH": str(site), "DILOCO_DISABLE_PLUGIN_AUTOLOAD": "1"},
+                  check_rc=0).stdout
+    assert "acme" not in listing and "local" in listing
+    explicit = cli("backends", env={"PYTHONPATH": str(site), "DILOCO_DISABLE_PLUGIN_AUTOLOAD": "1",
+                                    "DILOCO_PLUGINS": "acme_plugin"}, check_rc=0).stdout
+    assert "acme" in explicit
+
+
+def test_import_loads_no_plugins_and_no_heavy_modules():
+    code = ("import sys, diloco, diloco.cli, diloco.plugins as p\n"
+            "assert p._registry is None, 'plugins loaded at import'\n"
+            "p.backends()\n"
+            "heavy = {'torch', 'numpy', 'boto3', 'botocore', 'kubernetes', 'modal', 'sagemaker', 'obstore'}\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_every_hook_is_documented():
+    from diloco import hookspecs
+
+    hooks = [n for n in dir(hookspecs) if n.startswith("diloco_")]
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for name in hooks:
+        assert getattr(hookspecs, name).__doc__, name
+        assert name in readme, f"{name} is not documented in packages/core/README.md"
