@@ -109,9 +109,23 @@ def _supervise(sup, on_interrupt: str) -> None:
         console.print(f"run {sup.record.run_id} was cancelled", style="yellow", markup=False)
         sys.exit(1)
     console.print(f"run {sup.record.run_id} SUCCEEDED", style="bold green", markup=False)
-    summary = sup.record.data.get("summary")
-    if summary:
-        console.print(summary, markup=False)
+    _show_artifacts(sup.record, console)
+
+
+def _show_artifacts(record, console) -> None:
+    """Copy the run's artifacts next to its records; print its summary if it wrote one."""
+    from .artifacts import collect_artifacts
+
+    try:
+        files = collect_artifacts(record)
+    except Exception as exc:  # the run succeeded; a report we cannot fetch must not turn that into a failure
+        console.print(f"(could not copy the run's artifacts: {exc})", style="yellow", markup=False)
+        return
+    for f in files:
+        if f.name == "summary.txt":
+            console.print(f.read_text(), markup=False, end="")
+    if files:
+        console.print(f"artifacts: {files[0].parent}", markup=False)
 
 
 _INTERRUPT = click.option("--on-interrupt", type=click.Choice(["ask", "cancel", "detach"]), default="ask",

@@ -144,7 +144,9 @@ DILOCO = {
     "transport": Field("str", default="fp32", choices=("fp32", "bf16", "fp16", "int8")),
     "round_timeout": Field("float", default=300.0, min=0.1),
     "min_replicas": Field("int", default=1, min=1),
-    "poll_interval": Field("float", default=0.05, min=0.001),
+    "checkpoint_every": Field("int", default=10, min=1, help="rounds between checkpoints of the global state"),
+    "poll_interval": Field("float", min=0.001, help="first wait when polling the store (default: by store)"),
+    "poll_max": Field("float", min=0.001, help="longest wait between polls (default: by store)"),
 }
 
 _URI = re.compile(r"^(file|s3|memory)://")

@@ -1,0 +1,158 @@
+"""A tiny byte-level transformer LM trained with DiLoCo on the Python standard library's source.
+
+Real data every machine has, no download: the stdlib's own .py files (sorted, capped), split by
+file into train and a held-out eval set. Each replica samples its own batches from a generator
+seeded by (seed, rank, global step), so a replica that restarts continues its data stream.
+
+`train` is the entrypoint (`diloco run examples/tiny-lm/diloco.toml`). Rank 0 ends the run by
+evaluating the global model on the held-out split and writing a summary and a loss-curve PNG to
+the store's artifacts/, which `diloco run` copies next to the run's records.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sysconfig
+import time
+import zlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from diloco.context import ReplicaContext
+
+
+# -- data -------------------------------------------------------------------------------------
+
+def load_corpus(max_bytes: int = 3_000_000, eval_fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and eval byte tensors from the stdlib's .py files; the split is by file."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py")
+                   if "site-packages" not in p.parts and "test" not in p.parts and "tests" not in p.parts)
+    train, evals, total = [], [], 0
+    for path in files:
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        bucket = evals if zlib.crc32(str(path.relative_to(root)).encode()) % 1000 < eval_fraction * 1000 else train
+        bucket.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    as_tensor = lambda chunks: torch.frombuffer(bytearray(b"\n".join(chunks)), dtype=torch.uint8).long()  # noqa: E731
+    return as_tensor(train), as_tensor(evals)
+
+
+def batch(data: torch.Tensor, batch_size: int, context: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    starts = torch.randint(0, data.numel() - context - 1, (batch_size,), generator=gen)
+    idx = starts[:, None] + torch.arange(context + 1)
+    window = data[idx]
+    return window[:, :-1], window[:, 1:]
+
+
+# -- model ------------------------------------------------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 256, dim: int = 128, layers: int = 2, heads: int = 4, context: int = 64):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(context, dim))
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("mask", torch.triu(torch.full((context, context), float("-inf")), 1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        h = self.tok(x) + self.pos[:t]
+        for block in self.blocks:
+            h = block(h, self.mask[:t, :t])
+        return self.head(self.ln(h))
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: torch.Tensor, context: int, batches: int = 16, batch_size: int = 32) -> float:
+    gen = torch.Generator().manual_seed(1234)
+    model.eval()
+    losses = [loss_of(model, *batch(data, batch_size, context, gen)).item() for _ in range(batches)]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build(seed: int, context: int, dim: int, layers: int) -> TinyLM:
+    torch.manual_seed(seed)  # identical θ_0 on every replica
+    return TinyLM(dim=dim, layers=layers, context=context)
+
+
+# -- the entrypoint ---------------------------------------------------------------------------
+
+def train(ctx: ReplicaContext, steps: int = 600, batch_size: int = 16, context: int = 64, dim: int = 128,
+          layers: int = 2, lr: float = 2e-3, warmup: int = 50, seed: int = 0, threads: int = 1,
+          max_bytes: int = 3_000_000) -> dict:
+    from diloco_replica import DiLoCo, inner_optimizer
+
+    torch.set_num_threads(threads)
+    train_data, eval_data = load_corpus(max_bytes)
+    model = build(seed, context, dim, layers)
+    opt = inner_optimizer(model.parameters(), lr=lr)
+    diloco = DiLoCo(model, opt, ctx)
+    ctx.log.info("model %d parameters, %d train / %d eval bytes; starting at step %d (round %d)",
+                 sum(p.numel() for p in model.parameters()), train_data.numel(), eval_data.numel(),
+                 diloco.global_step, diloco.round)
+    started = time.monotonic()
+    for step in diloco.steps(steps):
+        gen = torch.Generator().manual_seed(hash((seed, ctx.rank, step)) & 0x7FFF_FFFF)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr, warmup)
+        loss = loss_of(model, *batch(train_data, batch_size, context, gen))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        info = diloco.step(loss=loss.item(), tokens=batch_size * context)
+        if info is not None:
+            ctx.log.info("round %d: loss %.4f members %s%s sync %.2fs", info.round, info.loss or float("nan"),
+                         info.members, " (late)" if info.late else "", info.sync_s)
+    eval_loss = evaluate(model, eval_data, context)
+    diloco.close()
+    result = {"rank": ctx.rank, "rounds": diloco.round, "eval_loss": eval_loss,
+              "wall_s": time.monotonic() - started, "theta_crc32": zlib.crc32(diloco.state.theta.numpy().tobytes())}
+    ctx.log.info("done: %s", json.dumps(result))
+    if ctx.rank == 0:
+        from diloco_replica.report import write_run_report
+
+        write_run_report(ctx, diloco, eval_loss=eval_loss, steps=steps, n_params=diloco.state.theta.numel())
+    return result
+
+
+if __name__ == "__main__":  # a plain single-process run, no launcher: python tiny_lm.py
+    os.environ.setdefault("DILOCO_RENDEZVOUS", Path("/tmp/tiny-lm-store").as_uri())
+    print(train(ReplicaContext.from_env(), steps=100))

@@ -1,0 +1,32 @@
+"""Run artifacts: files replicas leave in the store under ``<run>/artifacts/`` (a summary, a
+loss curve), copied next to the run's records when the run ends, whatever the backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .state import RunRecord
+
+
+def collect_artifacts(record: RunRecord) -> list[Path]:
+    """Copy the run's artifacts from its store into ``runs/<run>/artifacts/``; return the files."""
+    from .store import open_store
+
+    rendezvous = record.data.get("launch", {}).get("rendezvous")
+    if not rendezvous:
+        return []
+    store = open_store(rendezvous)
+    prefix = f"{record.run_id}/artifacts/"
+    out = []
+    for meta in store.list(prefix):
+        name = meta["path"][len(prefix):]
+        if not name or "/" in name or name.startswith("."):
+            continue
+        data = store.get(meta["path"])
+        if data is None:
+            continue
+        dest = record.dir / "artifacts" / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(data)
+        out.append(dest)
+    return sorted(out)
