@@ -7,7 +7,6 @@ backend.
 
 from __future__ import annotations
 
-import time
 from datetime import datetime
 from typing import Any
 
@@ -38,33 +37,19 @@ def format_event(e: dict[str, Any]) -> str:
 
 
 class ProgressPrinter:
-    """Prints each new event of a run, and a line per finished DiLoCo round."""
+    """Prints each new event of a run as it is logged (rounds included, see `Supervisor`)."""
 
-    def __init__(self, record: RunRecord, console: Console | None = None, metrics_every: float = 2.0):
+    def __init__(self, record: RunRecord, console: Console | None = None):
         self.record = record
         self.console = console or Console(highlight=False, soft_wrap=True)
         self.seen_events = 0
-        self.last_round = -1
-        self.metrics_every = metrics_every
-        self._next_metrics = 0.0
 
     def __call__(self, _supervisor: Any = None) -> None:
         events = self.record.events()
         for e in events[self.seen_events:]:
-            self.console.print(format_event(e), style=_EVENT_STYLE.get(e.get("event", "")), markup=False)
+            text = format_round(e) if e.get("event") == "round" else format_event(e)
+            self.console.print(text, style=_EVENT_STYLE.get(e.get("event", "")), markup=False)
         self.seen_events = len(events)
-        now = time.monotonic()
-        if now >= self._next_metrics:
-            self._next_metrics = now + self.metrics_every
-            self._print_rounds()
-
-    def _print_rounds(self) -> None:
-        from .metrics import read_rounds
-
-        rendezvous = self.record.data.get("launch", {}).get("rendezvous")
-        for rnd in read_rounds(rendezvous, self.record.run_id, after=self.last_round):
-            self.console.print(format_round(rnd), markup=False)
-            self.last_round = rnd["round"]
 
 
 def format_round(rnd: dict[str, Any]) -> str:

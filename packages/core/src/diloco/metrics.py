@@ -56,7 +56,7 @@ def read_rounds(rendezvous: str | None, run_id: str, *, after: int = -1,
             if raw is None:
                 continue
             try:
-                by_round[int(parts[2][1:])].append(json.loads(raw))
+                by_round[int(parts[2][1:])].append(json.loads(bytes(raw)))
             except (ValueError, json.JSONDecodeError):
                 continue
     except Exception:  # the store may not exist yet, or be unreachable from this shell

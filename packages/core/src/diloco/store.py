@@ -40,7 +40,9 @@ class Store:
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def put(self, key: str, data: bytes | memoryview, *, create_only: bool = False) -> None:
+    def put(self, key: str, data: bytes | memoryview | list[bytes | memoryview], *,
+            create_only: bool = False) -> None:
+        """Write an object atomically; `data` may be a list of buffers (written without joining)."""
         import obstore
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
@@ -49,12 +51,12 @@ class Store:
         except (AlreadyExistsError, PreconditionError) as exc:
             raise ObjectExists(key) from exc
 
-    def get(self, key: str) -> bytes | None:
-        """The object's bytes, or None if it does not exist."""
+    def get(self, key: str) -> memoryview | None:
+        """The object's bytes as a read-only zero-copy view, or None if it does not exist."""
         import obstore
 
         try:
-            return obstore.get(self.raw, self._key(key)).bytes().to_bytes()
+            return memoryview(obstore.get(self.raw, self._key(key)).bytes())
         except FileNotFoundError:
             return None
 

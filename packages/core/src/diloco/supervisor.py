@@ -68,12 +68,14 @@ class RankState:
     given_up: bool = False
     relaunch_at: float | None = None
     last_error: str | None = None
+    result: Any = None
     history: list[dict[str, Any]] = field(default_factory=list)  # every attempt's handle
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "handle": self.handle.to_dict() if self.handle else None,
                 "status": self.status, "restarts": self.restarts, "given_up": self.given_up,
-                "relaunch_at": self.relaunch_at, "last_error": self.last_error, "history": self.history}
+                "relaunch_at": self.relaunch_at, "last_error": self.last_error, "result": self.result,
+                "history": self.history}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RankState:
@@ -81,7 +83,7 @@ class RankState:
         return cls(rank=data["rank"], handle=handle, status=data.get("status", "pending"),
                    restarts=data.get("restarts", 0), given_up=data.get("given_up", False),
                    relaunch_at=data.get("relaunch_at"), last_error=data.get("last_error"),
-                   history=list(data.get("history", [])))
+                   result=data.get("result"), history=list(data.get("history", [])))
 
 
 @dataclass
@@ -123,6 +125,9 @@ class Supervisor:
                       else [RankState(r) for r in range(launch.n_replicas)])
         self.restarts_used = int(record.data.get("restarts_used", 0))
         self.state = GroupState(record.data.get("state", GroupState.INIT.value))
+        self.last_round = int(record.data.get("last_round", 0))
+        self.rounds_every = 1.0
+        self._next_rounds_check = 0.0
 
     # -- persistence -----------------------------------------------------------------------
 
@@ -171,6 +176,20 @@ class Supervisor:
         res: ReplicaResult = self.executor.collect([st.handle], timeout=0)[0]
         return res.error or (f"exit code {res.exit_code}" if res.exit_code else None)
 
+    def _record_rounds(self) -> None:
+        """Membership and loss of each newly completed DiLoCo round, from the store, as events."""
+        now = self.clock()
+        if now < self._next_rounds_check:
+            return
+        self._next_rounds_check = now + self.rounds_every
+        from .metrics import read_rounds
+
+        for rnd in read_rounds(self.launch.rendezvous, self.launch.run_id, after=self.last_round):
+            self._event("round", round=rnd["round"], members=rnd["members"], loss=_round_loss(rnd["loss"]),
+                        tokens_per_s=round(rnd["tokens_per_s"] or 0), sync_share=_round_loss(rnd["sync_share"]))
+            self.last_round = rnd["round"]
+        self.record.data["last_round"] = self.last_round
+
     def _give_up_or_schedule(self, st: RankState, now: float) -> None:
         if self.policy == "never" or st.restarts >= self.max_per_rank or self.restarts_used >= self.max_restarts:
             st.given_up = True
@@ -185,6 +204,7 @@ class Supervisor:
         """One monitor pass: poll every rank, react to changes, relaunch what is due."""
         now = self.clock()
         changed = False
+        self._record_rounds()
         for st in self.ranks:
             if st.handle is None or st.relaunch_at is not None or st.status in ("succeeded", "failed", "cancelled"):
                 continue
@@ -196,6 +216,7 @@ class Supervisor:
             if status is ReplicaStatus.RUNNING:
                 self._event("running", rank=st.rank, attempt=st.handle.attempt)
             elif status is ReplicaStatus.SUCCEEDED:
+                st.result = self.executor.collect([st.handle], timeout=0)[0].result
                 self._event("succeeded", rank=st.rank, attempt=st.handle.attempt)
             elif status is ReplicaStatus.CANCELLED:
                 self._event("cancelled", rank=st.rank, attempt=st.handle.attempt)
@@ -223,6 +244,8 @@ class Supervisor:
             return self._fail(f"only {live + succeeded} of {self.launch.n_replicas} replicas are alive or done, "
                               f"below min_replicas={self.min_replicas}")
         if live == 0:
+            self._next_rounds_check = 0.0
+            self._record_rounds()  # the last rounds, before the run is declared over
             if succeeded >= self.min_replicas:
                 self.state = GroupState.SUCCEEDED
                 self._event("run_succeeded", succeeded=succeeded, given_up=[r.rank for r in self.ranks if r.given_up])
@@ -295,6 +318,10 @@ class Supervisor:
         if state is GroupState.FAILED:
             raise RunFailed(self.record.data.get("failure", "run failed"), self.errors())
         return state
+
+
+def _round_loss(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
 
 
 def _short(text: str | None, limit: int = 2000) -> str | None:

@@ -34,7 +34,7 @@ import torch
 
 from diloco.store import ObjectExists, Store
 
-from .wire import CorruptObject, Identity, encode_tensor, pack, unpack
+from .wire import CorruptObject, Identity, decode_tensor, encode_tensor, pack, unpack
 
 
 class RoundFailed(Exception):
@@ -66,16 +66,17 @@ class CountingStore:
         self.store = store
         self.traffic = Traffic()
 
-    def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
+    def put(self, key: str, data: bytes | list[bytes | memoryview], *, create_only: bool = False) -> None:
         self.traffic.puts += 1
-        self.traffic.bytes_up += len(data)
+        parts = data if isinstance(data, list) else [data]
+        self.traffic.bytes_up += sum(memoryview(x).nbytes for x in parts)
         self.store.put(key, data, create_only=create_only)
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> memoryview | None:
         self.traffic.gets += 1
         data = self.store.get(key)
         if data is not None:
-            self.traffic.bytes_down += len(data)
+            self.traffic.bytes_down += data.nbytes
         return data
 
     def list_names(self, prefix: str) -> list[str]:
@@ -129,6 +130,31 @@ class Backoff:
         return True
 
 
+class PhaseMarker:
+    """Fault-injection aid: announces which phase of a round a replica is in.
+
+    With DILOCO_FAULT_PHASE_FILE set (``{rank}`` is replaced), each phase's name is written
+    there as it starts, and DILOCO_FAULT_PHASE_DELAY seconds are slept, so a test harness can
+    aim SIGKILLs at uploads, reductions and gathers and record where each kill landed. Off (no
+    cost beyond one attribute check) unless the variable is set.
+    """
+
+    def __init__(self, rank: int):
+        import os
+
+        template = os.environ.get("DILOCO_FAULT_PHASE_FILE")
+        self.path = template.replace("{rank}", str(rank)) if template else None
+        self.delay = float(os.environ.get("DILOCO_FAULT_PHASE_DELAY") or 0)
+
+    def __call__(self, phase: str, r: int) -> None:
+        if self.path is None:
+            return
+        with open(self.path, "w") as f:
+            f.write(f"{phase} {r}\n")
+        if self.delay:
+            time.sleep(self.delay)
+
+
 class StoreAllReduce:
     def __init__(self, store: Store, run_id: str, rank: int, world_size: int, *, codec: str = "fp32",
                  round_timeout: float = 300.0, min_replicas: int = 1, poll_interval: float = 0.05,
@@ -143,6 +169,7 @@ class StoreAllReduce:
         self.poll_interval, self.poll_max = poll_interval, poll_max
         self.pool = ThreadPoolExecutor(max_workers=max(2, min(workers, 2 * world_size)))
         self.log = log or (lambda msg: None)
+        self.phase = PhaseMarker(rank)
 
     # -- keys --------------------------------------------------------------------------------
 
@@ -164,11 +191,13 @@ class StoreAllReduce:
         bounds = shard_bounds(delta.numel(), self.n)
         existing = self._read_members(r)
         if existing is None:
+            self.phase("upload", r)
             uploads = [self.pool.submit(self._put_scatter, r, j, delta[a:b])
                        for j, (a, b) in enumerate(bounds) if j != self.rank]
             for f in uploads:
                 f.result()
             self._put(f"{self._round(r)}/ready/{self.rank}", b"{}", create_only=True)
+            self.phase("membership", r)
             members = self._decide_members(r)
         else:
             members = existing
@@ -176,11 +205,14 @@ class StoreAllReduce:
         if late:
             self.log(f"round {r}: late (members {members}); this replica's update is left out")
         mine = [j for j in range(self.n) if reducer_of(j, members) == self.rank] if not late else []
-        shards: dict[int, torch.Tensor] = {}
+        mean = torch.empty_like(delta)
+        if mine:
+            self.phase("reduce", r)
         for j in mine:
-            shards[j] = self._reduce_shard(r, j, bounds[j], members, delta, takeover=False)
-        takeovers = self._gather(r, bounds, members, shards, delta if not late else None)
-        mean = torch.cat([shards[j] for j in range(self.n)])
+            a, b = bounds[j]
+            mean[a:b] = self._reduce_shard(r, j, bounds[j], members, delta, takeover=False)
+        self.phase("gather", r)
+        takeovers = self._gather(r, bounds, members, mean, set(mine), delta if not late else None)
         if mine and not late:
             self.pool.submit(self._cleanup_inputs, r, mine, members)
         return RoundResult(r, members, mean, late, self.store.traffic.since(before), time.monotonic() - t0,
@@ -192,9 +224,8 @@ class StoreAllReduce:
         members = self._read_members(r)
         if members is None:
             raise RoundFailed(f"round {r} has no membership record; it has not happened yet")
-        shards: dict[int, torch.Tensor] = {}
-        takeovers = self._gather(r, shard_bounds(numel, self.n), members, shards, None)
-        mean = torch.cat([shards[j] for j in range(self.n)])
+        mean = torch.empty(numel, dtype=torch.float32)
+        takeovers = self._gather(r, shard_bounds(numel, self.n), members, mean, set(), None)
         return RoundResult(r, members, mean, True, self.store.traffic.since(before), time.monotonic() - t0, takeovers)
 
     def round_complete(self, r: int) -> bool:
@@ -221,7 +252,7 @@ class StoreAllReduce:
         if raw is None:
             return None
         try:
-            data = json.loads(raw)
+            data = json.loads(bytes(raw))
             members = [int(m) for m in data["members"]]
             if data.get("run") != self.run_id or data.get("round") != r:
                 raise ValueError(f"written for run {data.get('run')!r} round {data.get('round')}")
@@ -282,34 +313,47 @@ class StoreAllReduce:
                     meta={"members": used, "reducer": self.rank, "takeover": takeover})
         key = self.reduced_key(r, j)
         if self._put(key, blob, create_only=True):
-            return unpack(blob, ident, key).tensor()
+            payload = blob[1] if len(blob) == 2 else b"".join(blob[1:])
+            return decode_tensor(payload, self.codec, b - a)  # exactly what every reader decodes
         return self._read_reduced(r, j, self.store.get(key))  # someone else won: use theirs
 
-    def _read_reduced(self, r: int, j: int, blob: bytes | None) -> torch.Tensor:
+    def _read_reduced(self, r: int, j: int, blob: memoryview | None) -> torch.Tensor:
         key = self.reduced_key(r, j)
         if blob is None:
             raise RoundFailed(f"{key} vanished")
         return unpack(blob, Identity(self.run_id, r, "reduced", j, -1), key).tensor()
 
-    def _gather(self, r: int, bounds: list[tuple[int, int]], members: list[int],
-                shards: dict[int, torch.Tensor], delta: torch.Tensor | None) -> list[int]:
-        """Download every reduced shard not in `shards`; take over any that never appears."""
+    def _gather(self, r: int, bounds: list[tuple[int, int]], members: list[int], out: torch.Tensor,
+                have: set[int], delta: torch.Tensor | None) -> list[int]:
+        """Fill `out` with every reduced shard not in `have`; take over any that never appears.
+
+        Each shard is fetched, verified and decoded into its slice of `out` on a pool thread,
+        so checksums and copies overlap with waiting for the remaining shards.
+        """
         prefix = f"{self._round(r)}/reduced/"
-        wanted = [j for j in range(self.n) if j not in shards]
+        wanted = [j for j in range(self.n) if j not in have]
         deadline = time.monotonic() + self.round_timeout
         backoff = Backoff(self.poll_interval, self.poll_max)
+
+        def fetch(j: int) -> None:
+            a, b = bounds[j]
+            out[a:b] = self._read_reduced(r, j, self.store.get(self.reduced_key(r, j)))
+
+        pending = []
         while wanted:
             present = {int(x) for x in self.store.list_names(prefix) if x.isdigit()}
             ready = [j for j in wanted if j in present]
-            for j, blob in zip(ready, self.pool.map(lambda j: self.store.get(self.reduced_key(r, j)), ready)):
-                shards[j] = self._read_reduced(r, j, blob)
-            wanted = [j for j in wanted if j not in shards]
+            pending += [self.pool.submit(fetch, j) for j in ready]
+            wanted = [j for j in wanted if j not in present]
             if wanted and not backoff.sleep(deadline):
                 break
+        for f in pending:
+            f.result()
         for j in wanted:
             self.log(f"round {r}: reduced shard {j} did not appear in {self.round_timeout:g}s; "
                      f"reducing it here")
-            shards[j] = self._reduce_shard(r, j, bounds[j], members, delta, takeover=True)
+            a, b = bounds[j]
+            out[a:b] = self._reduce_shard(r, j, bounds[j], members, delta, takeover=True)
         return wanted
 
     def _cleanup_inputs(self, r: int, owned: Iterable[int], members: list[int]) -> None:

@@ -124,6 +124,7 @@ class DiLoCo:
         t0 = time.monotonic()
         delta = self.state.theta - _flatten(self.params)
         result: RoundResult = self.allreduce.reduce(self.state.round + 1, delta)
+        self.allreduce.phase("outer", result.round)
         self.state.apply(result.round, result.mean, result.members)
         if result.late:
             self.state.catch_up()  # others may be rounds ahead: adopt every completed round
@@ -137,6 +138,7 @@ class DiLoCo:
         self._write_metrics(info, result)
         self.local_steps, self._losses, self._tokens = 0, [], 0
         self._compute_start = time.monotonic()
+        self.allreduce.phase("compute", result.round + 1)
         return info
 
     def _load_theta_into_model(self) -> None:

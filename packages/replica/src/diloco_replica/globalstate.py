@@ -129,7 +129,7 @@ class GlobalState:
                                   f"has {numel}: the rendezvous store belongs to a different model")
             a, b = bounds[j]
             part = got.tensor()
-            theta[a:b], buf[a:b] = part[: b - a], part[b - a:]
+            theta[a:b], buf[a:b] = part[: b - a], part[b - a:]  # copies out of the downloaded buffer
         self.theta, self.buf, self.round = theta, buf, r
 
     # -- each round --------------------------------------------------------------------------

@@ -77,10 +77,10 @@ def encode_tensor(x: torch.Tensor, codec: str) -> list[memoryview]:
 
 
 def decode_tensor(payload: memoryview | bytes, codec: str, numel: int) -> torch.Tensor:
-    """Payload → fp32 vector (a new tensor; the payload buffer may be reused)."""
+    """Payload → fp32 vector (read-only use: for fp32 it is a view of the payload)."""
     buf = memoryview(payload)
-    if codec == "fp32":
-        return torch.frombuffer(buf, dtype=torch.float32, count=numel).clone()
+    if codec == "fp32":  # a view: torch.frombuffer keeps the buffer alive, and callers only read it
+        return torch.frombuffer(buf, dtype=torch.float32, count=numel)
     if codec == "bf16":
         return torch.frombuffer(buf, dtype=torch.int16, count=numel).view(torch.bfloat16).float()
     if codec == "fp16":
@@ -107,7 +107,8 @@ class Identity:
 
 
 def pack(identity: Identity, parts: list[memoryview], *, codec: str, numel: int,
-         meta: dict[str, Any] | None = None) -> bytes:
+         meta: dict[str, Any] | None = None) -> list[bytes | memoryview]:
+    """The object as a list of buffers (header first); the store writes them without joining."""
     crc = 0
     nbytes = 0
     for part in parts:
@@ -116,7 +117,12 @@ def pack(identity: Identity, parts: list[memoryview], *, codec: str, numel: int,
     header = json.dumps({"run": identity.run, "round": identity.round, "kind": identity.kind,
                          "owner": identity.owner, "src": identity.src, "codec": codec, "numel": numel,
                          "nbytes": nbytes, "crc32": crc, "meta": meta or {}}, separators=(",", ":")).encode()
-    return b"".join([_PREFIX.pack(MAGIC, VERSION, len(header)), header, *parts])
+    return [_PREFIX.pack(MAGIC, VERSION, len(header)) + header, *parts]
+
+
+def joined(blob: list[bytes | memoryview]) -> bytes:
+    """A packed object as one bytes value (tests, small objects)."""
+    return b"".join(blob)
 
 
 @dataclass

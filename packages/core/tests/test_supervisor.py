@@ -1,0 +1,117 @@
+"""Supervision with real processes: relaunch policies, budgets, and a launcher that dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import write_spec
+
+FLAKY = '''
+import os, sys, time
+from pathlib import Path
+
+def main(ctx, fail_rank: int = 1, fail_attempts: int = 1, work: float = 0.3, marker_dir: str = ""):
+    """Rank `fail_rank` fails on its first `fail_attempts` attempts; every rank works a little."""
+    Path(marker_dir, f"{ctx.rank}.{ctx.attempt}.pid").write_text(str(os.getpid()))
+    time.sleep(work)
+    if ctx.rank == fail_rank and ctx.attempt < fail_attempts:
+        raise RuntimeError(f"flaky failure on rank {ctx.rank} attempt {ctx.attempt}")
+    return {"rank": ctx.rank, "attempt": ctx.attempt}
+'''
+
+
+def _spec(project, restart: str, args: str, replicas: int = 3):
+    (project / "flaky.py").write_text(FLAKY)
+    markers = project / "markers"
+    markers.mkdir(exist_ok=True)
+    return write_spec(project, f'backend = "local"\nreplicas = {replicas}\nentrypoint = "flaky:main"\n'
+                               f'[args]\nmarker_dir = "{markers}"\n{args}\n'
+                               f'[restart]\nmonitor_interval = 0.05\nbackoff = 0.05\n{restart}\n'), markers
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def _record(cli, run_id):
+    return json.loads(cli("status", run_id, "--json").stdout)
+
+
+def test_per_rank_relaunch_replaces_only_the_failed_rank(cli, project):
+    spec, markers = _spec(project, "", "fail_attempts = 2")
+    proc = cli("run", str(spec), check_rc=0)
+    run_id = proc.stdout.split()[1].rstrip(":")
+    started = sorted(p.name for p in markers.glob("*.pid"))
+    assert started == ["0.0.pid", "1.0.pid", "1.1.pid", "1.2.pid", "2.0.pid"]  # ranks 0, 2 never restarted
+    data = _record(cli, run_id)
+    ranks = data["record"]["ranks"]
+    assert [r["restarts"] for r in ranks] == [0, 2, 0]
+    assert ranks[1]["result"] == {"rank": 1, "attempt": 2}
+    kinds = [e["event"] for e in data["events"]]
+    assert kinds.count("relaunch_scheduled") == 2 and kinds[-1] == "run_succeeded"
+    failed = [e for e in data["events"] if e["event"] == "failed"]
+    assert "flaky failure on rank 1 attempt 0" in failed[0]["error"]
+
+
+def test_restarts_exhausted_stops_everything_and_lists_each_rank_error(cli, project):
+    spec, markers = _spec(project, "max_restarts_per_rank = 2", "fail_attempts = 99\nwork = 0.2")
+    proc = cli("run", str(spec))
+    assert proc.returncode == 1
+    assert "rank 1: RuntimeError: flaky failure on rank 1 attempt 2" in proc.stdout
+    run_id = proc.stdout.split()[1].rstrip(":")
+    data = _record(cli, run_id)
+    assert data["record"]["state"] == "FAILED"
+    assert "below min_replicas=3" in data["record"]["failure"]
+    assert any(e["event"] == "give_up" and e["rank"] == 1 for e in data["events"])
+    pids = [int(p.read_text()) for p in markers.glob("*.pid")]
+    time.sleep(0.5)
+    assert not any(_alive(p) for p in pids)
+
+
+def test_min_replicas_lets_the_survivors_finish(cli, project):
+    spec, markers = _spec(project, "max_restarts_per_rank = 1\nmin_replicas = 2", "fail_attempts = 99")
+    proc = cli("run", str(spec), check_rc=0)
+    data = _record(cli, proc.stdout.split()[1].rstrip(":"))
+    assert [r["status"] for r in data["record"]["ranks"]] == ["succeeded", "failed", "succeeded"]
+    assert data["record"]["ranks"][1]["given_up"] is True
+
+
+def test_gang_policy_relaunches_every_rank(cli, project):
+    spec, markers = _spec(project, 'policy = "gang"', "fail_attempts = 1\nwork = 1.0")
+    proc = cli("run", str(spec), check_rc=0)
+    data = _record(cli, proc.stdout.split()[1].rstrip(":"))
+    assert {p.name for p in markers.glob("*.pid")} >= {"0.1.pid", "1.1.pid", "2.1.pid"}
+    assert data["record"]["restarts_used"] == 1
+    assert any(e["event"] == "gang_restart" for e in data["events"])
+
+
+def test_launcher_killed_then_resumed_finishes_the_run(cli, project, state_dir):
+    spec, markers = _spec(project, "", "fail_attempts = 1\nwork = 4.0")
+    launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "DILOCO_STATE_DIR": str(state_dir)})
+    run_id = launcher.stdout.readline().split()[1].rstrip(":")
+    deadline = time.monotonic() + 30
+    while len(list(markers.glob("*.pid"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    status = cli("status", run_id, check_rc=0).stdout
+    assert "no launcher is supervising this run: diloco resume" in status
+    resumed = cli("resume", run_id, check_rc=0)
+    assert "SUCCEEDED" in resumed.stdout
+    data = _record(cli, run_id)
+    assert [r["status"] for r in data["record"]["ranks"]] == ["succeeded"] * 3
+    assert data["record"]["ranks"][1]["result"]["attempt"] == 1  # the failure during the outage was handled
+    assert any(e["event"] == "resumed" for e in data["events"])
+    again = cli("resume", run_id)
+    assert again.returncode == 2 and "already ended" in again.stderr

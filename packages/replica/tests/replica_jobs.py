@@ -1,0 +1,97 @@
+"""Entrypoints the replica tests run as real processes (through diloco's local executor)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+
+import torch
+
+from diloco.context import ReplicaContext
+from diloco_replica import DiLoCo
+from diloco_replica.allreduce import StoreAllReduce
+
+
+def theta_crc(diloco: DiLoCo) -> int:
+    return zlib.crc32(diloco.state.theta.numpy().tobytes())
+
+
+def linear_data(rank: int, step: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(8, dim, generator=g)
+    y = x @ torch.arange(1.0, dim + 1) + 0.1 * torch.randn(8, generator=g)
+    return x, y
+
+
+def sgd_linear(ctx: ReplicaContext, steps: int = 6, dim: int = 5, lr: float = 0.05) -> dict:
+    """H=1 DiLoCo with inner SGD on a linear model: must equal data-parallel SGD."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(dim, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    diloco = DiLoCo(model, opt, ctx)
+    for step in diloco.steps(steps):
+        x, y = linear_data(ctx.rank, step, dim)
+        loss = ((model(x).squeeze(-1) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        diloco.step(loss=loss.item())
+    diloco.close()
+    return {"theta": diloco.state.theta.tolist()}
+
+
+def gloo_vs_store(ctx: ReplicaContext, numel: int = 100_003, init_file: str = "") -> dict:
+    """The same random tensor through torch.distributed gloo all_reduce and the store."""
+    import torch.distributed as dist
+
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(ctx.rank))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=ctx.rank, world_size=ctx.world_size)
+    ref = x.clone()
+    dist.all_reduce(ref)
+    ref /= ctx.world_size
+    dist.destroy_process_group()
+    ar = StoreAllReduce(ctx.store, ctx.run_id, ctx.rank, ctx.world_size, round_timeout=60)
+    res = ar.reduce(1, x)
+    ar.close()
+    return {"max_abs_diff": float((res.mean - ref).abs().max()), "crc": zlib.crc32(res.mean.numpy().tobytes()),
+            "bytes_up": res.traffic.bytes_up, "bytes_down": res.traffic.bytes_down, "members": res.members}
+
+
+def mlp_rounds(ctx: ReplicaContext, steps: int = 12, dim: int = 64, delay_rank: int = -1, delay_before_round: int = 0,
+               delay_s: float = 0.0, start_delay_s: float = 0.0, crash_at_step: int = -1) -> dict:
+    """A small MLP under DiLoCo with Adam; records θ's hash after every round.
+
+    delay_rank sleeps `delay_s` before its sync of round `delay_before_round` (to miss it);
+    start_delay_s delays joining; crash_at_step makes attempt 0 of the rank exit abruptly.
+    """
+    if start_delay_s:
+        time.sleep(start_delay_s)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.Tanh(), torch.nn.Linear(4 * dim, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    diloco = DiLoCo(model, opt, ctx)
+    hashes = {}
+    rounds = []
+    for step in diloco.steps(steps):
+        if step == crash_at_step and ctx.attempt == 0:
+            os._exit(17)
+        g = torch.Generator().manual_seed(1000 * ctx.rank + step)
+        x = torch.randn(16, dim, generator=g)
+        loss = (model(x).squeeze(-1) - x.sum(-1)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if ctx.rank == delay_rank and diloco.local_steps + 1 == diloco.H and diloco.round + 1 == delay_before_round:
+            time.sleep(delay_s)
+        info = diloco.step(loss=loss.item())
+        if info is not None:
+            hashes[info.round] = theta_crc(diloco)
+            rounds.append({"round": info.round, "members": info.members, "late": info.late,
+                           "bytes_up": info.bytes_up, "bytes_down": info.bytes_down})
+    diloco.close()
+    out = {"rank": ctx.rank, "hashes": hashes, "rounds": rounds, "final": theta_crc(diloco),
+           "numel": diloco.state.theta.numel()}
+    print(json.dumps(out), flush=True)
+    return out

@@ -1,0 +1,126 @@
+"""The wire format and the all-reduce under bad objects and missing replicas (in-process store)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import torch
+
+from diloco.store import open_store
+from diloco_replica.allreduce import RoundFailed, StoreAllReduce
+from diloco_replica.wire import CorruptObject, Identity, encode_tensor, encoded_nbytes, joined, pack, unpack
+
+ID = Identity("run-a", 3, "scatter", 1, 2)
+
+
+def blob_of(x: torch.Tensor, codec: str = "fp32", ident: Identity = ID) -> bytes:
+    return joined(pack(ident, encode_tensor(x, codec), codec=codec, numel=x.numel()))
+
+
+@pytest.mark.parametrize("codec, rel_err, bytes_per", [("fp32", 0.0, 4), ("bf16", 8e-3, 2), ("fp16", 1e-3, 2),
+                                                        ("int8", 1e-2, 1)])
+def test_codecs_round_trip_and_size(codec, rel_err, bytes_per):
+    x = torch.randn(50_001)
+    got = unpack(blob_of(x, codec), ID, "k").tensor()
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert (got - x).abs().max() <= rel_err * x.abs().max() + 1e-12
+    assert encoded_nbytes(x.numel(), codec) <= bytes_per * x.numel() * 1.002 + 16
+
+
+def test_corrupted_payload_is_detected():
+    blob = bytearray(blob_of(torch.randn(1000)))
+    blob[-10] ^= 0xFF
+    with pytest.raises(CorruptObject, match="checksum mismatch"):
+        unpack(bytes(blob), ID, "run-a/r3/scatter/1/2")
+
+
+def test_truncated_object_is_detected():
+    blob = blob_of(torch.randn(1000))
+    with pytest.raises(CorruptObject, match="truncated"):
+        unpack(blob[:-100], ID, "k")
+    with pytest.raises(CorruptObject, match="truncated"):
+        unpack(blob[:6], ID, "k")
+
+
+def test_object_from_another_run_or_round_is_foreign():
+    blob = blob_of(torch.randn(10), ident=Identity("old-run", 3, "scatter", 1, 2))
+    with pytest.raises(CorruptObject, match="foreign object"):
+        unpack(blob, ID, "k")
+    with pytest.raises(CorruptObject, match="foreign object"):
+        unpack(blob_of(torch.randn(10), ident=Identity("run-a", 2, "scatter", 1, 2)), ID, "k")
+
+
+def test_not_a_diloco_object():
+    with pytest.raises(CorruptObject, match="not a diloco object"):
+        unpack(b"\x80\x04\x95pickle-bytes-here-not-ours", ID, "k")
+
+
+def run_round(store, run, n, deltas, *, skip=(), timeout=2.0, min_replicas=1, r=1):
+    out, errors = {}, {}
+
+    def go(i):
+        ar = StoreAllReduce(store, run, i, n, round_timeout=timeout, min_replicas=min_replicas, poll_interval=0.005)
+        try:
+            out[i] = ar.reduce(r, deltas[i])
+        except Exception as exc:  # collected and asserted by the caller
+            errors[i] = exc
+        finally:
+            ar.close()
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n) if i not in skip]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out, errors
+
+
+def test_corrupt_contribution_is_an_error_never_averaged():
+    store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-c"
+    deltas = [torch.full((100,), float(i)) for i in range(2)]
+    # rank 1 "uploads" a corrupted shard for owner 0 before the round, then only rank 0 runs: the
+    # ready marker says rank 1 is a member, so rank 0 must read that object — and refuse it.
+    good = joined(pack(Identity(run, 1, "scatter", 0, 1), encode_tensor(deltas[1][:50], "fp32"), codec="fp32",
+                       numel=50))
+    bad = bytearray(good)
+    bad[-1] ^= 1
+    store.put(f"{run}/r00000001/scatter/0/1", bytes(bad))
+    store.put(f"{run}/r00000001/ready/1", b"{}")
+    store.put(f"{run}/r00000001/reduced/1", pack(Identity(run, 1, "reduced", 1, -1),
+                                                 encode_tensor(torch.zeros(50), "fp32"), codec="fp32", numel=50))
+    out, errors = run_round(store, run, 2, deltas, skip=(1,))
+    assert not out and isinstance(errors[0], CorruptObject) and "checksum mismatch" in str(errors[0])
+
+
+def test_reused_store_from_an_old_run_does_not_leak_in():
+    store = open_store(f"memory://{uuid.uuid4().hex}")
+    deltas = [torch.randn(64) for _ in range(3)]
+    run_round(store, "old-run", 3, [d * 100 for d in deltas])
+    out, errors = run_round(store, "new-run", 3, deltas)
+    assert not errors
+    assert torch.allclose(out[0].mean, torch.stack(deltas).mean(0), atol=1e-6)
+
+
+def test_missing_replicas_are_left_out_and_recorded():
+    store = open_store(f"memory://{uuid.uuid4().hex}")
+    deltas = [torch.full((10,), float(i)) for i in range(4)]
+    out, errors = run_round(store, "run-m", 4, deltas, skip=(2,), timeout=0.5)
+    assert not errors and {o.members == [0, 1, 3] for o in out.values()} == {True}
+    assert torch.allclose(out[0].mean, torch.full((10,), (0 + 1 + 3) / 3))
+    assert all(torch.equal(out[0].mean, o.mean) for o in out.values())
+
+
+def test_below_min_replicas_fails_the_round_clearly():
+    store = open_store(f"memory://{uuid.uuid4().hex}")
+    out, errors = run_round(store, "run-f", 3, [torch.zeros(4)] * 3, skip=(1, 2), timeout=0.3, min_replicas=2)
+    assert isinstance(errors[0], RoundFailed) and "below min_replicas=2" in str(errors[0])
+
+
+def test_waiting_does_not_poll_in_a_tight_loop():
+    """A replica waiting 1 s for an absent peer makes a handful of requests, not hundreds."""
+    store = open_store(f"memory://{uuid.uuid4().hex}")
+    ar = StoreAllReduce(store, "run-p", 0, 2, round_timeout=1.0, poll_interval=0.01, poll_max=0.25)
+    ar.reduce(1, torch.zeros(8))
+    assert ar.store.traffic.lists + ar.store.traffic.gets < 30, ar.store.traffic

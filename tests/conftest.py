@@ -1,0 +1,43 @@
+"""Cross-package integration tests: the launcher and the replica runtime together."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def state_dir(tmp_path, monkeypatch) -> Path:
+    d = tmp_path / "state"
+    monkeypatch.setenv("DILOCO_STATE_DIR", str(d))
+    return d
+
+
+@pytest.fixture
+def cli(state_dir):
+    def run(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, "DILOCO_STATE_DIR": str(state_dir), **(env or {})})
+    return run
+
+
+def tiny_spec(tmp_path: Path, *, steps: int = 120, sync_every: int = 20, transport: str = "fp32",
+              extra: str = "", replicas: int = 4, restart: str = "") -> Path:
+    """The tiny-LM main job, shortened: same code, fewer steps."""
+    text = (ROOT / "examples" / "tiny-lm" / "diloco.toml").read_text()
+    text = text.replace('entrypoint = "tiny_lm:train"', 'entrypoint = "tiny_lm:train"\nworkdir = "{}"'.format(
+        ROOT / "examples" / "tiny-lm"))
+    text = text.replace("steps = 1500", f"steps = {steps}").replace("sync_every = 50", f"sync_every = {sync_every}")
+    text = text.replace('transport = "fp32"', f'transport = "{transport}"').replace("replicas = 4", f"replicas = {replicas}")
+    if restart:
+        text = text.replace("[restart]\n", f"[restart]\n{restart}\n")
+    text += extra
+    path = tmp_path / "diloco.toml"
+    path.write_text(text)
+    return path

@@ -1,0 +1,155 @@
+"""Fault injection on the tiny-LM main job, real processes: SIGKILL replicas, kill the launcher.
+
+The harness aims each kill at a phase — inner steps ("compute"), uploading the shards
+("upload"), reducing an owned shard ("reduce"), downloading reduced shards ("gather") — using
+the replica runtime's fault-injection phase marker (DILOCO_FAULT_PHASE_FILE /
+DILOCO_FAULT_PHASE_DELAY, which stretches each sync phase so a kill can land inside it).
+
+DILOCO_FAULT_RUNS and DILOCO_FAULT_KILLS scale the soak (CI runs the default 2 × 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_spec
+
+FAULT_RUNS = int(os.environ.get("DILOCO_FAULT_RUNS", "2"))
+KILLS_PER_RUN = int(os.environ.get("DILOCO_FAULT_KILLS", "3"))
+PHASES = ["compute", "upload", "reduce", "gather"]
+STEPS, H = 300, 25
+RESTART = "max_restarts = 50\nmax_restarts_per_rank = 20\nbackoff = 0.2"
+
+
+def spec_for(tmp_path: Path) -> Path:
+    spec = tiny_spec(tmp_path, steps=STEPS, sync_every=H, restart=RESTART)
+    text = spec.read_text().replace("round_timeout = 120", "round_timeout = 8\ncheckpoint_every = 2")
+    spec.write_text(text)
+    return spec
+
+
+def record_of(state_dir: Path, run_id: str) -> dict:
+    return json.loads((state_dir / "runs" / run_id / "run.json").read_text())
+
+
+def events_of(state_dir: Path, run_id: str) -> list[dict]:
+    path = state_dir / "runs" / run_id / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def final_results(record: dict) -> list[dict]:
+    return [r["result"] for r in record["ranks"] if r["status"] == "succeeded"]
+
+
+def start(spec: Path, state_dir: Path, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec), "--on-interrupt", "detach"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "DILOCO_STATE_DIR": str(state_dir), **(env or {})})
+    return proc, proc.stdout.readline().split()[1].rstrip(":")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """A fault-free run of the same spec and seed: the yardstick for loss and final state."""
+    tmp = tmp_path_factory.mktemp("reference")
+    state = tmp / "state"
+    proc, run_id = start(spec_for(tmp), state)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out
+    results = final_results(record_of(state, run_id))
+    assert len(results) == 4 and len({r["theta_crc32"] for r in results}) == 1
+    return results[0]
+
+
+def kill_in_phase(state: Path, run_id: str, phase_dir: Path, rng: random.Random, phase: str) -> str | None:
+    """SIGKILL one running replica when its phase marker shows `phase`; returns the phase hit."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            ranks = record_of(state, run_id)["ranks"]
+        except (FileNotFoundError, json.JSONDecodeError):
+            time.sleep(0.05)
+            continue
+        running = [r for r in ranks if r["status"] == "running" and r.get("handle")]
+        if not running:
+            time.sleep(0.05)
+            continue
+        victim = rng.choice(running)
+        marker = phase_dir / f"phase-{victim['rank']}"
+        until = time.monotonic() + 8
+        while time.monotonic() < until:
+            try:
+                now = marker.read_text().split()[0]
+            except (FileNotFoundError, IndexError):
+                now = ""
+            if now == phase:
+                try:
+                    os.kill(victim["handle"]["metadata"]["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    break
+                return phase
+            time.sleep(0.002)
+    return None
+
+
+@pytest.mark.parametrize("run_index", range(FAULT_RUNS))
+def test_random_sigkills_never_break_the_run(tmp_path, reference, run_index):
+    rng = random.Random(1000 + run_index)
+    state, phase_dir = tmp_path / "state", tmp_path / "phases"
+    phase_dir.mkdir()
+    env = {"DILOCO_FAULT_PHASE_FILE": str(phase_dir / "phase-{rank}"), "DILOCO_FAULT_PHASE_DELAY": "0.15"}
+    proc, run_id = start(spec_for(tmp_path), state, env)
+    hits = []
+    try:
+        for k in range(KILLS_PER_RUN):
+            time.sleep(rng.uniform(2.0, 6.0))
+            if proc.poll() is not None:
+                break
+            hit = kill_in_phase(state, run_id, phase_dir, rng, PHASES[(k + run_index) % len(PHASES)])
+            if hit:
+                hits.append(hit)
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    record, events = record_of(state, run_id), events_of(state, run_id)
+    results = final_results(record)
+    assert len(results) == 4
+    assert len({r["theta_crc32"] for r in results}) == 1, "survivors disagree on the global model"
+    assert not any("CorruptObject" in (e.get("error") or "") for e in events), "a corrupt object was read"
+    failures = [e for e in events if e["event"] == "failed"]
+    assert len(failures) >= len(hits) and len(hits) >= 1
+    delta = results[0]["eval_loss"] / reference["eval_loss"] - 1
+    print(json.dumps({"run": run_index, "kills": hits, "relaunches": sum(e["event"] == "launch" for e in events) - 1,
+                      "eval_loss": results[0]["eval_loss"], "reference_eval_loss": reference["eval_loss"],
+                      "delta": round(delta, 4)}))
+    assert abs(delta) < 0.03
+
+
+def test_launcher_killed_mid_run_then_resumed_reaches_the_same_state(tmp_path, reference):
+    state = tmp_path / "state"
+    proc, run_id = start(spec_for(tmp_path), state)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if any(e["event"] == "round" and e["round"] >= 3 for e in events_of(state, run_id)):
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = subprocess.run([sys.executable, "-m", "diloco", "resume", run_id], capture_output=True, text=True,
+                             env={**os.environ, "DILOCO_STATE_DIR": str(state)}, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    results = final_results(record_of(state, run_id))
+    assert len(results) == 4
+    assert {r["theta_crc32"] for r in results} == {reference["theta_crc32"]}
