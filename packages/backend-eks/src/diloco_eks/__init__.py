@@ -1,0 +1,5 @@
+"""diloco-backend-eks: run diloco replicas as Kubernetes Indexed Jobs (EKS or any cluster ≥ 1.29)."""
+
+from .executor import EksExecutor
+
+__all__ = ["EksExecutor"]

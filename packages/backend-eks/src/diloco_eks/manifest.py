@@ -1,0 +1,199 @@
+"""The Kubernetes objects a launch submits, built as plain dicts (no SDK needed).
+
+One Indexed Job per launch: completions = parallelism = number of ranks, completionMode
+Indexed, the completion index is the rank (REPLICA_RANK from the downward API), and deleting
+the Job cancels the whole cohort. A relaunch of one rank is a one-pod Indexed Job whose rank is
+a literal. Secret values never enter the Job: they go into a Secret the pods reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from diloco.errors import UserError
+from diloco.launchenv import Entrypoint
+from diloco.protocol import ENV_RANK
+
+COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+LABEL_RUN = "diloco.dev/run-id"
+LABEL_RANK = "diloco.dev/rank"
+LABEL_ATTEMPT = "diloco.dev/attempt"
+REDACTED = "REDACTED"
+
+# Logical GPU name -> (GPUs per node, EKS instance type). Extend with the `gpu_types` option.
+GPU_TYPES: dict[str, dict[str, Any]] = {
+    "A100": {"count": 8, "instance_type": "p4d.24xlarge"},
+    "H100": {"count": 8, "instance_type": "p5.48xlarge"},
+    "A10G": {"count": 1, "instance_type": "g5.xlarge"},
+    "T4": {"count": 1, "instance_type": "g4dn.xlarge"},
+}
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def dns_label(text: str, max_len: int) -> str:
+    """A valid DNS-1123 label from any text: lowercase, [a-z0-9-], starts with a letter.
+
+    Over-long names keep a hash of the whole so two long run ids never collide.
+    """
+    slug = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-") or "run"
+    if not slug[0].isalpha():
+        slug = "r-" + slug
+    if len(slug) > max_len:
+        digest = hashlib.sha1(text.encode()).hexdigest()[:6]
+        slug = slug[: max_len - 7].rstrip("-") + "-" + digest
+    assert _DNS_LABEL.match(slug), slug
+    return slug
+
+
+def job_name(run_id: str, attempt: int, rank: int | None = None) -> str:
+    """Job names stay ≤ 52 chars: pods are named <job>-<index>-<5 random> within 63."""
+    suffix = f"-a{attempt}" if rank is None else f"-r{rank}-a{attempt}"
+    return dns_label(run_id, 52 - len(suffix)) + suffix
+
+
+def label_value(text: str) -> str:
+    return dns_label(text, 63)
+
+
+@dataclass
+class GpuRequest:
+    name: str
+    count: int
+    instance_type: str | None
+
+
+def resolve_gpu(gpu: str | None, extra_types: Mapping[str, Mapping[str, Any]] | None = None) -> GpuRequest | None:
+    """"H100" → 8 GPUs on p5.48xlarge; "H100:2" → 2 of them; the table is extensible."""
+    if not gpu:
+        return None
+    table = {k.upper(): dict(v) for k, v in {**GPU_TYPES, **dict(extra_types or {})}.items()}
+    name, _, count_text = gpu.partition(":")
+    entry = table.get(name.upper())
+    if entry is None:
+        raise UserError(f"gpu {gpu!r} is not a known GPU type (known: {', '.join(sorted(table))}); "
+                        f"add it under [backend] gpu_types, e.g. gpu_types = {{ {name} = {{ count = 1, "
+                        f"instance_type = \"...\" }} }}")
+    try:
+        count = int(count_text) if count_text else int(entry.get("count", 1))
+    except ValueError:
+        raise UserError(f"gpu {gpu!r}: the count after ':' must be a whole number") from None
+    if count < 1:
+        raise UserError(f"gpu {gpu!r}: the count must be at least 1")
+    return GpuRequest(name.upper(), count, entry.get("instance_type"))
+
+
+@dataclass
+class PodOptions:
+    """The [backend] options that shape every pod."""
+
+    image: str
+    namespace: str = "default"
+    command: list[str] | None = None
+    service_account: str | None = None
+    runtime_class: str | None = None
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: list[dict[str, Any]] | None = None
+    cpu: str | None = None
+    memory: str | None = None
+    ttl_seconds_after_finished: int = 3600
+    per_index: bool = True
+    index_retries: int = 0
+    gpu_types: dict[str, dict[str, Any]] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def _env_list(env: Mapping[str, str], secret_names: Sequence[str], secret_ref: str | None,
+              rank_vars: Sequence[str], from_annotation: bool) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for key, value in env.items():
+        if key in rank_vars and from_annotation:
+            out.append({"name": key, "valueFrom": {"fieldRef": {
+                "fieldPath": f"metadata.annotations['{COMPLETION_INDEX_ANNOTATION}']"}}})
+        else:
+            out.append({"name": key, "value": value})
+    for name in secret_names:
+        out.append({"name": name, "valueFrom": {"secretKeyRef": {"name": secret_ref, "key": name}}})
+    return out
+
+
+def build_job(*, name: str, run_id: str, attempt: int, ranks: Sequence[int], n_replicas: int,
+              entrypoint: Entrypoint, env: Mapping[str, str], rank_env: str, secret_names: Sequence[str],
+              secret_ref: str | None, timeout: float | None, gpu: GpuRequest | None,
+              opts: PodOptions) -> dict[str, Any]:
+    """The Job for `ranks` of a world of `n_replicas` (all of them, or one relaunched rank)."""
+    whole = list(ranks) == list(range(n_replicas))
+    if not whole and len(ranks) != 1:
+        raise ValueError("a Job launches either every rank or exactly one")
+    env = dict(env)
+    rank_vars = sorted({ENV_RANK, rank_env})
+    if not whole:
+        for var in rank_vars:
+            env[var] = str(ranks[0])
+    container: dict[str, Any] = {
+        "name": "replica",
+        "image": opts.image,
+        "env": _env_list(env, secret_names, secret_ref, rank_vars, from_annotation=whole),
+    }
+    if entrypoint.command:
+        container["command"] = list(entrypoint.command)
+    else:
+        container["command"] = list(opts.command or ["diloco-replica"])
+    requests = {k: v for k, v in (("cpu", opts.cpu), ("memory", opts.memory)) if v}
+    limits: dict[str, str] = {}
+    if gpu:
+        limits[GPU_RESOURCE] = str(gpu.count)  # quantities are strings in the API
+    if requests or limits:
+        container["resources"] = {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+    node_selector = {}
+    if gpu and gpu.instance_type:
+        node_selector[INSTANCE_TYPE_LABEL] = gpu.instance_type
+    node_selector.update(opts.node_selector)  # the user's selectors win on conflicts
+    tolerations = opts.tolerations if opts.tolerations is not None else ([GPU_TOLERATION] if gpu else [])
+    labels = {**opts.labels, LABEL_RUN: label_value(run_id), LABEL_ATTEMPT: str(attempt)}
+    if not whole:
+        labels[LABEL_RANK] = str(ranks[0])
+    pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
+    if opts.service_account:
+        pod_spec["serviceAccountName"] = opts.service_account
+    if opts.runtime_class:
+        pod_spec["runtimeClassName"] = opts.runtime_class
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    if tolerations:
+        pod_spec["tolerations"] = list(tolerations)
+    n = len(ranks)
+    spec: dict[str, Any] = {
+        "completions": n,
+        "parallelism": n,
+        "completionMode": "Indexed",
+        "ttlSecondsAfterFinished": opts.ttl_seconds_after_finished,
+        "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+    }
+    if opts.per_index:
+        # One failed index fails alone (the others keep training); the supervisor relaunches it.
+        spec["backoffLimitPerIndex"] = opts.index_retries
+        # A pod lost to a disruption (spot reclaim, eviction, node drain) is recreated by
+        # Kubernetes without counting as a failure of its index.
+        spec["podFailurePolicy"] = {"rules": [
+            {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]}
+    else:
+        spec["backoffLimit"] = 0  # fail fast: any failure fails the Job (the supervisor restarts the gang)
+    if timeout:
+        spec["activeDeadlineSeconds"] = int(math.ceil(timeout))
+    return {"apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": name, "namespace": opts.namespace, "labels": labels}, "spec": spec}
+
+
+def build_secret(*, name: str, run_id: str, namespace: str, values: Mapping[str, str]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": name, "namespace": namespace, "labels": {LABEL_RUN: label_value(run_id)}},
+            "stringData": dict(values)}

@@ -1,0 +1,165 @@
+"""The Job manifest, field by field, and dry-run output (no cluster needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from diloco.errors import UserError
+from diloco_eks import EksExecutor
+from diloco_eks.manifest import dns_label, job_name, resolve_gpu
+
+FIELD = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+
+
+def plan(n=4, ranks=None, attempt=0, gpu=None, args=None, env=None, secret_env=None, entrypoint="train:main", **opts):
+    ex = EksExecutor(image=opts.pop("image", "example.com/img:1"), **opts)
+    docs = ex.dryrun(n, entrypoint, args if args is not None else {"lr": 0.5, "name": "x", "nested": {"a": 1}},
+                     run_id="Tiny_LM-20260101-000000-ab12", rendezvous="s3://bucket/runs", gpu=gpu, timeout=7200,
+                     ranks=ranks, attempt=attempt, env=env, secret_env=secret_env).request
+    return docs
+
+
+def env_of(job):
+    return {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def test_one_indexed_job_for_the_whole_cohort():
+    (job,) = plan()
+    spec = job["spec"]
+    assert job["apiVersion"] == "batch/v1" and job["kind"] == "Job"
+    assert spec["completions"] == spec["parallelism"] == 4 and spec["completionMode"] == "Indexed"
+    assert job["metadata"]["name"] == "tiny-lm-20260101-000000-ab12-a0"
+    pod = spec["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"
+    assert spec["ttlSecondsAfterFinished"] == 3600 and spec["activeDeadlineSeconds"] == 7200
+    env = env_of(job)
+    assert env["REPLICA_RANK"] == {"name": "REPLICA_RANK", "valueFrom": {"fieldRef": {"fieldPath": FIELD}}}
+    assert env["WORLD_SIZE"]["value"] == "4" and env["DILOCO_RENDEZVOUS"]["value"] == "s3://bucket/runs"
+    assert env["LR"]["value"] == "0.5" and env["NAME"]["value"] == "x" and "NESTED" not in env
+    assert env["DILOCO_ENTRYPOINT"]["value"] == "train:main"
+    container = pod["containers"][0]
+    assert container["image"] == "example.com/img:1" and container["command"] == ["diloco-replica"]
+
+
+def test_per_index_failures_and_disruptions():
+    (job,) = plan()
+    spec = job["spec"]
+    assert spec["backoffLimitPerIndex"] == 0 and "backoffLimit" not in spec
+    assert spec["podFailurePolicy"]["rules"][0] == {
+        "action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    (classic,) = plan(per_index=False)
+    assert classic["spec"]["backoffLimit"] == 0 and "backoffLimitPerIndex" not in classic["spec"]
+    assert EksExecutor(image="i", per_index=False).supports_rank_relaunch is False
+
+
+def test_relaunch_of_one_rank_is_its_own_job_with_a_literal_rank():
+    (job,) = plan(ranks=[2], attempt=1, args={"rank_env": "MY_RANK"})
+    assert job["metadata"]["name"] == "tiny-lm-20260101-000000-ab12-r2-a1"
+    assert job["spec"]["completions"] == 1 and job["metadata"]["labels"]["diloco.dev/rank"] == "2"
+    env = env_of(job)
+    assert env["REPLICA_RANK"]["value"] == "2" and env["MY_RANK"]["value"] == "2"
+    assert env["DILOCO_ATTEMPT"]["value"] == "1"
+
+
+def test_rank_env_renames_via_downward_api():
+    (job,) = plan(args={"rank_env": "MY_RANK"})
+    assert env_of(job)["MY_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == FIELD
+
+
+def test_gpu_maps_to_count_selector_and_toleration():
+    (job,) = plan(gpu="H100")
+    pod = job["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "8"}
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    for name, count, itype in [("A100", "8", "p4d.24xlarge"), ("A10G", "1", "g5.xlarge"), ("T4", "1", "g4dn.xlarge")]:
+        (j,) = plan(gpu=name)
+        p = j["spec"]["template"]["spec"]
+        assert p["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == count
+        assert p["nodeSelector"]["node.kubernetes.io/instance-type"] == itype
+    (two,) = plan(gpu="a10g:2")
+    assert two["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+
+
+def test_user_selectors_and_tolerations_win():
+    mine = [{"key": "team", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}]
+    (job,) = plan(gpu="H100", node_selector={"node.kubernetes.io/instance-type": "p5e.48xlarge", "zone": "a"},
+                  tolerations=mine)
+    pod = job["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5e.48xlarge", "zone": "a"}
+    assert pod["tolerations"] == mine
+
+
+def test_gpu_table_is_extensible_and_unknown_gpus_are_clear():
+    (job,) = plan(gpu="L4", gpu_types={"L4": {"count": 1, "instance_type": "g6.xlarge"}})
+    assert job["spec"]["template"]["spec"]["nodeSelector"]["node.kubernetes.io/instance-type"] == "g6.xlarge"
+    with pytest.raises(UserError, match="not a known GPU type"):
+        resolve_gpu("MI300X")
+
+
+def test_pod_options():
+    (job,) = plan(service_account="diloco-s3", runtime_class="gvisor", cpu="4", memory="16Gi",
+                  namespace="ml", ttl_seconds_after_finished=60, labels={"team": "research"})
+    pod = job["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "diloco-s3" and pod["runtimeClassName"] == "gvisor"
+    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"}}
+    assert job["metadata"]["namespace"] == "ml" and job["spec"]["ttlSecondsAfterFinished"] == 60
+    assert job["metadata"]["labels"]["team"] == "research"
+    assert "tolerations" not in pod and "nodeSelector" not in pod  # no GPU asked for
+
+
+def test_command_entrypoint_becomes_the_container_command():
+    (job,) = plan(entrypoint=["python", "train.py", "--fast"])
+    assert job["spec"]["template"]["spec"]["containers"][0]["command"] == ["python", "train.py", "--fast"]
+
+
+def test_secrets_live_in_a_secret_never_in_the_job():
+    docs = plan(env={"AWS_SECRET_ACCESS_KEY": "inline-secret"}, secret_env={"HF_TOKEN": "hf-secret"})
+    secret, job = docs
+    assert secret["kind"] == "Secret" and secret["stringData"] == {"AWS_SECRET_ACCESS_KEY": "REDACTED",
+                                                                    "HF_TOKEN": "REDACTED"}
+    text = json.dumps(docs)
+    assert "inline-secret" not in text and "hf-secret" not in text
+    env = env_of(job)
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "HF_TOKEN"}
+
+
+def test_dryrun_yaml_is_what_kubectl_apply_takes(cli_yaml):
+    docs = list(yaml.safe_load_all(cli_yaml))
+    assert [d["kind"] for d in docs] == ["Secret", "Job"]
+    for d in docs:
+        assert d["apiVersion"] and d["metadata"]["name"] and d["metadata"]["namespace"] == "ml"
+    assert "hf-secret-value" not in cli_yaml
+
+
+@pytest.fixture
+def cli_yaml(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    (tmp_path / "diloco.toml").write_text(
+        'replicas = 2\nentrypoint = "train:main"\nsecrets = ["HF_TOKEN"]\ngpu = "A10G"\n'
+        '[backend]\nname = "eks"\nimage = "example.com/img:1"\nnamespace = "ml"\n')
+    proc = subprocess.run([sys.executable, "-m", "diloco", "dryrun", str(tmp_path / "diloco.toml")], text=True,
+                          capture_output=True, env={**__import__("os").environ, "HF_TOKEN": "hf-secret-value",
+                                                    "DILOCO_STATE_DIR": str(tmp_path / "state")})
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("run_id", ["Tiny_LM run", "123-starts-with-digit", "x" * 200, "UPPER.case/with:chars"])
+def test_job_names_are_valid_dns_labels(run_id):
+    import re
+
+    for name in (job_name(run_id, 0), job_name(run_id, 12, rank=511)):
+        assert re.match(r"^[a-z]([-a-z0-9]*[a-z0-9])?$", name) and len(name) <= 52
+    assert job_name("x" * 200, 0) != job_name("x" * 199 + "y", 0)  # long ids keep a hash
+    assert dns_label("ok-name", 63) == "ok-name"
+
+
+def test_missing_image_is_a_clear_error():
+    with pytest.raises(UserError, match="needs \\[backend\\] image"):
+        EksExecutor().dryrun(2, "train:main")
