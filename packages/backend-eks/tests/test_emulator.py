@@ -13,7 +13,7 @@ import time
 import pytest
 
 from diloco.errors import BackendError, UserError
-from diloco.testing import ExecutorConformance
+from diloco.testing import ExecutorConformance, process_alive
 from diloco_eks import EksExecutor
 
 RUNNER = ["python", "-m", "diloco.runner"]  # the container command when diloco-replica is not installed
@@ -77,9 +77,9 @@ def test_cancel_deletes_the_job_and_its_pods_processes(cluster):
     ex.cancel(handles[1])
     ex.cancel(handles[1])
     deadline = time.monotonic() + 20
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in pids)
+    assert not any(process_alive(p) for p in pids)
     assert [ex.poll(h) for h in handles] == ["cancelled"] * 3
 
 
@@ -109,10 +109,3 @@ def test_diloco_run_through_eks_with_a_relaunched_rank(cluster, tmp_path):
                           capture_output=True, text=True, env=env)
     assert "first attempt of rank 1 dies" in logs.stdout
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False

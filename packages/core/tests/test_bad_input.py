@@ -11,7 +11,7 @@ GOOD = 'backend = "local"\nreplicas = 2\nentrypoint = "job:main"\n'
 
 @pytest.mark.parametrize("text, expected", [
     ('backend = "local\nreplicas = 2\n', "not valid TOML"),
-    ('backend = "eks"\nreplicas = 2\nentrypoint = "job:main"\n', "pip install diloco-backend-eks"),
+    ('backend = "sagemaker"\nreplicas = 2\nentrypoint = "job:main"\n', "pip install diloco-backend-sagemaker"),
     ('backend = "nosuch"\nreplicas = 2\nentrypoint = "job:main"\n', "backend 'nosuch' is not installed"),
     ('backend = "local"\nreplicas = 0\nentrypoint = "job:main"\n', "`replicas` must be at least 1, got 0"),
     ('backend = "local"\nreplicas = -1\nentrypoint = "job:main"\n', "`replicas` must be at least 1, got -1"),

@@ -14,7 +14,7 @@ import pytest
 
 from diloco.local import LocalProcessExecutor
 from diloco.protocol import ReplicaHandle
-from diloco.testing import ExecutorConformance
+from diloco.testing import ExecutorConformance, process_alive
 
 from conftest import write_spec
 
@@ -23,13 +23,6 @@ class TestLocalConformance(ExecutorConformance):
     def make_executor(self):
         return LocalProcessExecutor(grace_period=2.0)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
 
 
 def _wait(predicate, timeout: float = 30.0) -> bool:
@@ -98,9 +91,9 @@ def test_cancel_from_second_process_kills_whole_tree(cli, project, state_dir):
         run_id = launcher.stdout.readline().split()[1].rstrip(":")
         assert _wait(lambda: len(list(pid_dir.glob("*.pids"))) == 3)
         pids = [int(x) for f in pid_dir.glob("*.pids") for x in f.read_text().split()]
-        assert len(pids) == 6 and all(_alive(p) for p in pids)
+        assert len(pids) == 6 and all(process_alive(p) for p in pids)
         cli("cancel", run_id, check_rc=0)
-        assert _wait(lambda: not any(_alive(p) for p in pids), timeout=15), [p for p in pids if _alive(p)]
+        assert _wait(lambda: not any(process_alive(p) for p in pids), timeout=15), [p for p in pids if process_alive(p)]
         assert launcher.wait(timeout=30) == 1  # the launcher notices and reports the cancellation
         assert "cancelled" in launcher.stdout.read()
         assert json.loads(cli("status", run_id, "--json").stdout)["record"]["state"] == "STOPPED"
@@ -121,7 +114,7 @@ def test_timeout_is_enforced_and_kills_the_tree(tmp_path):
     (res,) = ex.collect([h], timeout=30)
     assert res.status == "failed" and res.exit_code == 124 and "timed out after 1.5s" in res.error
     child = int(ex.stream_logs(h).split("child ")[1].split()[0])
-    assert _wait(lambda: not _alive(child), timeout=5)
+    assert _wait(lambda: not process_alive(child), timeout=5)
 
 
 def test_command_entrypoint_and_env_contract(tmp_path):

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+from diloco.testing import process_alive
+
 from conftest import write_spec
 
 FLAKY = '''
@@ -33,13 +35,6 @@ def _spec(project, restart: str, args: str, replicas: int = 3):
                                f'[args]\nmarker_dir = "{markers}"\n{args}\n'
                                f'[restart]\nmonitor_interval = 0.05\nbackoff = 0.05\n{restart}\n'), markers
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
 
 
 def _record(cli, run_id):
@@ -74,7 +69,7 @@ def test_restarts_exhausted_stops_everything_and_lists_each_rank_error(cli, proj
     assert any(e["event"] == "give_up" and e["rank"] == 1 for e in data["events"])
     pids = [int(p.read_text()) for p in markers.glob("*.pid")]
     time.sleep(0.5)
-    assert not any(_alive(p) for p in pids)
+    assert not any(process_alive(p) for p in pids)
 
 
 def test_min_replicas_lets_the_survivors_finish(cli, project):

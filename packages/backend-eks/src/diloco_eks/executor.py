@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from diloco.errors import BackendError, UserError
 from diloco.launchenv import check_ranks, is_secret_name, parse_entrypoint, replica_env
 from diloco.protocol import ENV_RANK, LaunchPlan, ReplicaHandle, ReplicaResult, ReplicaStatus
 from diloco.state import new_run_id
+from diloco.waiting import poll_until_terminal
 
 from . import manifest as m
 from .status import index_status, pod_index, terminated, waiting_problem
@@ -261,12 +262,8 @@ class EksExecutor:
         return resp.data.decode("utf-8", "replace")
 
     def collect(self, handles: Sequence[ReplicaHandle], *, timeout: float | None = None) -> list[ReplicaResult]:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            statuses = [self.poll(h) for h in handles]
-            if all(s.is_terminal for s in statuses) or (deadline is not None and time.monotonic() >= deadline):
-                return [self._result(h, s) for h, s in zip(handles, statuses)]
-            time.sleep(max(self.cache_seconds, 0.2))
+        statuses = poll_until_terminal(self, handles, timeout=timeout, interval=max(self.cache_seconds, 0.2))
+        return [self._result(h, s) for h, s in zip(handles, statuses)]
 
     def _result(self, handle: ReplicaHandle, status: ReplicaStatus) -> ReplicaResult:
         md = handle.metadata

@@ -25,6 +25,7 @@ from .errors import UserError
 from .launchenv import check_ranks, parse_entrypoint, redact_env, replica_env
 from .protocol import LaunchPlan, ReplicaHandle, ReplicaResult, ReplicaStatus
 from .state import new_run_id, state_dir
+from .waiting import poll_until_terminal
 
 
 def _proc_start_ticks(pid: int) -> int | None:
@@ -270,13 +271,8 @@ class LocalProcessExecutor:
         return self._paths(handle)[3]
 
     def collect(self, handles: Sequence[ReplicaHandle], *, timeout: float | None = None) -> list[ReplicaResult]:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pending = list(handles)
-        while True:
-            statuses = [self.poll(h) for h in pending]
-            if all(s.is_terminal for s in statuses) or (deadline is not None and time.monotonic() >= deadline):
-                return [self._result(h, s) for h, s in zip(pending, statuses)]
-            time.sleep(0.05)
+        statuses = poll_until_terminal(self, handles, timeout=timeout, interval=0.05)
+        return [self._result(h, s) for h, s in zip(handles, statuses)]
 
     # -- stopping --------------------------------------------------------------------------
 

@@ -30,6 +30,15 @@ SLEEP = "diloco.testing.entrypoints:sleep"
 SECRET_VALUE = "conformance-secret-value-7f3a"
 
 
+def process_alive(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie counts as dead), for process-tree assertions."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
 class ExecutorConformance:
     n_replicas = 3
     wait_timeout = 60.0
