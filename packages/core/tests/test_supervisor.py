@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from diloco.testing import process_alive
 
 from conftest import write_spec
@@ -110,3 +112,53 @@ def test_launcher_killed_then_resumed_finishes_the_run(cli, project, state_dir):
     assert any(e["event"] == "resumed" for e in data["events"])
     again = cli("resume", run_id)
     assert again.returncode == 2 and "already ended" in again.stderr
+
+
+def test_backend_without_rank_relaunch_is_supervised_as_a_gang(tmp_path):
+    from diloco.local import LocalProcessExecutor
+    from diloco.state import RunRecord
+    from diloco.supervisor import LaunchArgs, Supervisor
+
+    class NoRelaunch(LocalProcessExecutor):
+        supports_rank_relaunch = False
+
+    args = LaunchArgs(2, "x:y", {}, None, 60, "gang-fallback", None, {})
+    sup = Supervisor(NoRelaunch(), RunRecord.create("gang-fallback", {}), args, {"policy": "per-rank"})
+    assert sup.policy == "gang"
+
+
+@pytest.mark.parametrize("choice", ["detach", "cancel"])
+def test_ctrl_c_detaches_or_cancels_as_asked(cli, project, state_dir, choice):
+    spec, markers = _spec(project, "", "fail_attempts = 0\nwork = 30")
+    launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec), "--on-interrupt", choice],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "DILOCO_STATE_DIR": str(state_dir)})
+    run_id = launcher.stdout.readline().split()[1].rstrip(":")
+    deadline = time.monotonic() + 30
+    while len(list(markers.glob("*.pid"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [int(p.read_text()) for p in markers.glob("*.pid")]
+    launcher.send_signal(signal.SIGINT)
+    out, _ = launcher.communicate(timeout=30)
+    assert launcher.returncode == 130
+    if choice == "detach":
+        assert f"diloco resume {run_id}" in out and all(process_alive(p) for p in pids)
+        cli("cancel", run_id, check_rc=0)
+    else:
+        time.sleep(0.5)
+        assert not any(process_alive(p) for p in pids)
+        assert _record(cli, run_id)["record"]["state"] == "STOPPED"
+
+
+def test_logs_follow_streams_until_the_replica_ends(cli, project):
+    (project / "talk.py").write_text("import time\ndef main(ctx):\n    for i in range(6):\n"
+                                     "        print(f'line {i}', flush=True)\n        time.sleep(0.3)\n")
+    spec = write_spec(project, 'backend = "local"\nreplicas = 1\nentrypoint = "talk:main"\n', name="talk.toml")
+    launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True,
+                                env=dict(os.environ))
+    run_id = launcher.stdout.readline().split()[1].rstrip(":")
+    time.sleep(0.5)
+    follow = cli("logs", run_id, "--rank", "0", "--follow", check_rc=0)
+    assert follow.stdout.splitlines() == [f"line {i}" for i in range(6)]
+    launcher.wait(timeout=30)
