@@ -26,6 +26,7 @@ GOOD = 'backend = "local"\nreplicas = 2\nentrypoint = "job:main"\n'
     (GOOD + "[diloco]\ntransport = 'int4'\n", "`diloco.transport` must be one of"),
     (GOOD + "rendezvous = 'ftp://x'\n", "`rendezvous` must be a file://, s3:// or memory:// URI"),
     (GOOD + "secrets = ['NOT_SET_ANYWHERE_X']\n", "secret NOT_SET_ANYWHERE_X is listed"),
+    (GOOD + "[env]\nHF_TOKEN = 'hf_abc'\n", "`env.HF_TOKEN` looks like a secret; list it in `secrets"),
     ('replicas = 2\nentrypoint = "job:main"\n[backend]\nname = "local"\nnope = 1\n', "unknown key `backend.nope`"),
     ('replicas = 2\nentrypoint = "job:main"\n[backend]\nname = "local"\ngrace_period = -1\n', "grace_period"),
 ])

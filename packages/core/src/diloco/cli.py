@@ -170,13 +170,20 @@ def resume(run_id: str, on_interrupt: str) -> None:
 
 
 def _launcher_alive(record) -> bool:
+    """Whether some launcher still supervises the run: a fresh heartbeat, and on this host a live pid."""
+    import socket
+
+    from .supervisor import HEARTBEAT_STALE
+
     launcher = record.data.get("launcher") or {}
     pid, beat = launcher.get("pid"), launcher.get("heartbeat", 0)
-    if not pid or pid == os.getpid():
+    if not pid or (pid == os.getpid() and launcher.get("host") == socket.gethostname()):
         return False
     interval = float((record.data.get("spec") or {}).get("restart", {}).get("monitor_interval", 1.0))
-    if time.time() - beat > max(30.0, 10 * interval):
+    if time.time() - beat > max(HEARTBEAT_STALE, 10 * interval):
         return False
+    if launcher.get("host") != socket.gethostname():
+        return True  # another machine's launcher: its heartbeat is all we can see
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

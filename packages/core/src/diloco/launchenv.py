@@ -17,7 +17,10 @@ from . import protocol as p
 from .errors import UserError
 
 REDACTED = "REDACTED"
-_SECRET_NAME = re.compile(r"(SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|PRIVATE|API_?KEY|ACCESS_KEY|SESSION_KEY)", re.I)
+# Whole words of a variable name (HF_TOKEN, AWS_SECRET_ACCESS_KEY, WANDB_API_KEY), so that
+# TOKENIZERS_PARALLELISM is not mistaken for a secret.
+_SECRET_WORDS = {"SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS", "APIKEY", "PASSPHRASE"}
+_SECRET_PAIRS = {("API", "KEY"), ("ACCESS", "KEY"), ("PRIVATE", "KEY"), ("SESSION", "KEY"), ("SIGNING", "KEY")}
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _FUNCTION_REF = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")
 
@@ -66,7 +69,8 @@ def parse_entrypoint(entrypoint: str | Sequence[str]) -> Entrypoint:
 
 
 def is_secret_name(name: str) -> bool:
-    return bool(_SECRET_NAME.search(name))
+    words = [w for w in name.upper().split("_") if w]
+    return any(w in _SECRET_WORDS for w in words) or any(p in _SECRET_PAIRS for p in zip(words, words[1:]))
 
 
 def redact_env(env: Mapping[str, str], secret_names: Sequence[str] = ()) -> dict[str, str]:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SpecError, UserError
-from .launchenv import parse_entrypoint
+from .launchenv import is_secret_name, parse_entrypoint
 
 
 def _type_name(value: Any) -> str:
@@ -196,6 +196,9 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", base_dir: Pat
     for key, value in top["env"].items():
         if not _ENV_NAME.match(key) or not isinstance(value, (str, int, float, bool)):
             raise SpecError(f"{where}: `env.{key}` must be a valid variable name with a string value")
+        if is_secret_name(key):
+            raise SpecError(f"{where}: `env.{key}` looks like a secret; list it in `secrets = [\"{key}\"]` and "
+                            f"export it in your shell, so its value never lands in files, records or dry runs")
     for name in top["secrets"]:
         if not _ENV_NAME.match(name):
             raise SpecError(f"{where}: `secrets` entry {name!r} is not an environment variable name")

@@ -35,6 +35,10 @@ from .protocol import ReplicaHandle, ReplicaResult, ReplicaStatus, ServerlessExe
 from .state import RunRecord
 
 
+HEARTBEAT_EVERY = 5.0  # seconds between record saves while nothing changes
+HEARTBEAT_STALE = 30.0  # a launcher silent this long is presumed dead (`diloco resume` may take over)
+
+
 class GroupState(str, Enum):
     """torch elastic's worker-group states, for the run as a whole."""
 
@@ -307,13 +311,16 @@ class Supervisor:
         """Launch (unless resuming) and supervise until the run ends."""
         if start and self.state is GroupState.INIT:
             self.start()
+        last_beat = self.clock()
         while True:
             state = self.tick()
             if self.on_tick:
                 self.on_tick(self)
             if state.is_final:
                 break
-            self.record.data.setdefault("launcher", {})["heartbeat"] = self.clock()
+            if self.clock() - last_beat >= HEARTBEAT_EVERY:
+                self.save()  # the heartbeat: other shells tell a live launcher from a dead one by it
+                last_beat = self.clock()
             time.sleep(self.interval)
         if state is GroupState.FAILED:
             raise RunFailed(self.record.data.get("failure", "run failed"), self.errors())
