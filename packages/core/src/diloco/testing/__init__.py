@@ -17,6 +17,7 @@ emulator, an S3 server).
 
 from __future__ import annotations
 
+import abc
 import json
 import time
 import uuid
@@ -39,12 +40,13 @@ def process_alive(pid: int) -> bool:
         return False
 
 
-class ExecutorConformance:
+class ExecutorConformance(abc.ABC):
     n_replicas = 3
     wait_timeout = 60.0
 
+    @abc.abstractmethod
     def make_executor(self) -> ServerlessExecutor:
-        raise NotImplementedError("subclasses return a fresh executor instance")
+        """A fresh executor instance (called more than once: a second one stands for another process)."""
 
     # helpers ------------------------------------------------------------------------------
 
