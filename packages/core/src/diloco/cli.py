@@ -213,7 +213,7 @@ def status(run_id: str, as_json: bool, n_events: int) -> None:
     """Show a run's state, each rank's live status, recent events and round metrics."""
     from rich.console import Console
 
-    from .display import format_event, format_round, status_table
+    from .display import format_any, format_round, status_table
     from .launcher import executor_for
     from .metrics import read_rounds
     from .state import RunRecord
@@ -247,7 +247,12 @@ def status(run_id: str, as_json: bool, n_events: int) -> None:
     if events:
         console.print("events:", markup=False)
         for e in events:
-            console.print("  " + format_event(e), markup=False)
+            console.print("  " + format_any(e), markup=False)
+    artifacts = record.dir / "artifacts"
+    if (artifacts / "summary.txt").exists():
+        console.print((artifacts / "summary.txt").read_text(), markup=False, end="")
+    if artifacts.is_dir():
+        console.print(f"artifacts: {artifacts}", markup=False)
 
 
 @main.command()

@@ -36,6 +36,11 @@ def format_event(e: dict[str, Any]) -> str:
     return f"{_clock(e.get('t', 0))} {kind} {body}".rstrip()
 
 
+def format_any(e: dict[str, Any]) -> str:
+    """An event line as `diloco run` and `diloco status` both print it."""
+    return format_round(e) if e.get("event") == "round" else format_event(e)
+
+
 class ProgressPrinter:
     """Prints each new event of a run as it is logged (rounds included, see `Supervisor`)."""
 
@@ -47,8 +52,7 @@ class ProgressPrinter:
     def __call__(self, _supervisor: Any = None) -> None:
         events = self.record.events()
         for e in events[self.seen_events:]:
-            text = format_round(e) if e.get("event") == "round" else format_event(e)
-            self.console.print(text, style=_EVENT_STYLE.get(e.get("event", "")), markup=False)
+            self.console.print(format_any(e), style=_EVENT_STYLE.get(e.get("event", "")), markup=False)
         self.seen_events = len(events)
 
 
