@@ -95,3 +95,22 @@ def test_s3_end_to_end_against_moto(replicas, s3):
     keys = [o["Key"] for o in s3["client"].list_objects_v2(Bucket="diloco-test", Prefix="runs/")["Contents"]]
     assert any("/reduced/" in k for k in keys) and any("/ckpt/" in k for k in keys)
     assert all(k.startswith(f"runs/{replicas.run_id}/") for k in keys)
+
+
+def test_store_keeps_only_what_a_rejoin_can_need(replicas, store_uri):
+    """Checkpoints every 3 rounds: after round 9 rounds ≤ 6 and checkpoints < 6 are deleted."""
+    from pathlib import Path
+    from urllib.parse import urlparse
+
+    handles = replicas.launch("mlp_rounds", 4, rendezvous=store_uri,
+                              settings={"sync_every": 1, "checkpoint_every": 3}, args={"steps": 10, "dim": 16})
+    results = replicas.results(handles)
+    assert len({r["final"] for r in results}) == 1
+    run = Path(urlparse(store_uri).path) / replicas.run_id
+    def holding_objects(d):  # obstore leaves emptied local directories behind; S3 has none
+        return sorted(p.name for p in d.iterdir() if any(f.is_file() for f in p.rglob("*")))
+
+    assert holding_objects(run) == sorted(
+        ["ckpt", "metrics", *[f"r{r:08d}" for r in range(7, 11)]])
+    assert holding_objects(run / "ckpt") == ["r00000006", "r00000009"]
+    assert len(list((run / "metrics").iterdir())) == 10  # progress history stays

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from diloco.store import open_store
-from diloco_replica.allreduce import RoundFailed, StoreAllReduce
+from diloco_replica.allreduce import FellBehind, RoundFailed, StoreAllReduce
 from diloco_replica.wire import CorruptObject, Identity, encode_tensor, encoded_nbytes, joined, pack, unpack
 
 ID = Identity("run-a", 3, "scatter", 1, 2)
@@ -124,3 +124,13 @@ def test_waiting_does_not_poll_in_a_tight_loop():
     ar = StoreAllReduce(store, "run-p", 0, 2, round_timeout=1.0, poll_interval=0.01, poll_max=0.25)
     ar.reduce(1, torch.zeros(8))
     assert ar.store.traffic.lists + ar.store.traffic.gets < 30, ar.store.traffic
+
+
+def test_a_replica_behind_the_retained_history_is_told_to_rejoin():
+    """Rounds ≤ 5 were garbage-collected; a replica arriving for round 4 must not decide it anew."""
+    store = open_store(f"memory://{uuid.uuid4().hex}")
+    store.put("run-g/r00000006/members.json", b'{"run": "run-g", "round": 6, "members": [0, 1]}')
+    ar = StoreAllReduce(store, "run-g", 0, 2, round_timeout=0.2, poll_interval=0.01)
+    with pytest.raises(FellBehind, match="round 3 is no longer in the store"):
+        ar.reduce(4, torch.zeros(8))
+    assert not list(store.list("run-g/r00000004/"))  # nothing written for the dead round

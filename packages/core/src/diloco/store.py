@@ -70,6 +70,14 @@ class Store:
             for meta in batch:
                 yield {**meta, "path": meta["path"][strip:]}
 
+    def list_dirs(self, prefix: str) -> list[str]:
+        """The immediate "directories" under `prefix` (run-relative, no trailing slash)."""
+        import obstore
+
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        found = obstore.list_with_delimiter(self.raw, self._key(prefix.rstrip("/")))
+        return [p[strip:] for p in found["common_prefixes"]]
+
     def delete(self, key: str) -> None:
         import obstore
 

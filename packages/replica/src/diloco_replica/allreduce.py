@@ -41,6 +41,10 @@ class RoundFailed(Exception):
     """A round could not complete (too few replicas, or an object never appeared)."""
 
 
+class FellBehind(RoundFailed):
+    """This replica's round is older than the history the store still keeps: rejoin instead."""
+
+
 @dataclass
 class Traffic:
     """Object bytes and requests through the store, as the all-reduce layer counts them."""
@@ -190,6 +194,10 @@ class StoreAllReduce:
         delta = delta.detach().to("cpu", torch.float32).reshape(-1)
         bounds = shard_bounds(delta.numel(), self.n)
         existing = self._read_members(r)
+        if existing is None and r > 1 and self._read_members(r - 1) is None:
+            # At the frontier the previous round is always kept; a missing one means old rounds were
+            # garbage-collected past this replica. Deciding round r here would rewrite history.
+            raise FellBehind(f"round {r - 1} is no longer in the store; this replica is too far behind")
         if existing is None:
             self.phase("upload", r)
             uploads = [self.pool.submit(self._put_scatter, r, j, delta[a:b])

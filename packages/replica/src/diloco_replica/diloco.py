@@ -25,7 +25,7 @@ import torch
 from diloco.context import ReplicaContext
 from diloco.metrics import metrics_key
 
-from .allreduce import RoundResult, StoreAllReduce
+from .allreduce import FellBehind, RoundResult, StoreAllReduce
 from .globalstate import GlobalState
 
 DEFAULTS: dict[str, Any] = {
@@ -123,7 +123,10 @@ class DiLoCo:
         compute_s = time.monotonic() - self._compute_start
         t0 = time.monotonic()
         delta = self.state.theta - _flatten(self.params)
-        result: RoundResult = self.allreduce.reduce(self.state.round + 1, delta)
+        try:
+            result: RoundResult = self.allreduce.reduce(self.state.round + 1, delta)
+        except FellBehind as exc:
+            return self._rejoin(str(exc), compute_s, t0)
         self.allreduce.phase("outer", result.round)
         self.state.apply(result.round, result.mean, result.members)
         if result.late:
@@ -139,6 +142,18 @@ class DiLoCo:
         self.local_steps, self._losses, self._tokens = 0, [], 0
         self._compute_start = time.monotonic()
         self.allreduce.phase("compute", result.round + 1)
+        return info
+
+    def _rejoin(self, why: str, compute_s: float, t0: float) -> RoundInfo:
+        """Too far behind to take part: adopt the run's current global state, as a restart would."""
+        self._log(f"{why}; rejoining from the latest checkpoint")
+        self.state.bootstrap(self.state.theta)
+        self._load_theta_into_model()
+        info = RoundInfo(round=self.state.round, members=[], late=True, loss=None, tokens=self._tokens, bytes_up=0,
+                         bytes_down=0, compute_s=compute_s, sync_s=time.monotonic() - t0)
+        self.history.append(info)
+        self.local_steps, self._losses, self._tokens = 0, [], 0
+        self._compute_start = time.monotonic()
         return info
 
     def _load_theta_into_model(self) -> None:

@@ -78,14 +78,8 @@ class GlobalState:
         return n
 
     def _latest_complete_checkpoint(self) -> int | None:
-        prefix = f"{self.ar.run_id}/ckpt/"
-        counts: dict[int, int] = {}
-        for name in self.ar.store.list_names(prefix):
-            head = name.split("/")[0]
-            if head.startswith("r") and head[1:].isdigit():
-                counts[int(head[1:])] = counts.get(int(head[1:]), 0) + 1
-        complete = [r for r, c in counts.items() if c >= self.ar.n]
-        return max(complete) if complete else None
+        complete = self._complete_checkpoints()
+        return complete[-1] if complete else None
 
     def _write_initial(self, initial: torch.Tensor) -> None:
         """Round 0: shard i from this replica; after a wait, any missing shard from here too.
@@ -145,3 +139,47 @@ class GlobalState:
             for j in range(self.ar.n):
                 if reducer_of(j, members) == self.ar.rank:
                     self._put_ckpt(r, j, self.theta, self.buf, bounds)
+            if reducer_of(0, members) == self.ar.rank:  # one collector per checkpoint, off the hot path
+                self.ar.pool.submit(self.collect_garbage, r)
+
+    def collect_garbage(self, newest: int) -> int:
+        """Delete what no rejoin can need any more; returns how many objects went.
+
+        A rejoining replica loads the newest *complete* checkpoint and replays the rounds after
+        it. So once checkpoint p < `newest` is complete, rounds ≤ p and checkpoints < p are dead
+        weight (p, not `newest`: `newest` may still be missing a shard whose writer died).
+        Without this the store grows by ~S per round for as long as the run lasts.
+        """
+        try:
+            complete = self._complete_checkpoints()
+            older = [c for c in complete if c < newest]
+            if not older:
+                return 0
+            keep_from = max(older)
+            raw, run = self.ar.store.store, self.ar.run_id
+            doomed = [d for d in raw.list_dirs(f"{run}/") if _round_of(d.rsplit("/", 1)[-1], keep_from + 1)]
+            doomed += [d for d in raw.list_dirs(f"{run}/ckpt/") if _round_of(d.rsplit("/", 1)[-1], keep_from)]
+            n = 0
+            for prefix in doomed:
+                for meta in list(raw.list(prefix + "/")):
+                    self.ar.store.delete(meta["path"])
+                    n += 1
+            if n:
+                self.log(f"removed {n} objects of rounds before checkpoint {keep_from}")
+            return n
+        except Exception as exc:  # storage hygiene must never stop training
+            self.log(f"garbage collection after round {newest} failed: {exc}")
+            return 0
+
+    def _complete_checkpoints(self) -> list[int]:
+        counts: dict[int, int] = {}
+        for name in self.ar.store.list_names(f"{self.ar.run_id}/ckpt/"):
+            head = name.split("/")[0]
+            if head.startswith("r") and head[1:].isdigit():
+                counts[int(head[1:])] = counts.get(int(head[1:]), 0) + 1
+        return sorted(r for r, c in counts.items() if c >= self.ar.n)
+
+
+def _round_of(name: str, below: int) -> bool:
+    """Whether a directory named r<round> holds a round older than `below`."""
+    return name.startswith("r") and name[1:].isdigit() and int(name[1:]) < below
