@@ -16,7 +16,6 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 
 import torch
 import torch.multiprocessing as mp
