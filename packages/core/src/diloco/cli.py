@@ -164,7 +164,7 @@ def resume(run_id: str, on_interrupt: str) -> None:
     sup = resume_run(record)
     record.event("resumed", pid=os.getpid())
     printer = ProgressPrinter(record)
-    printer.seen_events = len(record.events())
+    printer.skip_existing()
     sup.on_tick = printer
     _supervise(sup, on_interrupt)
 

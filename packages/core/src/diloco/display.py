@@ -47,13 +47,16 @@ class ProgressPrinter:
     def __init__(self, record: RunRecord, console: Console | None = None):
         self.record = record
         self.console = console or Console(highlight=False, soft_wrap=True)
-        self.seen_events = 0
+        self.offset = 0  # bytes of the event log already printed
+
+    def skip_existing(self) -> None:
+        """Print only events logged from now on (a resumed launcher)."""
+        self.offset = self.record.events_after(0)[1]
 
     def __call__(self, _supervisor: Any = None) -> None:
-        events = self.record.events()
-        for e in events[self.seen_events:]:
+        events, self.offset = self.record.events_after(self.offset)
+        for e in events:
             self.console.print(format_any(e), style=_EVENT_STYLE.get(e.get("event", "")), markup=False)
-        self.seen_events = len(events)
 
 
 def format_round(rnd: dict[str, Any]) -> str:

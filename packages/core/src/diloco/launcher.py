@@ -56,13 +56,16 @@ def secret_values(names: list[str], source: str) -> dict[str, str]:
     return {n: os.environ[n] for n in names}
 
 
+def plan(executor: ServerlessExecutor, args: LaunchArgs, secrets: dict[str, str]) -> LaunchPlan:
+    """The request the first launch of every rank would submit."""
+    return executor.dryrun(args.n_replicas, args.entrypoint, args.entrypoint_args, gpu=args.gpu,
+                           timeout=args.timeout, run_id=args.run_id, rendezvous=args.rendezvous, env=args.env,
+                           secret_env=secrets)
+
+
 def dryrun(spec: RunSpec) -> LaunchPlan:
     executor = make_executor(spec.backend, spec.backend_options, workdir=spec.workdir, source=spec.source)
-    run_id = new_run_id(spec.name)
-    a = launch_args(spec, run_id)
-    secrets = {n: os.environ.get(n, "") for n in spec.secrets}
-    return executor.dryrun(a.n_replicas, a.entrypoint, a.entrypoint_args, gpu=a.gpu, timeout=a.timeout,
-                           run_id=a.run_id, rendezvous=a.rendezvous, env=a.env, secret_env=secrets)
+    return plan(executor, launch_args(spec, new_run_id(spec.name)), {n: os.environ.get(n, "") for n in spec.secrets})
 
 
 def new_run(spec: RunSpec, **supervisor_kwargs: Any) -> Supervisor:
@@ -71,9 +74,7 @@ def new_run(spec: RunSpec, **supervisor_kwargs: Any) -> Supervisor:
     secrets = secret_values(spec.secrets, spec.source)
     run_id = new_run_id(spec.name)
     args = launch_args(spec, run_id)
-    # Build the exact request first: anything wrong with it fails here, before a record exists.
-    executor.dryrun(args.n_replicas, args.entrypoint, args.entrypoint_args, gpu=args.gpu, timeout=args.timeout,
-                    run_id=run_id, rendezvous=args.rendezvous, env=args.env, secret_env=secrets)
+    plan(executor, args, secrets)  # anything wrong with the request fails here, before a record exists
     record = RunRecord.create(run_id, {"spec": spec.to_dict(), "backend": spec.backend,
                                        "launch": asdict(args), "state": "INIT"})
     return Supervisor(executor, record, args, spec.restart, secret_env=secrets, **supervisor_kwargs)

@@ -88,17 +88,28 @@ class RunRecord:
         return entry
 
     def events(self) -> list[dict[str, Any]]:
+        return self.events_after(0)[0]
+
+    def events_after(self, offset: int) -> tuple[list[dict[str, Any]], int]:
+        """Events appended since byte `offset`, and the offset to continue from.
+
+        Followers (the progress printer) read only what is new instead of the whole log each tick;
+        a last line still being written is left for the next call.
+        """
         try:
-            lines = self.events_path.read_text().splitlines()
+            with open(self.events_path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
         except FileNotFoundError:
-            return []
+            return [], offset
+        complete = data[: data.rfind(b"\n") + 1]
         out = []
-        for line in lines:
+        for line in complete.splitlines():
             try:
                 out.append(json.loads(line))
             except json.JSONDecodeError:
                 continue  # a line cut short by a killed launcher
-        return out
+        return out, offset + len(complete)
 
     @classmethod
     def create(cls, run_id: str, data: dict[str, Any], root: Path | None = None) -> RunRecord:
