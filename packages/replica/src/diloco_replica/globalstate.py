@@ -93,10 +93,12 @@ class GlobalState:
         self._put_ckpt(0, self.ar.rank, initial, zeros, bounds)
         deadline = time.monotonic() + self.ar.round_timeout
         backoff = Backoff(self.ar.poll_interval, self.ar.poll_max)
-        while len(self.ar.store.list_names(self._ckpt_prefix(0))) < self.ar.n and backoff.sleep(deadline):
-            pass
+        present = set(self.ar.store.list_names(self._ckpt_prefix(0)))
+        while len(present) < self.ar.n and backoff.sleep(deadline):
+            present = set(self.ar.store.list_names(self._ckpt_prefix(0)))
         for j in range(self.ar.n):
-            self._put_ckpt(0, j, initial, zeros, bounds)  # no-op where the shard already exists
+            if str(j) not in present:  # its owner never came: write it from here (create-only)
+                self._put_ckpt(0, j, initial, zeros, bounds)
 
     def _put_ckpt(self, r: int, j: int, theta: torch.Tensor, buf: torch.Tensor,
                   bounds: list[tuple[int, int]]) -> None:
