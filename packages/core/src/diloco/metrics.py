@@ -37,15 +37,18 @@ def aggregate(round_: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def read_rounds(rendezvous: str | None, run_id: str, *, after: int = -1,
-                complete_only: bool = True) -> list[dict[str, Any]]:
-    """Aggregated rounds after round `after`, in order. Missing store → no rounds."""
-    if not rendezvous:
+def read_rounds(rendezvous: str | None, run_id: str, *, after: int = -1, complete_only: bool = True,
+                store: Any = None) -> list[dict[str, Any]]:
+    """Aggregated rounds after round `after`, in order. Missing store → no rounds.
+
+    Pass an already opened `store` when calling repeatedly (one client, reused connections).
+    """
+    if not rendezvous and store is None:
         return []
     from .store import open_store
 
     try:
-        store = open_store(rendezvous)
+        store = store if store is not None else open_store(rendezvous)
         offset = f"{run_id}/metrics/r{after:08d}/~" if after >= 0 else None
         by_round: dict[int, list[dict[str, Any]]] = defaultdict(list)
         for meta in store.list(f"{run_id}/metrics/", offset=offset):

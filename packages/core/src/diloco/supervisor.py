@@ -132,6 +132,7 @@ class Supervisor:
         self.last_round = int(record.data.get("last_round", 0))
         self.rounds_every = 1.0
         self._next_rounds_check = 0.0
+        self._store = None  # the run's store, opened once for round events
 
     # -- persistence -----------------------------------------------------------------------
 
@@ -187,8 +188,15 @@ class Supervisor:
             return
         self._next_rounds_check = now + self.rounds_every
         from .metrics import read_rounds
+        from .store import open_store
 
-        for rnd in read_rounds(self.launch.rendezvous, self.launch.run_id, after=self.last_round):
+        if self._store is None and self.launch.rendezvous:
+            try:
+                self._store = open_store(self.launch.rendezvous)
+            except Exception:  # unreachable from this shell: no round events, supervision goes on
+                return
+        for rnd in read_rounds(self.launch.rendezvous, self.launch.run_id, after=self.last_round,
+                               store=self._store):
             self._event("round", round=rnd["round"], members=rnd["members"], loss=_round_loss(rnd["loss"]),
                         tokens_per_s=round(rnd["tokens_per_s"] or 0), sync_share=_round_loss(rnd["sync_share"]))
             self.last_round = rnd["round"]
