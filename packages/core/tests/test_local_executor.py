@@ -55,7 +55,7 @@ def test_failing_rank_reported_with_traceback(cli, project):
     run_id = proc.stdout.split()[1].rstrip(":")
     record = json.loads(cli("status", run_id, "--json").stdout)["record"]
     err = record["ranks"][2]["last_error"]
-    assert err.startswith("Traceback (most recent call last)") and 'job.py", line 7, in main' in err
+    assert err.startswith("ValueError: exploded on rank 2\nTraceback (most recent call last)") and 'job.py", line 7, in main' in err
     assert [r["status"] for r in record["ranks"]] == ["succeeded", "succeeded", "failed", "succeeded"]
 
 

@@ -53,7 +53,7 @@ def gloo_vs_store(ctx: ReplicaContext, numel: int = 100_003, init_file: str = ""
     ref /= ctx.world_size
     dist.destroy_process_group()
     ar = StoreAllReduce(ctx.store, ctx.run_id, ctx.rank, ctx.world_size, round_timeout=60)
-    res = ar.reduce(1, x)
+    res = ar.run_round(1, x)
     ar.close()
     return {"max_abs_diff": float((res.mean - ref).abs().max()), "crc": zlib.crc32(res.mean.numpy().tobytes()),
             "bytes_up": res.traffic.bytes_up, "bytes_down": res.traffic.bytes_down, "members": res.members}
@@ -88,7 +88,7 @@ def mlp_rounds(ctx: ReplicaContext, steps: int = 12, dim: int = 64, delay_rank: 
         info = diloco.step(loss=loss.item())
         if info is not None:
             hashes[info.round] = theta_crc(diloco)
-            rounds.append({"round": info.round, "members": info.members, "late": info.late,
+            rounds.append({"round": info.round, "members": info.members, "member": info.member,
                            "bytes_up": info.bytes_up, "bytes_down": info.bytes_down})
     diloco.close()
     out = {"rank": ctx.rank, "hashes": hashes, "rounds": rounds, "final": theta_crc(diloco),

@@ -52,7 +52,7 @@ def test_bit_identical_global_state_every_round_and_bytes_at_the_bound(replicas,
     n, S = 4, 4 * results[0]["numel"]
     for r in results:
         for rnd in r["rounds"]:
-            assert rnd["members"] == [0, 1, 2, 3] and not rnd["late"]
+            assert rnd["members"] == [0, 1, 2, 3] and rnd["member"]
             assert S <= rnd["bytes_up"] <= 1.01 * S, (rnd, S)
             assert 2 * (n - 1) / n * S <= rnd["bytes_down"] <= 1.01 * 2 * (n - 1) / n * S, (rnd, S)
 
@@ -67,7 +67,7 @@ def test_absent_replica_is_left_out_then_rejoins(replicas, store_uri):
     for rank in (0, 1, 2):
         members = {x["round"]: x["members"] for x in by_rank[rank]["rounds"]}
         assert members[2] == [0, 1, 2], members
-    late = [x for x in by_rank[3]["rounds"] if x["late"]]
+    late = [x for x in by_rank[3]["rounds"] if not x["member"]]
     assert late and late[0]["round"] == 2
     assert len({r["final"] for r in results}) == 1  # all four end bit-identical
     last = {r["rank"]: r["rounds"][-1] for r in results}
@@ -76,7 +76,7 @@ def test_absent_replica_is_left_out_then_rejoins(replicas, store_uri):
 
 def test_replica_starting_mid_training_rejoins_from_the_store(replicas, store_uri):
     """Ranks 0-2 train; rank 3 starts rounds later, loads checkpoint + replays, and ends identical."""
-    settings = {"sync_every": 2, "round_timeout": 2.0, "checkpoint_every": 2, "min_replicas": 3}
+    settings = {"sync_every": 2, "round_timeout": 2.0, "checkpoint_every": 2, "min_members": 3}
     first = replicas.launch("mlp_rounds", 4, rendezvous=store_uri, settings=settings, ranks=[0, 1, 2],
                             args={"steps": 16, "dim": 32})
     late = replicas.launch("mlp_rounds", 4, rendezvous=store_uri, settings=settings, ranks=[3], attempt=1,
@@ -111,6 +111,8 @@ def test_store_keeps_only_what_a_rejoin_can_need(replicas, store_uri):
         return sorted(p.name for p in d.iterdir() if any(f.is_file() for f in p.rglob("*")))
 
     assert holding_objects(run) == sorted(
-        ["ckpt", "metrics", *[f"r{r:08d}" for r in range(7, 11)]])
+        ["ckpt", "history", "metrics", "rounds", *[f"r{r:08d}" for r in range(7, 11)]])
+    assert holding_objects(run / "history") == []  # marks are empty objects: gc-through-r00000006
+    assert sorted(p.name for p in (run / "history").iterdir())[-1] == "gc-through-r00000006"
     assert holding_objects(run / "ckpt") == ["r00000006", "r00000009"]
     assert len(list((run / "metrics").iterdir())) == 10  # progress history stays

@@ -57,13 +57,13 @@ def test_not_a_diloco_object():
         unpack(b"\x80\x04\x95pickle-bytes-here-not-ours", ID, "k")
 
 
-def run_round(store, run, n, deltas, *, skip=(), timeout=2.0, min_replicas=1, r=1):
+def run_round(store, run, n, deltas, *, skip=(), timeout=2.0, min_members=1, r=1):
     out, errors = {}, {}
 
     def go(i):
-        ar = StoreAllReduce(store, run, i, n, round_timeout=timeout, min_replicas=min_replicas, poll_interval=0.005)
+        ar = StoreAllReduce(store, run, i, n, round_timeout=timeout, min_members=min_members, poll_interval=0.005)
         try:
-            out[i] = ar.reduce(r, deltas[i])
+            out[i] = ar.run_round(r, deltas[i])
         except Exception as exc:  # collected and asserted by the caller
             errors[i] = exc
         finally:
@@ -112,25 +112,25 @@ def test_missing_replicas_are_left_out_and_recorded():
     assert all(torch.equal(out[0].mean, o.mean) for o in out.values())
 
 
-def test_below_min_replicas_fails_the_round_clearly():
+def test_below_min_members_fails_the_round_clearly():
     store = open_store(f"memory://{uuid.uuid4().hex}")
-    out, errors = run_round(store, "run-f", 3, [torch.zeros(4)] * 3, skip=(1, 2), timeout=0.3, min_replicas=2)
-    assert isinstance(errors[0], RoundFailed) and "below min_replicas=2" in str(errors[0])
+    out, errors = run_round(store, "run-f", 3, [torch.zeros(4)] * 3, skip=(1, 2), timeout=0.3, min_members=2)
+    assert isinstance(errors[0], RoundFailed) and "below min_members=2" in str(errors[0])
 
 
 def test_waiting_does_not_poll_in_a_tight_loop():
     """A replica waiting 1 s for an absent peer makes a handful of requests, not hundreds."""
     store = open_store(f"memory://{uuid.uuid4().hex}")
     ar = StoreAllReduce(store, "run-p", 0, 2, round_timeout=1.0, poll_interval=0.01, poll_max=0.25)
-    ar.reduce(1, torch.zeros(8))
+    ar.run_round(1, torch.zeros(8))
     assert ar.store.traffic.lists + ar.store.traffic.gets < 30, ar.store.traffic
 
 
 def test_a_replica_behind_the_retained_history_is_told_to_rejoin():
     """Rounds ≤ 5 were garbage-collected; a replica arriving for round 4 must not decide it anew."""
     store = open_store(f"memory://{uuid.uuid4().hex}")
-    store.put("run-g/r00000006/members.json", b'{"run": "run-g", "round": 6, "members": [0, 1]}')
+    store.put("run-g/history/gc-through-r00000005", b"{}")
     ar = StoreAllReduce(store, "run-g", 0, 2, round_timeout=0.2, poll_interval=0.01)
-    with pytest.raises(FellBehind, match="round 3 is no longer in the store"):
-        ar.reduce(4, torch.zeros(8))
+    with pytest.raises(FellBehind, match="rounds ≤ 5 were garbage-collected"):
+        ar.run_round(4, torch.zeros(8))
     assert not list(store.list("run-g/r00000004/"))  # nothing written for the dead round

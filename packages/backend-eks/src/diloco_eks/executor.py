@@ -37,6 +37,7 @@ class EksExecutor:
 
     backend_name = "eks"
     supports_inter_replica_network = True
+    shares_launcher_filesystem = False  # pods have their own disks: the rendezvous must be an object store
 
     def __init__(self, *, image: str | None = None, namespace: str = "default", command: list[str] | None = None,
                  service_account: str | None = None, runtime_class: str | None = None,
@@ -281,9 +282,9 @@ class EksExecutor:
             job = self._job(md["namespace"], md["job"]) or {}
             reasons = [f"{c.get('reason')}: {c.get('message')}" for c in (job.get("status") or {}).get("conditions") or []
                        if c.get("type") == "Failed" and c.get("status") == "True"]
-            parts = [f"pod exited with code {code}" if code is not None else "pod failed"]
-            if term and (term.get("message") or term.get("reason")):
-                parts.append(term.get("message") or term.get("reason"))
+            parts = [_exit_cause(code, (term or {}).get("reason"))]
+            if term and term.get("message"):
+                parts.append(term["message"])
             parts += reasons
             tail = self.stream_logs(handle, n_lines=20).strip() if pod else ""
             error = "; ".join(parts) + (f"\n{tail}" if tail else "")
@@ -310,6 +311,20 @@ class EksExecutor:
             self._call("delete", "secrets", ns, core.delete_namespaced_secret, md["secret"], ns, missing_ok=True,
                        _preload_content=False)
         self._cache.pop(("job", ns, md["job"]), None)
+
+
+def _exit_cause(code: int | None, reason: str | None) -> str:
+    """The cause first (the rule in `diloco.failures`): OOM kill, signal, or exit code."""
+    if reason == "OOMKilled":
+        return f"OOM-killed (exit code {code})"
+    if code is not None and code > 128:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(code - 128).name} (exit code {code})"
+        except ValueError:
+            pass
+    return f"pod exited with code {code}" if code is not None else f"pod failed{f' ({reason})' if reason else ''}"
 
 
 def _api_message(exc: Any) -> str:

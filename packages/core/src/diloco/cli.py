@@ -73,6 +73,7 @@ def dryrun(spec_path: str, fmt: str) -> None:
 def _supervise(sup, on_interrupt: str) -> None:
     from rich.console import Console
 
+    from .failures import cause
     from .supervisor import GroupState, RunFailed
 
     console = Console(highlight=False, soft_wrap=True)
@@ -82,8 +83,7 @@ def _supervise(sup, on_interrupt: str) -> None:
         console.print(f"run {sup.record.run_id} FAILED: {exc}", style="bold red", markup=False)
         for rank, err in sorted(exc.errors.items()):
             if err:
-                last = err.strip().splitlines()[-1]
-                console.print(f"  rank {rank}: {last}", style="red", markup=False)
+                console.print(f"  rank {rank}: {cause(err)}", style="red", markup=False)
         console.print(f"  full errors: diloco status {sup.record.run_id}", markup=False)
         sys.exit(1)
     except KeyboardInterrupt:
@@ -170,27 +170,27 @@ def resume(run_id: str, on_interrupt: str) -> None:
 
 
 def _launcher_alive(record) -> bool:
-    """Whether some launcher still supervises the run: a fresh heartbeat, and on this host a live pid."""
+    """Whether some launcher still supervises the run.
+
+    On this host the process decides (its pid, and its start time against a recycled pid): a
+    launcher paused past its heartbeat is still alive. On another host only the heartbeat can.
+    """
     import socket
 
+    from .state import process_start_ticks
     from .supervisor import HEARTBEAT_STALE
 
     launcher = record.data.get("launcher") or {}
     pid, beat = launcher.get("pid"), launcher.get("heartbeat", 0)
     if not pid or (pid == os.getpid() and launcher.get("host") == socket.gethostname()):
         return False
+    if launcher.get("host") == socket.gethostname():
+        ticks = process_start_ticks(int(pid))
+        if ticks is None:
+            return False
+        return launcher.get("start_ticks") in (None, -1) or ticks in (-1, launcher["start_ticks"])
     interval = float((record.data.get("spec") or {}).get("restart", {}).get("monitor_interval", 1.0))
-    if time.time() - beat > max(HEARTBEAT_STALE, 10 * interval):
-        return False
-    if launcher.get("host") != socket.gethostname():
-        return True  # another machine's launcher: its heartbeat is all we can see
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return time.time() - beat <= max(HEARTBEAT_STALE, 10 * interval)
 
 
 def _refuse_if_supervised(record) -> None:
@@ -213,7 +213,9 @@ def status(run_id: str, as_json: bool, n_events: int) -> None:
     """Show a run's state, each rank's live status, recent events and round metrics."""
     from rich.console import Console
 
-    from .display import format_any, format_round, status_table
+    from dataclasses import asdict
+
+    from .display import format_any, format_round, health_warnings, status_table
     from .launcher import executor_for
     from .metrics import read_rounds
     from .state import RunRecord
@@ -227,22 +229,26 @@ def status(run_id: str, as_json: bool, n_events: int) -> None:
     except UserError as exc:
         live = {}
         click.echo(f"warning: cannot poll replicas live ({exc}); showing recorded statuses", err=True)
-    rounds = read_rounds(record.data.get("launch", {}).get("rendezvous"), record.run_id, complete_only=False)
+    ended = record.data.get("state") in ("SUCCEEDED", "FAILED", "STOPPED")
+    rounds = read_rounds(record.data.get("launch", {}).get("rendezvous"), record.run_id, cache_dir=record.dir,
+                         final=ended)
     if as_json:
         click.echo(json.dumps({"record": record.data, "live": live, "events": record.events(),
-                               "rounds": rounds}, indent=2, default=str))
+                               "rounds": [asdict(r) for r in rounds]}, indent=2, default=str))
         return
     console = Console(width=140, highlight=False)
     console.print(status_table(record, live))
-    if record.data.get("state") not in ("SUCCEEDED", "FAILED", "STOPPED") and not _launcher_alive(record):
+    if not ended and not _launcher_alive(record):
         console.print(f"no launcher is supervising this run: diloco resume {record.run_id}", style="yellow",
                       markup=False)
     if record.data.get("failure"):
         console.print(f"failure: {record.data['failure']}", style="red", markup=False)
+    for warning in health_warnings(record, rounds):
+        console.print(f"WARNING: {warning}", style="bold red", markup=False)
     if rounds:
         console.print(f"rounds: {len(rounds)}; latest:", markup=False)
         for rnd in rounds[-3:]:
-            console.print("  " + format_round(rnd), markup=False)
+            console.print("  " + format_round(asdict(rnd)), markup=False)
     events = record.events()[-n_events:]
     if events:
         console.print("events:", markup=False)

@@ -29,6 +29,7 @@ class ReplicaContext:
             self.args = dict(args)
         self._raw_settings = "{}"
         self._raw_args = "{}"
+        self.global_step: int | None = None  # kept current by the DiLoCo runtime; shown in failures
 
     @cached_property
     def settings(self) -> dict[str, object]:

@@ -13,9 +13,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from .failures import cause
 from .state import RunRecord
 
-_EVENT_STYLE = {"failed": "red", "run_failed": "bold red", "give_up": "red", "run_succeeded": "bold green",
+_EVENT_STYLE = {"diverged": "bold red", "training_alone": "bold red", "incident": "yellow", "failed": "red", "run_failed": "bold red", "give_up": "red", "run_succeeded": "bold green",
                 "succeeded": "green", "relaunch_scheduled": "yellow", "gang_restart": "yellow",
                 "run_cancelled": "yellow", "cancelled": "yellow", "resumed": "cyan", "detached": "cyan"}
 
@@ -28,8 +29,7 @@ def format_event(e: dict[str, Any]) -> str:
     kind = e.get("event", "?")
     fields = {k: v for k, v in e.items() if k not in ("t", "event")}
     if kind == "failed" and fields.get("error"):
-        err = str(fields.pop("error")).strip().splitlines()
-        fields["error"] = err[-1] if err else ""
+        fields["error"] = cause(str(fields.pop("error")))
     if kind == "run_failed":
         fields.pop("errors", None)
     body = " ".join(f"{k}={v}" for k, v in fields.items())
@@ -83,6 +83,22 @@ def status_table(record: RunRecord, live: dict[int, str] | None) -> Table:
             status += " (relaunch pending)"
         if r.get("given_up"):
             status += " (given up)"
-        err = (r.get("last_error") or "").strip().splitlines()
-        table.add_row(str(r["rank"]), str(attempt), status, str(r.get("restarts", 0)), err[-1][:80] if err else "")
+        table.add_row(str(r["rank"]), str(attempt), status, str(r.get("restarts", 0)), cause(r.get("last_error"))[:80])
     return table
+
+
+def health_warnings(record: RunRecord, rounds: list[Any]) -> list[str]:
+    """What makes a run unhealthy whatever its exit codes say: replicas never meeting, divergence."""
+    out = []
+    n = int(record.data.get("launch", {}).get("n_replicas") or 0)
+    if n > 1 and rounds and all(len(r.members) <= 1 for r in rounds):
+        out.append(f"every round so far ({rounds[0].round}-{rounds[-1].round}) had a single member although the run "
+                   f"has {n} replicas: they are training alone, not meeting in the store "
+                   f"{record.data.get('launch', {}).get('rendezvous')!r}")
+    diverged = [r for r in rounds if r.diverged]
+    if diverged:
+        last = diverged[-1]
+        out.append(f"replicas {last.diverged['minority']} held a global state different from "
+                   f"{last.diverged['majority']} at round {last.round} ({len(diverged)} round(s) diverged; the "
+                   f"minority reloads from a checkpoint)")
+    return out

@@ -15,3 +15,4 @@ ENV_SETTINGS = "DILOCO_SETTINGS"
 ENV_TIMEOUT = "DILOCO_TIMEOUT"
 ENV_RESULT_PATH = "DILOCO_RESULT_PATH"
 ENV_STARTED_PATH = "DILOCO_STARTED_PATH"
+ENV_CONFIG = "DILOCO_CONFIG"  # the launcher's user config file (default: <user config dir>/config.toml)

@@ -7,6 +7,10 @@ else escaping a command is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+# The exit status of a replica that stopped on a `UserError` (sysexits.h EX_CONFIG): the same
+# spec would fail the same way again, so the supervisor fails the run instead of relaunching.
+EXIT_CONFIG = 78
+
 
 class DilocoError(Exception):
     """Base class of every error diloco raises deliberately."""
@@ -28,6 +32,10 @@ class BackendNotFound(UserError):
 
 class RunNotFound(UserError):
     """No record of the requested run in the state directory."""
+
+
+class StoreUnusable(UserError):
+    """The rendezvous store cannot serve a run (unreachable, read-only, or ignores create-only puts)."""
 
 
 class BackendError(DilocoError):

@@ -22,6 +22,12 @@ REDACTED = "REDACTED"
 _SECRET_WORDS = {"SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS", "APIKEY", "PASSPHRASE"}
 _SECRET_PAIRS = {("API", "KEY"), ("ACCESS", "KEY"), ("PRIVATE", "KEY"), ("SESSION", "KEY"), ("SIGNING", "KEY")}
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Variables an entrypoint arg must not overwrite (args are exported upper-cased): the process's
+# own plumbing, diloco's and torch's rank contract, and cloud credentials.
+RESERVED_ENV = {"PATH", "HOME", "USER", "SHELL", "PWD", "TMPDIR", "LANG", "TERM", "PYTHONPATH", "PYTHONHOME",
+                "PYTHONUNBUFFERED", "PYTHONSTARTUP", "PYTHONSAFEPATH", "REPLICA_RANK", "WORLD_SIZE", "RANK",
+                "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"}
+RESERVED_ENV_PREFIXES = ("LD_", "DILOCO_", "AWS_", "TORCHELASTIC_", "KUBERNETES_")
 _FUNCTION_REF = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")
 
 
@@ -73,10 +79,44 @@ def is_secret_name(name: str) -> bool:
     return any(w in _SECRET_WORDS for w in words) or any(p in _SECRET_PAIRS for p in zip(words, words[1:]))
 
 
+def exported_arg_name(key: str, value: Any) -> str | None:
+    """The variable a scalar entrypoint arg is exported as (`lr` → `LR`), or None if it is not."""
+    if isinstance(value, (str, int, float, bool)) and _ENV_NAME.match(key):
+        return key.upper()
+    return None
+
+
+def check_entrypoint_args(args: Mapping[str, Any]) -> None:
+    """Refuse args that would clobber a reserved variable or carry a secret in plain text."""
+    for key, value in args.items():
+        if key == "rank_env":
+            continue
+        if is_secret_name(key):
+            raise UserError(f"entrypoint arg `{key}` looks like a secret; list its variable in `secrets = [...]` "
+                            f"and export it in your shell, so its value never lands in files, records or dry runs")
+        name = exported_arg_name(key, value)
+        if name and (name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIXES)):
+            raise UserError(f"entrypoint arg `{key}` would be exported as {name}, which replicas need for "
+                            f"themselves; rename the argument")
+
+
 def redact_env(env: Mapping[str, str], secret_names: Sequence[str] = ()) -> dict[str, str]:
-    """Copy of `env` with the values of secret-looking or declared-secret names replaced."""
+    """Copy of `env` with the values of secret-looking or declared-secret names replaced.
+
+    Secret-looking keys inside DILOCO_ENTRYPOINT_ARGS (a JSON object) are redacted too.
+    """
     secrets = set(secret_names)
-    return {k: (REDACTED if k in secrets or is_secret_name(k) else v) for k, v in env.items()}
+    out = {k: (REDACTED if k in secrets or is_secret_name(k) else v) for k, v in env.items()}
+    raw = out.get(p.ENV_ENTRYPOINT_ARGS)
+    if raw and raw != REDACTED:
+        try:
+            args = json.loads(raw)
+        except ValueError:
+            args = None
+        if isinstance(args, dict) and any(is_secret_name(k) for k in args):
+            out[p.ENV_ENTRYPOINT_ARGS] = json.dumps(
+                {k: (REDACTED if is_secret_name(k) else v) for k, v in args.items()}, sort_keys=True)
+    return out
 
 
 def replica_env(*, rank: int, n_replicas: int, run_id: str, attempt: int,
@@ -90,13 +130,15 @@ def replica_env(*, rank: int, n_replicas: int, run_id: str, attempt: int,
     command-line entrypoints can read them; the whole mapping travels as JSON for functions.
     """
     args = dict(entrypoint_args or {})
+    check_entrypoint_args(args)
     rank_env = str(args.pop("rank_env", p.ENV_RANK))
     if not _ENV_NAME.match(rank_env):
         raise UserError(f"entrypoint arg rank_env={rank_env!r} is not a valid environment variable name")
     out: dict[str, str] = {}
     for key, value in args.items():
-        if isinstance(value, (str, int, float, bool)) and _ENV_NAME.match(key):
-            out[key.upper()] = str(value).lower() if isinstance(value, bool) else str(value)
+        name = exported_arg_name(key, value)
+        if name:
+            out[name] = str(value).lower() if isinstance(value, bool) else str(value)
     out.update(dict(env or {}))
     out.update({
         rank_env: str(rank),

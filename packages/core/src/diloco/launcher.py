@@ -15,9 +15,18 @@ from typing import Any
 from .errors import SpecError, UserError
 from .plugins import get_backend
 from .protocol import ENV_SETTINGS, LaunchPlan, ServerlessExecutor
+from .rendezvous import resolve_rendezvous
 from .spec import RunSpec, validate_backend_options
 from .state import RunRecord, new_run_id, state_dir
 from .supervisor import LaunchArgs, Supervisor
+
+
+def takes_workdir(cls: type) -> bool:
+    """Whether an executor receives the spec's `workdir`: its __init__ names a `workdir`
+    parameter or takes **kwargs (the rule for third-party executors, documented in
+    packages/core/README.md#writing-a-backend)."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    return any(p.name == "workdir" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def make_executor(backend: str, options: dict[str, Any], *, workdir: str | None = None,
@@ -25,7 +34,7 @@ def make_executor(backend: str, options: dict[str, Any], *, workdir: str | None 
     """Instantiate a backend's executor with its [backend] options, validated first."""
     info = get_backend(backend)
     opts = dict(options)
-    if workdir and "workdir" in inspect.signature(info.cls.__init__).parameters:
+    if workdir and takes_workdir(info.cls):
         opts.setdefault("workdir", workdir)
     validate_backend_options(source, info.cls, opts)
     try:
@@ -34,17 +43,14 @@ def make_executor(backend: str, options: dict[str, Any], *, workdir: str | None 
         raise SpecError(f"{source}: [backend] options for {backend!r}: {exc}") from None
 
 
-def default_rendezvous(run_id: str) -> str:
-    return (state_dir() / "runs" / run_id / "store").as_uri()
-
-
-def launch_args(spec: RunSpec, run_id: str) -> LaunchArgs:
+def launch_args(spec: RunSpec, run_id: str, executor: ServerlessExecutor) -> LaunchArgs:
     env = dict(spec.env)
     if spec.diloco:
         env[ENV_SETTINGS] = json.dumps(spec.diloco, sort_keys=True)
+    rendezvous = resolve_rendezvous(spec.rendezvous, backend=spec.backend, executor=executor,
+                                    run_dir=state_dir() / "runs" / run_id, source=spec.source)
     return LaunchArgs(n_replicas=spec.replicas, entrypoint=spec.entrypoint, entrypoint_args=dict(spec.args),
-                      gpu=spec.gpu, timeout=spec.timeout, run_id=run_id,
-                      rendezvous=spec.rendezvous or default_rendezvous(run_id), env=env)
+                      gpu=spec.gpu, timeout=spec.timeout, run_id=run_id, rendezvous=rendezvous, env=env)
 
 
 def secret_values(names: list[str], source: str) -> dict[str, str]:
@@ -65,7 +71,8 @@ def plan(executor: ServerlessExecutor, args: LaunchArgs, secrets: dict[str, str]
 
 def dryrun(spec: RunSpec) -> LaunchPlan:
     executor = make_executor(spec.backend, spec.backend_options, workdir=spec.workdir, source=spec.source)
-    return plan(executor, launch_args(spec, new_run_id(spec.name)), {n: os.environ.get(n, "") for n in spec.secrets})
+    return plan(executor, launch_args(spec, new_run_id(spec.name), executor),
+                {n: os.environ.get(n, "") for n in spec.secrets})
 
 
 def new_run(spec: RunSpec, **supervisor_kwargs: Any) -> Supervisor:
@@ -73,7 +80,7 @@ def new_run(spec: RunSpec, **supervisor_kwargs: Any) -> Supervisor:
     executor = make_executor(spec.backend, spec.backend_options, workdir=spec.workdir, source=spec.source)
     secrets = secret_values(spec.secrets, spec.source)
     run_id = new_run_id(spec.name)
-    args = launch_args(spec, run_id)
+    args = launch_args(spec, run_id, executor)
     plan(executor, args, secrets)  # anything wrong with the request fails here, before a record exists
     record = RunRecord.create(run_id, {"spec": spec.to_dict(), "backend": spec.backend,
                                        "launch": asdict(args), "state": "INIT"})

@@ -24,27 +24,8 @@ from . import protocol as p
 from .errors import UserError
 from .launchenv import check_ranks, parse_entrypoint, redact_env, replica_env
 from .protocol import LaunchPlan, ReplicaHandle, ReplicaResult, ReplicaStatus
-from .state import new_run_id, state_dir
+from .state import new_run_id, process_start_ticks, state_dir
 from .waiting import poll_until_terminal
-
-
-def _proc_start_ticks(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot (Linux), or None if it is not alive."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return None
-    except OSError:  # not Linux: fall back to a signal-0 probe
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        return -1
-    fields = stat.rsplit(")", 1)[1].split()
-    if fields[0] in ("Z", "X"):  # zombie or dead: exited, waiting to be reaped
-        return None
-    return int(fields[19])
 
 
 def _group_alive(pgid: int) -> bool:
@@ -129,6 +110,7 @@ class LocalProcessExecutor:
 
     backend_name = "local"
     supports_inter_replica_network = True
+    shares_launcher_filesystem = True
     supports_rank_relaunch = True
 
     def __init__(self, *, workdir: str | None = None, grace_period: float = 5.0,
@@ -203,7 +185,7 @@ class LocalProcessExecutor:
             self._procs[(run_id, plan["rank"], attempt)] = proc
             handles.append(ReplicaHandle(plan["rank"], self.backend_name, {
                 "run_id": run_id, "attempt": attempt, "pid": proc.pid,
-                "start_ticks": _proc_start_ticks(proc.pid), "stem": stem,
+                "start_ticks": process_start_ticks(proc.pid), "stem": stem,
                 "launched_at": time.time()}))
         return handles
 
@@ -219,7 +201,7 @@ class LocalProcessExecutor:
         proc = self._procs.get((md["run_id"], handle.rank, handle.attempt))
         if proc is not None and proc.poll() is not None:
             return False
-        ticks = _proc_start_ticks(int(md["pid"]))
+        ticks = process_start_ticks(int(md["pid"]))
         if ticks is None:
             return False
         return md.get("start_ticks") in (None, -1) or ticks in (-1, md["start_ticks"])
@@ -257,7 +239,7 @@ class LocalProcessExecutor:
         how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
                else f"exited with code {code}" if code is not None else "died")
         tail = tail_text(log_path, 5).strip()
-        error = f"replica process {how} without reporting a result" + (f"; last output:\n{tail}" if tail else "")
+        error = f"{how} (the replica process reported no result)" + (f"\nlast output:\n{tail}" if tail else "")
         return ReplicaResult(handle.rank, status, code, error, None, handle.attempt)
 
     def stream_logs(self, handle: ReplicaHandle, *, n_lines: int = 200) -> str:

@@ -1,15 +1,23 @@
-"""Per-round metrics, read back from the run's store for `diloco run` and `diloco status`.
+"""Round metrics: one type for a replica's row, one for a round's summary, and a reader that
+costs O(new rounds) requests.
 
-Each replica writes one JSON object per round it took part in, at
-``<run_id>/metrics/r<round:08d>/rank-<r>.json`` (loss, tokens, bytes up/down, seconds in
-compute and in sync, members). This module only reads and aggregates them, so the view is the
-same whichever backend ran the replicas.
+Each replica writes one `RoundMetrics` row per round at ``<run>/metrics/r<round>/rank-<r>.json``.
+Once every member's row is in, one replica (the round's recorder) writes the round's
+`RoundSummary` once, create-only, at ``<run>/rounds/r<round>.json``: the aggregate, every row,
+and the checks made across rows (θ digests that disagree, replicas training alone).
+`diloco run`, `diloco status` and the end-of-run report read summaries, listing only past the
+last round they already have, so a refresh costs one LIST plus one GET per new round however
+long the run is; a round whose recorder died is rebuilt from its rows. The launcher keeps what
+it has read in ``rounds.jsonl`` beside the run record, so `status` on a finished run reads a
+handful of objects.
 """
 
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 
@@ -17,59 +25,208 @@ def metrics_key(run_id: str, round_: int, rank: int) -> str:
     return f"{run_id}/metrics/r{round_:08d}/rank-{rank}.json"
 
 
-def aggregate(round_: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """One round's line: mean loss over members, summed tokens, throughput, sync share."""
-    losses = [r["loss"] for r in rows if r.get("loss") is not None]
-    compute = max((r.get("compute_s", 0.0) for r in rows), default=0.0)
-    sync = max((r.get("sync_s", 0.0) for r in rows), default=0.0)
-    tokens = sum(r.get("tokens", 0) for r in rows)
-    members = sorted({m for r in rows for m in r.get("members", [])})
-    return {
-        "round": round_,
-        "members": members,
-        "reported": sorted(r["rank"] for r in rows),
-        "loss": sum(losses) / len(losses) if losses else None,
-        "tokens": tokens,
-        "tokens_per_s": tokens / (compute + sync) if compute + sync > 0 else None,
-        "sync_share": sync / (compute + sync) if compute + sync > 0 else None,
-        "bytes_up": sum(r.get("bytes_up", 0) for r in rows),
-        "bytes_down": sum(r.get("bytes_down", 0) for r in rows),
-    }
+def summary_key(run_id: str, round_: int) -> str:
+    return f"{run_id}/rounds/r{round_:08d}.json"
 
 
-def read_rounds(rendezvous: str | None, run_id: str, *, after: int = -1, complete_only: bool = True,
-                store: Any = None) -> list[dict[str, Any]]:
-    """Aggregated rounds after round `after`, in order. Missing store → no rounds.
+def _from_dict(cls, data: dict[str, Any]):
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in known})
 
-    Pass an already opened `store` when calling repeatedly (one client, reused connections).
+
+@dataclass
+class RoundMetrics:
+    """What one replica did in one round (written by diloco-replica, read here)."""
+
+    round: int
+    rank: int
+    attempt: int = 0
+    members: list[int] = field(default_factory=list)
+    member: bool = True                 # whether this replica's update is in the round's mean
+    loss: float | None = None           # mean inner loss since the previous round
+    tokens: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    compute_s: float = 0.0
+    sync_s: float = 0.0
+    requests: dict[str, int] = field(default_factory=dict)
+    takeovers: list[int] = field(default_factory=list)
+    state_digest: str | None = None     # CRC-32 of θ_global and of the outer momentum after the round
+    incidents: list[dict[str, Any]] = field(default_factory=list)  # corrupt objects met, and what was done
+    t: float = 0.0
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | memoryview) -> RoundMetrics:
+        return _from_dict(cls, json.loads(bytes(raw)))
+
+
+@dataclass
+class RoundSummary:
+    """One round over all its members: what progress displays show, and the cross-replica checks."""
+
+    round: int
+    members: list[int]
+    reported: list[int]
+    loss: float | None
+    tokens: int
+    tokens_per_s: float | None
+    sync_share: float | None
+    bytes_up: int
+    bytes_down: int
+    diverged: dict[str, Any] | None = None   # {"majority": [...], "minority": [...]} if θ digests disagree
+    incidents: list[dict[str, Any]] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_rows(cls, round_: int, rows: list[RoundMetrics]) -> RoundSummary:
+        losses = [r.loss for r in rows if r.loss is not None]
+        compute = max((r.compute_s for r in rows), default=0.0)
+        sync = max((r.sync_s for r in rows), default=0.0)
+        tokens = sum(r.tokens for r in rows)
+        wall = compute + sync
+        return cls(
+            round=round_, members=sorted({m for r in rows for m in r.members}),
+            reported=sorted(r.rank for r in rows),
+            loss=sum(losses) / len(losses) if losses else None, tokens=tokens,
+            tokens_per_s=tokens / wall if wall > 0 else None, sync_share=sync / wall if wall > 0 else None,
+            bytes_up=sum(r.bytes_up for r in rows), bytes_down=sum(r.bytes_down for r in rows),
+            diverged=divergence(rows), incidents=[i for r in rows for i in r.incidents],
+            rows=[asdict(r) for r in sorted(rows, key=lambda r: r.rank)])
+
+    @property
+    def complete(self) -> bool:
+        return set(self.members) <= set(self.reported)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | memoryview | str) -> RoundSummary:
+        return _from_dict(cls, json.loads(raw if isinstance(raw, str) else bytes(raw)))
+
+
+def divergence(rows: list[RoundMetrics]) -> dict[str, Any] | None:
+    """Which replicas hold a global state different from the others', if any do.
+
+    The majority digest wins; a tie goes to the digest of the lowest rank (with two replicas
+    nothing better exists: the checkpoints are the arbiter, see diloco_replica.history).
     """
-    if not rendezvous and store is None:
-        return []
-    from .store import open_store
+    digests = {r.rank: r.state_digest for r in rows if r.state_digest}
+    if len(set(digests.values())) <= 1:
+        return None
+    counts = Counter(digests.values())
+    best = max(counts.values())
+    winner = min((rank for rank, d in digests.items() if counts[d] == best))
+    good = digests[winner]
+    return {"majority": sorted(r for r, d in digests.items() if d == good),
+            "minority": sorted(r for r, d in digests.items() if d != good), "digest": good}
 
+
+class RoundReader:
+    """Reads round summaries from a run's store, incrementally.
+
+    `read_new()` returns summaries of rounds after the last one returned: one LIST of
+    ``rounds/`` past that point and one GET per new summary. Rounds with rows but no summary
+    (the recorder died) are rebuilt from their rows once a later summary exists or `final` is set.
+    """
+
+    def __init__(self, store: Any, run_id: str, after: int = 0):
+        self.store, self.run_id, self.after = store, run_id, after
+
+    def _list_rounds(self, kind: str) -> dict[int, list[str]]:
+        prefix = f"{self.run_id}/{kind}/"
+        offset = f"{prefix}r{self.after:08d}~"  # every key of rounds ≤ after sorts before this
+        found: dict[int, list[str]] = {}
+        for meta in self.store.list(prefix, offset=offset):
+            name = meta["path"][len(prefix):].split("/")[0].removesuffix(".json")
+            if name.startswith("r") and name[1:].isdigit() and int(name[1:]) > self.after:
+                found.setdefault(int(name[1:]), []).append(meta["path"])
+        return found
+
+    def read_new(self, *, final: bool = False) -> list[RoundSummary]:
+        out: dict[int, RoundSummary] = {}
+        for rnd, paths in self._list_rounds("rounds").items():
+            raw = self.store.get(paths[0])
+            if raw is not None:
+                try:
+                    out[rnd] = RoundSummary.from_json(raw)
+                except (ValueError, TypeError):
+                    continue
+        newest = max(out, default=self.after)
+        orphans = {}
+        if final or out:  # rows listed only when a summary could be missing, not on every idle poll
+            orphans = {r: p for r, p in self._list_rounds("metrics").items() if r not in out and (r < newest or final)}
+        for rnd, paths in orphans.items():
+            rows = []
+            for path in paths:
+                raw = self.store.get(path)
+                if raw is not None:
+                    try:
+                        rows.append(RoundMetrics.from_json(raw))
+                    except (ValueError, TypeError):
+                        continue
+            if rows:
+                out[rnd] = RoundSummary.from_rows(rnd, rows)
+        result = [out[r] for r in sorted(out)]
+        if result:
+            self.after = result[-1].round
+        return result
+
+
+class RoundCache:
+    """Summaries already read, kept beside the run record (`rounds.jsonl`): status on a finished
+    run reads them from disk, not from the store."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / "rounds.jsonl"
+
+    def load(self) -> list[RoundSummary]:
+        by_round: dict[int, RoundSummary] = {}
+        try:
+            for line in self.path.read_text().splitlines():
+                try:
+                    s = RoundSummary.from_json(line)
+                except (ValueError, TypeError):
+                    continue  # a line cut short by a killed process
+                by_round[s.round] = s
+        except FileNotFoundError:
+            pass
+        return [by_round[r] for r in sorted(by_round)]
+
+    def append(self, summaries: list[RoundSummary]) -> None:
+        if not summaries:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write("".join(s.to_json().decode() + "\n" for s in summaries))
+
+
+def read_rounds(rendezvous: str | None, run_id: str, *, store: Any = None, cache_dir: Path | None = None,
+                final: bool = False) -> list[RoundSummary]:
+    """Every round summary of a run: the cached ones, then what the store has past them.
+
+    An unreachable store gives what the cache has (a shell without the store's credentials
+    still sees the rounds its launcher recorded).
+    """
+    cache = RoundCache(cache_dir) if cache_dir else None
+    known = cache.load() if cache else []
+    if store is None and rendezvous:
+        from .store import open_store
+
+        try:
+            store = open_store(rendezvous)
+        except Exception:
+            return known
+    if store is None:
+        return known
+    reader = RoundReader(store, run_id, after=known[-1].round if known else 0)
     try:
-        store = store if store is not None else open_store(rendezvous)
-        offset = f"{run_id}/metrics/r{after:08d}/~" if after >= 0 else None
-        by_round: dict[int, list[dict[str, Any]]] = defaultdict(list)
-        for meta in store.list(f"{run_id}/metrics/", offset=offset):
-            parts = meta["path"].split("/")
-            if len(parts) != 4 or not parts[2].startswith("r"):
-                continue
-            raw = store.get(meta["path"])
-            if raw is None:
-                continue
-            try:
-                by_round[int(parts[2][1:])].append(json.loads(bytes(raw)))
-            except (ValueError, json.JSONDecodeError):
-                continue
+        new = reader.read_new(final=final)
     except Exception:  # the store may not exist yet, or be unreachable from this shell
-        return []
-    out = []
-    rounds = [r for r in sorted(by_round) if r > after]
-    for i, rnd in enumerate(rounds):
-        agg = aggregate(rnd, by_round[rnd])
-        # the newest round may still be reporting; an older one missing a member never will
-        if complete_only and i == len(rounds) - 1 and not set(agg["members"]) <= set(agg["reported"]):
-            break
-        out.append(agg)
-    return out
+        return known
+    if cache:
+        cache.append(new)
+    return known + new

@@ -127,6 +127,11 @@ class ServerlessExecutor(Protocol):
       supports_rank_relaunch: whether `launch_replicas(..., ranks=[r])` can start one rank
         alone while the others run. If False, the supervisor restarts the whole gang.
 
+    Optional class attribute (not part of the structural check, so older executors still match):
+      shares_launcher_filesystem: True only if every replica sees the launcher's files (the
+        local backend). Executors that leave it out are treated as remote, and `diloco run`
+        refuses a file:// rendezvous for them (see `diloco.rendezvous`).
+
     Keyword arguments beyond the original contract:
       run_id: the run these replicas belong to (the launcher makes one if None).
       rendezvous: the object-store URI replicas meet at, exported as DILOCO_RENDEZVOUS.

@@ -123,6 +123,17 @@ def _run_command(cmd: list[str], outcome: _Outcome) -> int:
     return 1
 
 
+def failure_cause(exc: BaseException, ctx: ReplicaContext) -> str:
+    """The first line of a failed replica's error: the exception, and where training was.
+
+    The global step (set by the DiLoCo runtime as it trains) lets the supervisor tell a bug that
+    every rank hits at the same step from infrastructure failures, which never carry one.
+    """
+    text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}".rstrip(": ")
+    step = getattr(ctx, "global_step", None)
+    return f"{text} (at global step {step})" if step is not None else text
+
+
 def main() -> int:
     ctx = ReplicaContext.from_env()
     entrypoint = os.environ[v.ENV_ENTRYPOINT]
@@ -152,13 +163,19 @@ def main() -> int:
         else:
             outcome.write("failed", code, f"entrypoint exited with code {code}")
         return code
-    except BaseException:
+    except BaseException as exc:
+        from .errors import EXIT_CONFIG, UserError
+
+        if isinstance(exc, UserError):  # a mistake in the spec or the store, not in the code: one line
+            print(f"diloco: error: {exc}", file=sys.stderr, flush=True)
+            outcome.write("failed", EXIT_CONFIG, str(exc))
+            return EXIT_CONFIG
         import traceback
 
         tb = traceback.format_exc()
         sys.stderr.write(tb)
         sys.stderr.flush()
-        outcome.write("failed", 1, tb)
+        outcome.write("failed", 1, f"{failure_cause(exc, ctx)}\n{tb}")
         return 1
 
 

@@ -7,12 +7,12 @@
     workdir = "."                           # where the code lives (relative to this file)
     gpu = "H100"                            # optional logical GPU name
     timeout = 3600                          # seconds, per replica attempt
-    rendezvous = "file:///tmp/store"        # optional; default: inside the run's records
+    rendezvous = "s3://bucket/prefix"       # optional; default: DILOCO_RENDEZVOUS / config, or (local) the records
     secrets = ["HF_TOKEN"]                  # launcher env vars forwarded, never recorded
     [args]    ...                           # entrypoint arguments
     [env]     ...                           # extra environment variables (not secret)
     [backend] name = "eks", ...             # instead of backend = "...": the backend and its options
-    [restart] policy / max_restarts / max_restarts_per_rank / backoff / min_replicas
+    [restart] policy / max_restarts / max_restarts_per_rank / backoff / min_replicas / fail_fast_seconds
     [diloco]  sync_every / outer_lr / ...   # DiLoCo settings read by diloco-replica
 
 Unknown keys, wrong types and out-of-range values raise `SpecError` naming file and key.
@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SpecError, UserError
-from .launchenv import is_secret_name, parse_entrypoint
+from .launchenv import check_entrypoint_args, is_secret_name, parse_entrypoint
+from .rendezvous import SCHEMES
 
 
 def _type_name(value: Any) -> str:
@@ -134,6 +135,8 @@ RESTART = {
     "backoff_max": Field("float", default=60.0, min=0),
     "min_replicas": Field("int", min=1, help="ranks that must stay alive and succeed (default: all)"),
     "monitor_interval": Field("float", default=1.0, min=0.01),
+    "fail_fast_seconds": Field("float", default=900.0, min=0,
+                               help="the same error at the same step on every rank this soon after start: stop"),
 }
 
 DILOCO = {
@@ -143,13 +146,15 @@ DILOCO = {
     "nesterov": Field("bool", default=True),
     "transport": Field("str", default="fp32", choices=("fp32", "bf16", "fp16", "int8")),
     "round_timeout": Field("float", default=300.0, min=0.1),
-    "min_replicas": Field("int", default=1, min=1),
+    "min_members": Field("int", default=1, min=1, help="fewest replicas a sync round may average over"),
     "checkpoint_every": Field("int", default=10, min=1, help="rounds between checkpoints of the global state"),
     "poll_interval": Field("float", min=0.001, help="first wait when polling the store (default: by store)"),
     "poll_max": Field("float", min=0.001, help="longest wait between polls (default: by store)"),
 }
 
-_URI = re.compile(r"^(file|s3|memory)://")
+_URI = re.compile(rf"^({'|'.join(SCHEMES)})://")
+# Keys that were renamed: the old name gets a one-line pointer instead of "unknown key".
+RENAMED = {"diloco.min_replicas": "diloco.min_members"}
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -184,14 +189,19 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", base_dir: Pat
                name_default: str = "run") -> RunSpec:
     where = source
     data = dict(data)
+    for old, new in RENAMED.items():
+        table, _, key = old.partition(".")
+        if isinstance(data.get(table), dict) and key in data[table]:
+            raise SpecError(f"{where}: `{old}` was renamed to `{new}` (the replicas a sync round needs; "
+                            f"[restart] min_replicas is how many must stay alive)")
     top = check_table(where, data, TOP_LEVEL)
     restart = check_table(where, top["restart"], RESTART, "restart.")
     diloco = check_table(where, top["diloco"], DILOCO, "diloco.")
     if restart["min_replicas"] is not None and restart["min_replicas"] > top["replicas"]:
         raise SpecError(f"{where}: `restart.min_replicas` ({restart['min_replicas']}) exceeds `replicas` "
                         f"({top['replicas']})")
-    if diloco["min_replicas"] > top["replicas"]:
-        raise SpecError(f"{where}: `diloco.min_replicas` ({diloco['min_replicas']}) exceeds `replicas` "
+    if diloco["min_members"] > top["replicas"]:
+        raise SpecError(f"{where}: `diloco.min_members` ({diloco['min_members']}) exceeds `replicas` "
                         f"({top['replicas']})")
     for key, value in top["env"].items():
         if not _ENV_NAME.match(key) or not isinstance(value, (str, int, float, bool)):
@@ -203,8 +213,11 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", base_dir: Pat
         if not _ENV_NAME.match(name):
             raise SpecError(f"{where}: `secrets` entry {name!r} is not an environment variable name")
     if top["rendezvous"] and not _URI.match(top["rendezvous"]):
-        raise SpecError(f"{where}: `rendezvous` must be a file://, s3:// or memory:// URI, "
-                        f"got {top['rendezvous']!r}")
+        raise SpecError(f"{where}: `rendezvous` must be an s3:// or file:// URI, got {top['rendezvous']!r}")
+    try:
+        check_entrypoint_args(top["args"])
+    except UserError as exc:
+        raise SpecError(f"{where}: {exc}".replace("entrypoint arg `", "`args.")) from None
     base = base_dir or Path.cwd()
     workdir = (base / (top["workdir"] or ".")).resolve()
     if not workdir.is_dir():

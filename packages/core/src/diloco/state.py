@@ -32,6 +32,25 @@ def state_dir() -> Path:
     return Path(platformdirs.user_state_dir("diloco"))
 
 
+def process_start_ticks(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot (Linux), or None if it is not alive."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError:  # not Linux: fall back to a signal-0 probe
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        return -1
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] in ("Z", "X"):  # zombie or dead: exited, waiting to be reaped
+        return None
+    return int(fields[19])
+
+
 def new_run_id(name: str) -> str:
     """A run id that is also a valid DNS label prefix: lowercase, digits, dashes."""
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:30].strip("-") or "run"

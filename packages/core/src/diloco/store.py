@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from .errors import UserError
+from .errors import StoreUnusable, UserError
 
 _MEMORY_STORES: dict[str, Any] = {}
 
@@ -117,3 +117,45 @@ def open_store(uri: str) -> Store:
         raw = S3Store(parsed.netloc, config=config, client_options=client_options)
         return Store(raw, parsed.path.strip("/"), uri)
     raise UserError(f"rendezvous {uri!r}: unsupported scheme {parsed.scheme!r}; use file://, s3:// or memory://")
+
+
+def verify_store(store: Store, run_id: str, who: str) -> None:
+    """Prove the store can serve a run before training starts, or raise StoreUnusable.
+
+    Write, read back, list, and a second create-only put of the same key, which must raise
+    ObjectExists: a store that ignores If-None-Match would let two replicas both "win" every
+    first-writer-wins decision (round membership, reduced shards, checkpoints) and silently
+    disagree. The probe object is deleted afterwards.
+    """
+    import secrets
+
+    key = f"{run_id}/probe/{who}-{secrets.token_hex(4)}"
+    data = f"diloco probe {who}".encode()
+    step = "write an object"
+    try:
+        store.put(key, data, create_only=True)
+        step = "read the object back"
+        got = store.get(key)
+        if got is None or bytes(got) != data:
+            raise StoreUnusable(f"rendezvous {store.uri!r}: an object written was not read back intact")
+        step = "list objects"
+        if not any(m["path"] == key for m in store.list(f"{run_id}/probe/")):
+            raise StoreUnusable(f"rendezvous {store.uri!r}: an object written does not appear in a listing")
+        step = "refuse a second create-only write"
+        try:
+            store.put(key, b"second writer", create_only=True)
+        except ObjectExists:
+            pass
+        else:
+            raise StoreUnusable(f"rendezvous {store.uri!r} ignores create-only writes (If-None-Match): replicas "
+                                f"could not agree on anything; use a store that honours conditional puts")
+    except StoreUnusable:
+        raise
+    except Exception as exc:
+        raise StoreUnusable(f"rendezvous {store.uri!r}: could not {step}: {type(exc).__name__}: "
+                            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
+    finally:
+        try:
+            store.delete(key)
+        except Exception:
+            pass

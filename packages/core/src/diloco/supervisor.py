@@ -17,6 +17,17 @@ Budgets: ``max_restarts`` counts relaunches across the whole run (a gang restart
 succeeded; a rank whose budget is spent is given up, and the run goes on while enough remain.
 Below that, every rank is cancelled and the run fails with each rank's last error.
 
+Failures that relaunching cannot fix end the run at once instead of spending the budget (each
+relaunch on a cloud backend costs minutes and money): a replica that stopped on a spec or
+store mistake (exit 78, `diloco.errors.EXIT_CONFIG`), and the same exception at the same global
+step on every rank, each within ``fail_fast_seconds`` of its start. Signals, OOM kills,
+preemptions and lost nodes are always relaunched.
+
+Each completed round's summary (`diloco.metrics.RoundSummary`, from the store) becomes a
+``round`` event; a summary whose replicas disagree on θ becomes ``diverged``, a corrupt object a
+replica met becomes ``incident``, and a run whose rounds all had a single member although it has
+several replicas gets ``training_alone`` (the replicas are not meeting) and an UNHEALTHY state.
+
 All state is in the run record (handles of every attempt, budgets, status), written on every
 change, so a new launcher can reattach (`diloco resume`) and continue where this one stopped.
 """
@@ -31,8 +42,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from .failures import code_failure_signature, is_config_error, shorten
 from .protocol import ReplicaHandle, ReplicaResult, ReplicaStatus, ServerlessExecutor
-from .state import RunRecord
+from .state import RunRecord, process_start_ticks
 
 
 HEARTBEAT_EVERY = 5.0  # seconds between record saves while nothing changes
@@ -74,12 +86,16 @@ class RankState:
     last_error: str | None = None
     result: Any = None
     history: list[dict[str, Any]] = field(default_factory=list)  # every attempt's handle
+    launched_at: float | None = None     # when the current attempt was launched
+    failure_signature: str | None = None  # the latest failure's cause, if training code raised it
+    failed_soon: bool = False            # whether that failure came within fail_fast_seconds of launch
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "handle": self.handle.to_dict() if self.handle else None,
                 "status": self.status, "restarts": self.restarts, "given_up": self.given_up,
                 "relaunch_at": self.relaunch_at, "last_error": self.last_error, "result": self.result,
-                "history": self.history}
+                "history": self.history, "launched_at": self.launched_at,
+                "failure_signature": self.failure_signature, "failed_soon": self.failed_soon}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RankState:
@@ -87,7 +103,9 @@ class RankState:
         return cls(rank=data["rank"], handle=handle, status=data.get("status", "pending"),
                    restarts=data.get("restarts", 0), given_up=data.get("given_up", False),
                    relaunch_at=data.get("relaunch_at"), last_error=data.get("last_error"),
-                   result=data.get("result"), history=list(data.get("history", [])))
+                   result=data.get("result"), history=list(data.get("history", [])),
+                   launched_at=data.get("launched_at"), failure_signature=data.get("failure_signature"),
+                   failed_soon=data.get("failed_soon", False))
 
 
 @dataclass
@@ -121,6 +139,7 @@ class Supervisor:
         self.backoff_max = float(restart.get("backoff_max", 60.0))
         self.min_replicas = int(restart.get("min_replicas") or launch.n_replicas)
         self.interval = float(restart.get("monitor_interval", 1.0))
+        self.fail_fast_seconds = float(restart.get("fail_fast_seconds", 900.0))
         self.secret_env = dict(secret_env or {})
         self.on_tick = on_tick
         self.clock = clock
@@ -130,17 +149,20 @@ class Supervisor:
         self.restarts_used = int(record.data.get("restarts_used", 0))
         self.state = GroupState(record.data.get("state", GroupState.INIT.value))
         self.last_round = int(record.data.get("last_round", 0))
+        self.health: dict[str, Any] = dict(record.data.get("health") or {})
         self.rounds_every = 1.0
         self._next_rounds_check = 0.0
-        self._store = None  # the run's store, opened once for round events
+        self._rounds = None  # RoundReader over the run's store, opened once
 
     # -- persistence -----------------------------------------------------------------------
 
     def save(self) -> None:
         self.record.data.update({
             "state": self.state.value, "ranks": [r.to_dict() for r in self.ranks],
-            "restarts_used": self.restarts_used, "policy": self.policy,
-            "launcher": {"pid": os.getpid(), "host": socket.gethostname(), "heartbeat": self.clock()},
+            "restarts_used": self.restarts_used, "policy": self.policy, "last_round": self.last_round,
+            "health": self.health,
+            "launcher": {"pid": os.getpid(), "host": socket.gethostname(), "heartbeat": self.clock(),
+                         "start_ticks": process_start_ticks(os.getpid())},
         })
         self.record.save()
 
@@ -162,6 +184,7 @@ class Supervisor:
             for h in handles:
                 st = self.ranks[h.rank]
                 st.handle, st.status, st.relaunch_at = h, ReplicaStatus.PENDING.value, None
+                st.launched_at = self.clock()
                 st.history.append(h.to_dict())
             self._event("launch", ranks=group, attempt=attempt)
         self.save()
@@ -177,30 +200,60 @@ class Supervisor:
     def alive(self) -> list[RankState]:
         return [r for r in self.ranks if r.status in ("pending", "running") or r.relaunch_at is not None]
 
-    def _rank_error(self, st: RankState) -> str | None:
+    def _rank_result(self, st: RankState) -> ReplicaResult:
         res: ReplicaResult = self.executor.collect([st.handle], timeout=0)[0]
-        return res.error or (f"exit code {res.exit_code}" if res.exit_code else None)
+        if not res.error and res.exit_code:
+            res.error = f"exit code {res.exit_code}"
+        return res
 
-    def _record_rounds(self) -> None:
-        """Membership and loss of each newly completed DiLoCo round, from the store, as events."""
+    def _record_rounds(self, *, final: bool = False) -> bool:
+        """Round summaries completed since the last look, from the store, as events; True if any.
+
+        `final`: the replicas are done, so a round whose summary never came is rebuilt from its rows.
+        """
         now = self.clock()
-        if now < self._next_rounds_check:
-            return
+        if (now < self._next_rounds_check and not final) or not self.launch.rendezvous:
+            return False
         self._next_rounds_check = now + self.rounds_every
-        from .metrics import read_rounds
+        from .metrics import RoundCache, RoundReader
         from .store import open_store
 
-        if self._store is None and self.launch.rendezvous:
+        if self._rounds is None:
             try:
-                self._store = open_store(self.launch.rendezvous)
+                self._rounds = RoundReader(open_store(self.launch.rendezvous), self.launch.run_id,
+                                           after=self.last_round)
             except Exception:  # unreachable from this shell: no round events, supervision goes on
-                return
-        for rnd in read_rounds(self.launch.rendezvous, self.launch.run_id, after=self.last_round,
-                               store=self._store):
-            self._event("round", round=rnd["round"], members=rnd["members"], loss=_round_loss(rnd["loss"]),
-                        tokens_per_s=round(rnd["tokens_per_s"] or 0), sync_share=_round_loss(rnd["sync_share"]))
-            self.last_round = rnd["round"]
-        self.record.data["last_round"] = self.last_round
+                return False
+        try:
+            new = self._rounds.read_new(final=final)
+        except Exception:
+            return False
+        RoundCache(self.record.dir).append(new)
+        for rnd in new:
+            self._event("round", round=rnd.round, members=rnd.members, loss=_rounded(rnd.loss),
+                        tokens_per_s=round(rnd.tokens_per_s or 0), sync_share=_rounded(rnd.sync_share))
+            if rnd.diverged:
+                self._event("diverged", round=rnd.round, minority=rnd.diverged["minority"],
+                            majority=rnd.diverged["majority"])
+            for inc in rnd.incidents:
+                self._event("incident", **{k: v for k, v in inc.items() if k != "round"}, round=rnd.round)
+            self._check_alone(rnd.round, rnd.members)
+            self.last_round = rnd.round
+        return bool(new)
+
+    def _check_alone(self, round_: int, members: list[int]) -> None:
+        """A run of several replicas whose every round had one member is N unrelated trainings."""
+        if self.launch.n_replicas < 2 or self.health.get("met"):
+            return
+        if len(members) > 1:
+            self.health.pop("alone", None)
+            self.health["met"] = True
+            return
+        if "alone" not in self.health:
+            self._event("training_alone", round=round_, ranks=members,
+                        reason=f"every round so far had a single member although the run has {self.launch.n_replicas} "
+                               "replicas: they are not meeting in the store")
+        self.health["alone"] = {"through_round": round_, "ranks": members}
 
     def _give_up_or_schedule(self, st: RankState, now: float) -> None:
         if self.policy == "never" or st.restarts >= self.max_per_rank or self.restarts_used >= self.max_restarts:
@@ -215,8 +268,7 @@ class Supervisor:
     def tick(self) -> GroupState:
         """One monitor pass: poll every rank, react to changes, relaunch what is due."""
         now = self.clock()
-        changed = False
-        self._record_rounds()
+        changed = self._record_rounds()
         for st in self.ranks:
             if st.handle is None or st.relaunch_at is not None or st.status in ("succeeded", "failed", "cancelled"):
                 continue
@@ -233,8 +285,18 @@ class Supervisor:
             elif status is ReplicaStatus.CANCELLED:
                 self._event("cancelled", rank=st.rank, attempt=st.handle.attempt)
             elif status is ReplicaStatus.FAILED:
-                st.last_error = self._rank_error(st)
-                self._event("failed", rank=st.rank, attempt=st.handle.attempt, error=_short(st.last_error))
+                res = self._rank_result(st)
+                st.last_error = res.error
+                st.failure_signature = code_failure_signature(res.error)
+                st.failed_soon = st.launched_at is None or now - st.launched_at <= self.fail_fast_seconds
+                self._event("failed", rank=st.rank, attempt=st.handle.attempt, error=shorten(st.last_error))
+                if is_config_error(res.exit_code):
+                    return self._fail(f"rank {st.rank} stopped on a configuration error, which a relaunch would "
+                                      f"repeat: {st.last_error}")
+                same = self._same_code_failure_everywhere()
+                if same:
+                    return self._fail(f"every rank failed with the same error at the same step: {same}; not "
+                                      f"relaunching (it would fail again): fix the code and start a new run")
                 if self.policy == "gang":
                     self._gang_restart(now, failed=st)
                     break
@@ -256,20 +318,26 @@ class Supervisor:
             return self._fail(f"only {live + succeeded} of {self.launch.n_replicas} replicas are alive or done, "
                               f"below min_replicas={self.min_replicas}")
         if live == 0:
-            self._next_rounds_check = 0.0
-            self._record_rounds()  # the last rounds, before the run is declared over
+            self._record_rounds(final=True)  # the last rounds, before the run is declared over
             # enough succeeded: fewer would have failed the run just above
             self.state = GroupState.SUCCEEDED
             self._event("run_succeeded", succeeded=succeeded, given_up=[r.rank for r in self.ranks if r.given_up])
             changed = True
         else:
-            unhealthy = any(r.relaunch_at is not None or r.given_up for r in self.ranks)
+            unhealthy = any(r.relaunch_at is not None or r.given_up for r in self.ranks) or "alone" in self.health
             new_state = GroupState.UNHEALTHY if unhealthy else GroupState.HEALTHY
             changed = changed or new_state != self.state
             self.state = new_state
         if changed:
             self.save()
         return self.state
+
+    def _same_code_failure_everywhere(self) -> str | None:
+        """The shared cause if every rank's latest failure is the same exception at the same step, soon after start."""
+        sigs = {st.failure_signature if st.failed_soon else None for st in self.ranks}
+        if len(sigs) == 1 and None not in sigs:
+            return sigs.pop()
+        return None
 
     def _gang_restart(self, now: float, failed: RankState) -> None:
         if self.restarts_used >= self.max_restarts:
@@ -297,7 +365,7 @@ class Supervisor:
             st.relaunch_at = None
         self.state = GroupState.FAILED
         self.record.data["failure"] = reason
-        self._event("run_failed", reason=reason, errors={str(r.rank): _short(r.last_error) for r in self.ranks})
+        self._event("run_failed", reason=shorten(reason), errors={str(r.rank): shorten(r.last_error) for r in self.ranks})
         self.save()
         return self.state
 
@@ -333,11 +401,5 @@ class Supervisor:
         return state
 
 
-def _round_loss(x: float | None) -> float | None:
+def _rounded(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
-
-
-def _short(text: str | None, limit: int = 2000) -> str | None:
-    if text is None or len(text) <= limit:
-        return text
-    return "…" + text[-limit:]

@@ -1,10 +1,12 @@
 """diloco-replica: the runtime inside every replica — DiLoCo and the object-store all-reduce."""
 
 from diloco.context import ReplicaContext
+from diloco.metrics import RoundMetrics
 
-from .allreduce import RoundFailed, StoreAllReduce
+from .allreduce import StoreAllReduce
 from .diloco import DEFAULTS, DiLoCo, RoundInfo, inner_optimizer
+from .membership import FellBehind, RoundFailed
 from .wire import CorruptObject
 
-__all__ = ["DEFAULTS", "CorruptObject", "DiLoCo", "ReplicaContext", "RoundFailed", "RoundInfo", "StoreAllReduce",
-           "inner_optimizer"]
+__all__ = ["DEFAULTS", "CorruptObject", "DiLoCo", "FellBehind", "ReplicaContext", "RoundFailed", "RoundInfo",
+           "RoundMetrics", "StoreAllReduce", "inner_optimizer"]

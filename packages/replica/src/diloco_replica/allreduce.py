@@ -5,27 +5,32 @@ Round r, replica i with pseudo-gradient Δ_i split into N contiguous shards, sha
 
 1. scatter: upload shard j of Δ_i to ``r/scatter/j/i`` for every j ≠ i, then a tiny
    ``r/ready/i`` marker (so "ready" implies all its shards are in the store);
-2. membership: wait (with backoff) until all N are ready or ``round_timeout`` passes, then
-   create-only put ``r/members.json``. The first writer wins and everyone reads the winner's
-   list, so every shard is averaged over the same members. Fewer than ``min_replicas`` → error.
-   A replica that arrives after the decision is *late*: its Δ is left out of this round;
+2. membership (`membership.Membership`): one create-only ``members.json`` fixes who is in;
 3. reduce: the reducer of shard j (j itself if it is a member, else the member at position
    j mod |members|) averages the members' contributions in rank order in fp32, encodes the mean
-   with the transport codec and create-only puts ``r/reduced/j``;
-4. gather: download the other N−1 reduced shards. If one does not appear within the timeout
-   (its reducer died after the decision), any waiting replica computes it from the scatter
-   objects and create-only puts it — first writer wins, so all replicas still read the same bytes.
+   with the transport codec and create-only puts ``r/reduced/j``. A contribution that fails its
+   checksum twice is left out of that shard's mean, and the reduced object says so;
+4. gather: download the other N−1 reduced shards. One that does not appear within the timeout
+   (its reducer died) is taken over by exactly one waiting replica — whoever wins the
+   create-only ``r/claim/j.<g>`` — while the rest keep waiting for its result; a claimant that
+   dies too is replaced by generation g+1.
 
 Every replica decodes the same reduced bytes (the reducer too), so the mean is bit-identical
-everywhere. Per replica and round, with its shard reduced by itself: up S (N−1 shards out, one
-reduced shard), down 2(N−1)/N·S — the ring all-reduce bound; O(N) requests.
+everywhere. A reduced shard that is corrupt in the store is re-published by its reducer, which
+keeps the bytes it wrote until its next round: a reader asks with ``r/repair/j`` and reads
+``r/repaired/j``. Races with retention end in "use the published result" or `FellBehind`
+(rejoin), never in an exception that costs a restart.
+
+Per replica and round, with its shard reduced by itself: up S (N−1 shards out, one reduced
+shard), down 2(N−1)/N·S — the ring all-reduce bound; O(N) requests.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,62 +39,14 @@ import torch
 
 from diloco.store import ObjectExists, Store
 
+from .faults import CorruptionInjector, PhaseMarker
+from .history import History
+from .membership import FellBehind, Membership, RoundFailed
+from .transport import Backoff, CountingStore, RunKeys, Traffic, reducer_of, shard_bounds
 from .wire import CorruptObject, Identity, decode_tensor, encode_tensor, pack, unpack
 
-
-class RoundFailed(Exception):
-    """A round could not complete (too few replicas, or an object never appeared)."""
-
-
-class FellBehind(RoundFailed):
-    """This replica's round is older than the history the store still keeps: rejoin instead."""
-
-
-@dataclass
-class Traffic:
-    """Object bytes and requests through the store, as the all-reduce layer counts them."""
-
-    bytes_up: int = 0
-    bytes_down: int = 0
-    puts: int = 0
-    gets: int = 0
-    lists: int = 0
-    deletes: int = 0
-
-    def snapshot(self) -> Traffic:
-        return Traffic(**self.__dict__)
-
-    def since(self, before: Traffic) -> Traffic:
-        return Traffic(**{k: getattr(self, k) - getattr(before, k) for k in self.__dict__})
-
-
-class CountingStore:
-    """Wraps the run's store; counts every byte and request the all-reduce makes."""
-
-    def __init__(self, store: Store):
-        self.store = store
-        self.traffic = Traffic()
-
-    def put(self, key: str, data: bytes | list[bytes | memoryview], *, create_only: bool = False) -> None:
-        self.traffic.puts += 1
-        parts = data if isinstance(data, list) else [data]
-        self.traffic.bytes_up += sum(memoryview(x).nbytes for x in parts)
-        self.store.put(key, data, create_only=create_only)
-
-    def get(self, key: str) -> memoryview | None:
-        self.traffic.gets += 1
-        data = self.store.get(key)
-        if data is not None:
-            self.traffic.bytes_down += data.nbytes
-        return data
-
-    def list_names(self, prefix: str) -> list[str]:
-        self.traffic.lists += 1
-        return [m["path"][len(prefix):] for m in self.store.list(prefix)]
-
-    def delete(self, key: str) -> None:
-        self.traffic.deletes += 1
-        self.store.delete(key)
+__all__ = ["FellBehind", "RoundFailed", "RoundResult", "StoreAllReduce"]
+REPAIR_POLL_CAP = 5.0  # a reducer watching for repair requests backs off to one LIST per 5 s
 
 
 @dataclass
@@ -97,152 +54,99 @@ class RoundResult:
     round: int
     members: list[int]
     mean: torch.Tensor
-    late: bool
+    member: bool                    # whether this replica's update is in the mean
     traffic: Traffic
     seconds: float
     takeovers: list[int] = field(default_factory=list)
-
-
-def shard_bounds(numel: int, n: int) -> list[tuple[int, int]]:
-    """N contiguous, near-equal slices covering [0, numel)."""
-    base, extra = divmod(numel, n)
-    bounds, start = [], 0
-    for j in range(n):
-        end = start + base + (1 if j < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
-def reducer_of(shard: int, members: list[int]) -> int:
-    return shard if shard in members else members[shard % len(members)]
-
-
-class Backoff:
-    """Waits that grow (×1.5 up to `cap`), so waiting costs O(log) requests, not a tight loop."""
-
-    def __init__(self, first: float, cap: float = 1.0):
-        self.delay, self.cap = first, cap
-
-    def sleep(self, deadline: float) -> bool:
-        """Sleep the next interval; False if the deadline has passed."""
-        now = time.monotonic()
-        if now >= deadline:
-            return False
-        time.sleep(min(self.delay, deadline - now))
-        self.delay = min(self.delay * 1.5, self.cap)
-        return True
-
-
-class PhaseMarker:
-    """Fault-injection aid: announces which phase of a round a replica is in.
-
-    With DILOCO_FAULT_PHASE_FILE set (``{rank}`` is replaced), each phase's name is written
-    there as it starts, and DILOCO_FAULT_PHASE_DELAY seconds are slept, so a test harness can
-    aim SIGKILLs at uploads, reductions and gathers and record where each kill landed. Off (no
-    cost beyond one attribute check) unless the variable is set.
-    """
-
-    def __init__(self, rank: int):
-        import os
-
-        template = os.environ.get("DILOCO_FAULT_PHASE_FILE")
-        self.path = template.replace("{rank}", str(rank)) if template else None
-        self.delay = float(os.environ.get("DILOCO_FAULT_PHASE_DELAY") or 0)
-
-    def __call__(self, phase: str, r: int) -> None:
-        if self.path is None:
-            return
-        with open(self.path, "w") as f:
-            f.write(f"{phase} {r}\n")
-        if self.delay:
-            time.sleep(self.delay)
+    incidents: list[dict[str, Any]] = field(default_factory=list)
 
 
 class StoreAllReduce:
     def __init__(self, store: Store, run_id: str, rank: int, world_size: int, *, codec: str = "fp32",
-                 round_timeout: float = 300.0, min_replicas: int = 1, poll_interval: float = 0.05,
+                 round_timeout: float = 300.0, min_members: int = 1, poll_interval: float = 0.05,
                  poll_max: float = 1.0, workers: int = 8, log: Callable[[str], None] | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         self.store = CountingStore(store)
+        self.keys = RunKeys(run_id)
         self.run_id, self.rank, self.n = run_id, rank, world_size
         self.codec = codec
         self.round_timeout = round_timeout
-        self.min_replicas = min_replicas
         self.poll_interval, self.poll_max = poll_interval, poll_max
         self.pool = ThreadPoolExecutor(max_workers=max(2, min(workers, 2 * world_size)))
         self.log = log or (lambda msg: None)
         self.phase = PhaseMarker(rank)
-
-    # -- keys --------------------------------------------------------------------------------
-
-    def _round(self, r: int) -> str:
-        return f"{self.run_id}/r{r:08d}"
-
-    def scatter_key(self, r: int, owner: int, src: int) -> str:
-        return f"{self._round(r)}/scatter/{owner}/{src}"
-
-    def reduced_key(self, r: int, owner: int) -> str:
-        return f"{self._round(r)}/reduced/{owner}"
+        self.corrupt = CorruptionInjector()
+        self.history = History(self.store, self.keys, world_size, self.pool, self.log)
+        self.membership = Membership(self.store, self.keys, rank, world_size, self.history,
+                                     round_timeout=round_timeout, min_members=min_members,
+                                     poll_interval=poll_interval, poll_max=poll_max, log=self.log)
+        self._published: dict[int, tuple[int, list]] = {}  # shard -> (round, blob) this replica last reduced
+        self._cleanup_due: tuple[int, list[int], list[int]] | None = None
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     # -- the round ---------------------------------------------------------------------------
 
-    def reduce(self, r: int, delta: torch.Tensor) -> RoundResult:
-        """Average `delta` (fp32, CPU, flat) with whoever joins round `r`."""
+    def run_round(self, r: int, delta: torch.Tensor) -> RoundResult:
+        """Take part in round `r` with `delta` (fp32, CPU, flat); return the members' mean."""
         t0, before = time.monotonic(), self.store.traffic.snapshot()
+        self._stop_watching()
+        self._serve_repairs_once()  # late requests for the previous round (e.g. from a replaying rejoiner)
+        self._published.clear()
         delta = delta.detach().to("cpu", torch.float32).reshape(-1)
         bounds = shard_bounds(delta.numel(), self.n)
-        existing = self._read_members(r)
-        if existing is None and r > 1 and self._read_members(r - 1) is None:
-            # At the frontier the previous round is always kept; a missing one means old rounds were
-            # garbage-collected past this replica. Deciding round r here would rewrite history.
-            raise FellBehind(f"round {r - 1} is no longer in the store; this replica is too far behind")
-        if existing is None:
+        members = self.membership.read(r)
+        if members is None:
+            self.membership.check_not_collected(r)
             self.phase("upload", r)
             uploads = [self.pool.submit(self._put_scatter, r, j, delta[a:b])
                        for j, (a, b) in enumerate(bounds) if j != self.rank]
             for f in uploads:
                 f.result()
-            self._put(f"{self._round(r)}/ready/{self.rank}", b"{}", create_only=True)
+            self._put(self.keys.ready(r, self.rank), b"{}", create_only=True)
             self.phase("membership", r)
-            members = self._decide_members(r)
-        else:
-            members = existing
-        late = self.rank not in members
-        if late:
-            self.log(f"round {r}: late (members {members}); this replica's update is left out")
-        mine = [j for j in range(self.n) if reducer_of(j, members) == self.rank] if not late else []
+            members = self.membership.decide(r)
+        member = self.rank in members
+        if not member:
+            self.log(f"round {r}: not a member (members {members}); this replica's update is left out")
+        incidents: list[dict[str, Any]] = []
+        mine = [j for j in range(self.n) if reducer_of(j, members) == self.rank] if member else []
         mean = torch.empty_like(delta)
         if mine:
             self.phase("reduce", r)
         for j in mine:
             a, b = bounds[j]
-            mean[a:b] = self._reduce_shard(r, j, bounds[j], members, delta, takeover=False)
+            mean[a:b] = self._reduce_shard(r, j, bounds[j], members, delta, takeover=False, incidents=incidents)
         self.phase("gather", r)
-        takeovers = self._gather(r, bounds, members, mean, set(mine), delta if not late else None)
-        if mine and not late:
-            self.pool.submit(self._cleanup_inputs, r, mine, members)
-        return RoundResult(r, members, mean, late, self.store.traffic.since(before), time.monotonic() - t0,
-                           takeovers)
+        takeovers = self._gather(r, bounds, members, mean, set(mine), delta if member else None, incidents)
+        self._run_cleanup()
+        if mine:
+            self._cleanup_due = (r, mine, members)  # inputs stay one round, for takeovers and repairs
+            self._watch_repairs(r)
+        return RoundResult(r, members, mean, member, self.store.traffic.since(before), time.monotonic() - t0,
+                           takeovers, incidents)
 
     def fetch(self, r: int, numel: int) -> RoundResult:
         """Read round `r`'s result without contributing (replay, catching up)."""
         t0, before = time.monotonic(), self.store.traffic.snapshot()
-        members = self._read_members(r)
+        members = self.membership.read(r)
         if members is None:
+            self.membership.check_not_collected(r)
             raise RoundFailed(f"round {r} has no membership record; it has not happened yet")
         mean = torch.empty(numel, dtype=torch.float32)
-        takeovers = self._gather(r, shard_bounds(numel, self.n), members, mean, set(), None)
-        return RoundResult(r, members, mean, True, self.store.traffic.since(before), time.monotonic() - t0, takeovers)
+        incidents: list[dict[str, Any]] = []
+        takeovers = self._gather(r, shard_bounds(numel, self.n), members, mean, set(), None, incidents)
+        return RoundResult(r, members, mean, False, self.store.traffic.since(before), time.monotonic() - t0,
+                           takeovers, incidents)
 
     def round_complete(self, r: int) -> bool:
         """Whether every reduced shard of round `r` is in the store (one LIST request)."""
-        return len(self.store.list_names(f"{self._round(r)}/reduced/")) >= self.n
+        return len(self.store.list_names(self.keys.reduced(r))) >= self.n
 
     # -- steps -------------------------------------------------------------------------------
 
-    def _put(self, key: str, data: bytes, *, create_only: bool = False) -> bool:
+    def _put(self, key: str, data, *, create_only: bool = False) -> bool:
         try:
             self.store.put(key, data, create_only=create_only)
             return True
@@ -252,129 +156,208 @@ class StoreAllReduce:
     def _put_scatter(self, r: int, owner: int, part: torch.Tensor) -> None:
         ident = Identity(self.run_id, r, "scatter", owner, self.rank)
         blob = pack(ident, encode_tensor(part, self.codec), codec=self.codec, numel=part.numel())
-        self._put(self.scatter_key(r, owner, self.rank), blob)
+        self._put(self.keys.scatter(r, owner, self.rank), blob)
+        self.corrupt(self.store.store, self.keys.scatter(r, owner, self.rank), "scatter", r, owner, self.rank)
 
-    def _read_members(self, r: int) -> list[int] | None:
-        key = f"{self._round(r)}/members.json"
-        raw = self.store.get(key)
-        if raw is None:
-            return None
-        try:
-            data = json.loads(bytes(raw))
-            members = [int(m) for m in data["members"]]
-            if data.get("run") != self.run_id or data.get("round") != r:
-                raise ValueError(f"written for run {data.get('run')!r} round {data.get('round')}")
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptObject(f"{key}: invalid membership record: {exc}") from None
-        return members
-
-    def _decide_members(self, r: int) -> list[int]:
-        deadline = time.monotonic() + self.round_timeout
-        backoff = Backoff(self.poll_interval, self.poll_max)
-        prefix = f"{self._round(r)}/ready/"
-        while True:
-            ready = sorted(int(x) for x in self.store.list_names(prefix) if x.isdigit() and int(x) < self.n)
-            if len(ready) == self.n:
-                break
-            decided = self._read_members(r) if len(ready) > 1 else None
-            if decided is not None:
-                return decided
-            if not backoff.sleep(deadline):
-                break
-        if len(ready) < self.min_replicas:
-            raise RoundFailed(f"round {r}: only {len(ready)} of {self.n} replicas ready within "
-                              f"{self.round_timeout:g}s, below min_replicas={self.min_replicas}")
-        record = json.dumps({"run": self.run_id, "round": r, "members": ready, "decided_by": self.rank}).encode()
-        if not self._put(f"{self._round(r)}/members.json", record, create_only=True):
-            return self._read_members(r) or ready
-        if len(ready) < self.n:
-            self.log(f"round {r}: proceeding with {len(ready)} of {self.n} replicas {ready} after "
-                     f"{self.round_timeout:g}s")
-        return ready
+    def _get_verified(self, key: str, ident: Identity):
+        """(unpacked, None), (None, "missing") or (None, reason): a corrupt read is retried once,
+        since a torn transfer heals on a second read and damage at rest does not."""
+        for _ in range(2):
+            blob = self.store.get(key)
+            if blob is None:
+                return None, "missing"
+            try:
+                return unpack(blob, ident, key), None
+            except CorruptObject as exc:
+                reason = str(exc)
+        return None, reason
 
     def _reduce_shard(self, r: int, j: int, bound: tuple[int, int], members: list[int],
-                      delta: torch.Tensor | None, *, takeover: bool) -> torch.Tensor:
+                      delta: torch.Tensor | None, *, takeover: bool, incidents: list[dict[str, Any]]) -> torch.Tensor:
         """Average shard j over `members`, publish it (create-only), return the decoded mean."""
         a, b = bound
         sources = [m for m in members if m != self.rank or delta is None]
         if takeover and j in sources and j != self.rank:
             sources.remove(j)  # a dead owner kept its own part of shard j locally: it is gone
-        blobs = dict(zip(sources, self.pool.map(lambda m: self.store.get(self.scatter_key(r, j, m)), sources)))
+        got = dict(zip(sources, self.pool.map(
+            lambda m: self._get_verified(self.keys.scatter(r, j, m), Identity(self.run_id, r, "scatter", j, m)),
+            sources)))
         total = torch.zeros(b - a, dtype=torch.float32)
-        count = 0
-        used = []
+        used, left_out = [], {}
         for m in members:
             if m == self.rank and delta is not None:
                 total += delta[a:b]
-            elif m in blobs:
-                key = self.scatter_key(r, j, m)
-                if blobs[m] is None:
-                    raise RoundFailed(f"{key} is missing although rank {m} is a member of round {r}")
-                total += unpack(blobs[m], Identity(self.run_id, r, "scatter", j, m), key).tensor()
+            elif m in got:
+                obj, problem = got[m]
+                if obj is None:
+                    if problem == "missing":
+                        self.membership.check_not_collected(r)
+                    published = self._published_or_none(r, j)
+                    if published is not None:  # reduced (and inputs cleaned) while we looked: use that
+                        return published
+                    key = self.keys.scatter(r, j, m)
+                    left_out[str(m)] = problem
+                    incidents.append({"round": r, "object": key, "writer": m, "problem": problem,
+                                      "action": f"left out of shard {j}'s mean by rank {self.rank}"})
+                    self.log(f"round {r}: {key} from rank {m} is {problem}; left out of shard {j}'s mean")
+                    continue
+                total += obj.tensor()
             else:
                 continue
-            count += 1
             used.append(m)
-        mean = total / count
+        if not used:
+            raise RoundFailed(f"round {r}: no usable contribution to shard {j}")
+        mean = total / len(used)
         ident = Identity(self.run_id, r, "reduced", j, -1)
         blob = pack(ident, encode_tensor(mean, self.codec), codec=self.codec, numel=b - a,
-                    meta={"members": used, "reducer": self.rank, "takeover": takeover})
-        key = self.reduced_key(r, j)
-        if self._put(key, blob, create_only=True):
+                    meta={"members": used, "left_out": left_out, "reducer": self.rank, "takeover": takeover})
+        if self._put(self.keys.reduced(r, j), blob, create_only=True):
+            self._published[j] = (r, blob)
+            self.corrupt(self.store.store, self.keys.reduced(r, j), "reduced", r, j)
             payload = blob[1] if len(blob) == 2 else b"".join(blob[1:])
             return decode_tensor(payload, self.codec, b - a)  # exactly what every reader decodes
-        return self._read_reduced(r, j, self.store.get(key))  # someone else won: use theirs
+        return self._read_reduced(r, j, members, incidents)  # someone else won: use theirs
 
-    def _read_reduced(self, r: int, j: int, blob: memoryview | None) -> torch.Tensor:
-        key = self.reduced_key(r, j)
-        if blob is None:
+    def _published_or_none(self, r: int, j: int) -> torch.Tensor | None:
+        if self.store.get(self.keys.reduced(r, j)) is None:
+            return None
+        return self._read_reduced(r, j, None, [])
+
+    def _read_reduced(self, r: int, j: int, members: list[int] | None, incidents: list[dict[str, Any]]) -> torch.Tensor:
+        """Shard j's published mean, verified; a corrupt one is replaced by its reducer's re-publication."""
+        ident = Identity(self.run_id, r, "reduced", j, -1)
+        key = self.keys.reduced(r, j)
+        obj, problem = self._get_verified(key, ident)
+        if obj is not None:
+            return obj.tensor()
+        if problem == "missing":
+            self.membership.check_not_collected(r)  # deleted by retention: rejoin
             raise RoundFailed(f"{key} vanished")
-        return unpack(blob, Identity(self.run_id, r, "reduced", j, -1), key).tensor()
+        return self._repaired(r, j, key, problem, members, incidents)
+
+    def _repaired(self, r: int, j: int, key: str, problem: str, members: list[int] | None,
+                  incidents: list[dict[str, Any]]) -> torch.Tensor:
+        ident = Identity(self.run_id, r, "reduced", j, -1)
+        members = members or self.membership.read(r) or []
+        writer = reducer_of(j, members) if members else None
+        self.log(f"round {r}: {problem}; asking its reducer (rank {writer}) to re-publish it")
+        self._put(f"{self.keys.round(r)}/repair/{j}", json.dumps({"by": self.rank, "problem": problem}).encode(),
+                  create_only=True)
+        deadline = time.monotonic() + self.round_timeout
+        backoff = Backoff(self.poll_interval, self.poll_max)
+        while True:
+            obj, _ = self._get_verified(self.keys.repaired(r, j), ident)
+            if obj is not None:
+                incidents.append({"round": r, "object": key, "writer": writer, "problem": problem,
+                                  "action": f"re-published by its reducer as {self.keys.repaired(r, j)}"})
+                return obj.tensor()
+            if not backoff.sleep(deadline):
+                self.membership.check_not_collected(r)
+                raise RoundFailed(f"{key} is corrupt ({problem}) and its reducer (rank {writer}) did not re-publish "
+                                  f"it within {self.round_timeout:g}s")
 
     def _gather(self, r: int, bounds: list[tuple[int, int]], members: list[int], out: torch.Tensor,
-                have: set[int], delta: torch.Tensor | None) -> list[int]:
-        """Fill `out` with every reduced shard not in `have`; take over any that never appears.
+                have: set[int], delta: torch.Tensor | None, incidents: list[dict[str, Any]]) -> list[int]:
+        """Fill `out` with every reduced shard not in `have`; one replica takes over any that never appears.
 
         Each shard is fetched, verified and decoded into its slice of `out` on a pool thread,
         so checksums and copies overlap with waiting for the remaining shards.
         """
-        prefix = f"{self._round(r)}/reduced/"
+        prefix = self.keys.reduced(r)
         wanted = [j for j in range(self.n) if j not in have]
-        deadline = time.monotonic() + self.round_timeout
-        backoff = Backoff(self.poll_interval, self.poll_max)
+        taken_over: list[int] = []
+        generation = {j: 0 for j in wanted}
 
         def fetch(j: int) -> None:
             a, b = bounds[j]
-            out[a:b] = self._read_reduced(r, j, self.store.get(self.reduced_key(r, j)))
+            out[a:b] = self._read_reduced(r, j, members, incidents)
 
         pending = []
         while wanted:
-            present = {int(x) for x in self.store.list_names(prefix) if x.isdigit()}
-            ready = [j for j in wanted if j in present]
-            pending += [self.pool.submit(fetch, j) for j in ready]
-            wanted = [j for j in wanted if j not in present]
-            if wanted and not backoff.sleep(deadline):
-                break
+            deadline = time.monotonic() + self.round_timeout
+            backoff = Backoff(self.poll_interval, self.poll_max)
+            while wanted:
+                present = {int(x) for x in self.store.list_names(prefix) if x.isdigit()}
+                pending += [self.pool.submit(fetch, j) for j in wanted if j in present]
+                wanted = [j for j in wanted if j not in present]
+                if wanted and not backoff.sleep(deadline):
+                    break
+            for j in list(wanted):  # its reducer (or the last claimant) never published
+                if not self._put(self.keys.claim(r, j, generation[j]), str(self.rank).encode(), create_only=True):
+                    generation[j] += 1  # someone else claimed it: wait for their result, then claim the next
+                    continue
+                self.log(f"round {r}: reduced shard {j} did not appear in {self.round_timeout:g}s; reducing it here")
+                a, b = bounds[j]
+                out[a:b] = self._reduce_shard(r, j, bounds[j], members, delta, takeover=True, incidents=incidents)
+                taken_over.append(j)
+                wanted.remove(j)
+            if wanted and all(generation[j] > len(members) for j in wanted):
+                raise RoundFailed(f"round {r}: reduced shards {wanted} never appeared")
         for f in pending:
             f.result()
-        for j in wanted:
-            self.log(f"round {r}: reduced shard {j} did not appear in {self.round_timeout:g}s; "
-                     f"reducing it here")
-            a, b = bounds[j]
-            out[a:b] = self._reduce_shard(r, j, bounds[j], members, delta, takeover=True)
-        return wanted
+        return taken_over
 
-    def _cleanup_inputs(self, r: int, owned: Iterable[int], members: list[int]) -> None:
-        """Scatter inputs are dead weight once their shard is reduced: delete them."""
-        for j in owned:
-            for m in members:
-                if m != self.rank:
-                    try:
-                        self.store.delete(self.scatter_key(r, j, m))
-                    except Exception:  # best effort; a leftover object costs storage, not correctness
-                        pass
+    # -- after the round ---------------------------------------------------------------------
+
+    def _run_cleanup(self) -> None:
+        """Delete the scatter inputs of the previous round this replica reduced (dead weight now)."""
+        due, self._cleanup_due = self._cleanup_due, None
+        if due is None:
+            return
+        r, owned, members = due
+        keys = [self.keys.scatter(r, j, m) for j in owned for m in members if m != self.rank]
+
+        def delete_all() -> None:
+            for key in keys:
+                try:
+                    self.store.delete(key)
+                except Exception:  # best effort; a leftover object costs storage, not correctness
+                    pass
+
+        self.pool.submit(delete_all)
+
+    def _serve_repairs_once(self) -> bool:
+        """Re-publish shards readers found corrupt; True once nothing is left to watch."""
+        by_round: dict[int, list[int]] = {}
+        for j, (r, _) in self._published.items():
+            by_round.setdefault(r, []).append(j)
+        for r, shards in by_round.items():
+            asked = {int(x) for x in self.store.list_names(f"{self.keys.round(r)}/repair/") if x.isdigit()}
+            for j in shards:
+                if j in asked:  # the very bytes it published first: readers verify them the same way
+                    _, blob = self._published.pop(j)
+                    self._put(self.keys.repaired(r, j), blob, create_only=True)
+                    self.log(f"round {r}: re-published reduced shard {j} (a reader found it corrupt)")
+        return not self._published
+
+    def _watch_repairs(self, r: int) -> None:
+        """Until the next round starts (or the timeout), answer repair requests for round r."""
+        self._watch_stop = threading.Event()
+        stop = self._watch_stop
+
+        def watch() -> None:
+            deadline = time.monotonic() + self.round_timeout
+            backoff = Backoff(max(self.poll_interval, 0.05), max(self.poll_max, REPAIR_POLL_CAP))
+            while not stop.is_set():
+                try:
+                    if self._serve_repairs_once():
+                        return
+                except Exception as exc:  # never let the watcher take the replica down
+                    self.log(f"round {r}: repair watch failed: {exc}")
+                if not backoff.sleep(deadline) or stop.wait(0):
+                    return
+
+        self._watcher = threading.Thread(target=watch, name=f"diloco-repairs-r{r}", daemon=True)
+        self._watcher.start()
+
+    def _stop_watching(self) -> None:
+        self._watch_stop.set()
+        if self._watcher is not None:
+            self._watcher.join()
+            self._watcher = None
 
     def close(self) -> None:
+        self._stop_watching()
         self.pool.shutdown(wait=True)
 
     def describe(self) -> dict[str, Any]:

@@ -14,47 +14,34 @@ table (ctx.settings) unless given as keyword arguments here.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from diloco.context import ReplicaContext
-from diloco.metrics import metrics_key
+from diloco.metrics import RoundMetrics
+from diloco.spec import DILOCO
+from diloco.store import verify_store
 
-from .allreduce import FellBehind, RoundResult, StoreAllReduce
+from .allreduce import RoundResult, StoreAllReduce
 from .globalstate import GlobalState
+from .membership import FellBehind
+from .recorder import Recorder
 
-DEFAULTS: dict[str, Any] = {
-    "sync_every": 50, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True, "transport": "fp32",
-    "round_timeout": 300.0, "min_replicas": 1, "checkpoint_every": 10, "poll_interval": None, "poll_max": None,
-}
+# One place for the defaults: the spec's [diloco] table (diloco.spec.DILOCO).
+DEFAULTS: dict[str, Any] = {key: f.default for key, f in DILOCO.items()}
 # Waiting for objects costs requests. On a local store they are free, so poll finely; on S3 each
 # LIST/GET is billed and throttled (~5,500 GET/s per prefix), so start at 50 ms and back off to 1 s.
 POLL_BY_SCHEME = {"file": (0.005, 0.05), "memory": (0.005, 0.05), "s3": (0.05, 1.0)}
+
+RoundInfo = RoundMetrics  # what `DiLoCo.step` returns: the round's metrics row (one type, in diloco.metrics)
 
 
 def inner_optimizer(params, *, lr: float = 4e-4, weight_decay: float = 0.1, betas=(0.9, 0.95)) -> torch.optim.AdamW:
     """The paper's inner optimizer: AdamW lr 4e-4, weight decay 0.1, betas (0.9, 0.95)."""
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
-
-
-@dataclass
-class RoundInfo:
-    """What one sync round did, as recorded in the store's metrics."""
-
-    round: int
-    members: list[int]
-    late: bool
-    loss: float | None
-    tokens: int
-    bytes_up: int
-    bytes_down: int
-    compute_s: float
-    sync_s: float
 
 
 def _flatten(params: list[torch.Tensor]) -> torch.Tensor:
@@ -75,21 +62,26 @@ class DiLoCo:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.H = int(s["sync_every"])
         self.store = store if store is not None else self.ctx.store
+        verify_store(self.store, self.ctx.run_id, f"rank-{self.ctx.rank}-attempt-{self.ctx.attempt}")
         first, cap = POLL_BY_SCHEME.get(self.store.uri.split(":", 1)[0], POLL_BY_SCHEME["s3"])
         self.allreduce = StoreAllReduce(
             self.store, self.ctx.run_id, self.ctx.rank, self.ctx.world_size, codec=s["transport"],
-            round_timeout=float(s["round_timeout"]), min_replicas=int(s["min_replicas"]),
+            round_timeout=float(s["round_timeout"]), min_members=int(s["min_members"]),
             poll_interval=float(s["poll_interval"] or first), poll_max=float(s["poll_max"] or cap), log=self._log)
         self.state = GlobalState(self.allreduce, lr=float(s["outer_lr"]), momentum=float(s["outer_momentum"]),
                                  nesterov=bool(s["nesterov"]), checkpoint_every=int(s["checkpoint_every"]),
                                  log=self._log)
-        self.state.bootstrap(_flatten(self.params))
+        self.recorder = Recorder(self.allreduce, self._log)
+        self._initial = _flatten(self.params)
+        self.state.bootstrap(self._initial)
         self._load_theta_into_model()
         self.local_steps = 0          # inner steps since the last sync
         self._losses: list[float] = []
         self._tokens = 0
         self._compute_start = time.monotonic()
-        self.history: list[RoundInfo] = []
+        self._alone_since_start = self.ctx.world_size > 1  # until a round with another member is seen
+        self.history: list[RoundMetrics] = []
+        self.ctx.global_step = self.global_step
 
     # -- progress ----------------------------------------------------------------------------
 
@@ -107,54 +99,77 @@ class DiLoCo:
         while self.global_step < total_steps:
             yield self.global_step
 
-    def step(self, loss: float | None = None, tokens: int = 0) -> RoundInfo | None:
+    def step(self, loss: float | None = None, tokens: int = 0) -> RoundMetrics | None:
         """Call after each inner optimizer step; syncs every H steps."""
         self.local_steps += 1
         if loss is not None:
             self._losses.append(float(loss))
         self._tokens += int(tokens)
-        if self.local_steps >= self.H:
-            return self.sync()
-        return None
+        info = self.sync() if self.local_steps >= self.H else None
+        self.ctx.global_step = self.global_step
+        return info
 
     # -- the round ---------------------------------------------------------------------------
 
-    def sync(self) -> RoundInfo:
+    def sync(self) -> RoundMetrics:
         compute_s = time.monotonic() - self._compute_start
         t0 = time.monotonic()
+        diverged = self.recorder.diverged_since(self.state.round - 1) if self.state.round > 0 else None
+        if diverged is not None:
+            self._log(f"this replica's global state diverged from the majority's at round {diverged}; "
+                      f"reloading it from an older checkpoint")
+            self.state.repair_divergence(diverged, self._initial)
+            self.recorder.skip_through(self.state.round)  # later summaries still show the old state
+            return self._adopted(compute_s, t0)
         delta = self.state.theta - _flatten(self.params)
         try:
-            result: RoundResult = self.allreduce.reduce(self.state.round + 1, delta)
+            result: RoundResult = self.allreduce.run_round(self.state.round + 1, delta)
         except FellBehind as exc:
-            return self._rejoin(str(exc), compute_s, t0)
+            self._log(f"{exc}; rejoining from the latest checkpoint")
+            self.state.bootstrap(self._initial)
+            return self._adopted(compute_s, t0)
         self.allreduce.phase("outer", result.round)
         self.state.apply(result.round, result.mean, result.members)
-        if result.late:
+        if not result.member:
             self.state.catch_up()  # others may be rounds ahead: adopt every completed round
         self._load_theta_into_model()
-        sync_s = time.monotonic() - t0
-        info = RoundInfo(round=result.round, members=result.members, late=result.late,
-                         loss=sum(self._losses) / len(self._losses) if self._losses else None,
-                         tokens=self._tokens, bytes_up=result.traffic.bytes_up,
-                         bytes_down=result.traffic.bytes_down, compute_s=compute_s, sync_s=sync_s)
+        info = RoundMetrics(
+            round=result.round, rank=self.ctx.rank, attempt=self.ctx.attempt, members=result.members,
+            member=result.member, loss=sum(self._losses) / len(self._losses) if self._losses else None,
+            tokens=self._tokens, bytes_up=result.traffic.bytes_up, bytes_down=result.traffic.bytes_down,
+            compute_s=compute_s, sync_s=time.monotonic() - t0, requests=result.traffic.requests(),
+            takeovers=result.takeovers, state_digest=self.state.digest(), incidents=result.incidents, t=time.time())
+        self._warn_if_alone(info)
         self.history.append(info)
-        self._write_metrics(info, result)
-        self.local_steps, self._losses, self._tokens = 0, [], 0
-        self._compute_start = time.monotonic()
-        self.allreduce.phase("compute", result.round + 1)
+        self.recorder.write_row(info)
+        self.recorder.maybe_summarize(result.round, result.members)
+        self._next_phase()
         return info
 
-    def _rejoin(self, why: str, compute_s: float, t0: float) -> RoundInfo:
-        """Too far behind to take part: adopt the run's current global state, as a restart would."""
-        self._log(f"{why}; rejoining from the latest checkpoint")
-        self.state.bootstrap(self.state.theta)
+    def _adopted(self, compute_s: float, t0: float) -> RoundMetrics:
+        """Took no part in a round: adopted the run's state instead (rejoin or divergence repair)."""
         self._load_theta_into_model()
-        info = RoundInfo(round=self.state.round, members=[], late=True, loss=None, tokens=self._tokens, bytes_up=0,
-                         bytes_down=0, compute_s=compute_s, sync_s=time.monotonic() - t0)
+        info = RoundMetrics(round=self.state.round, rank=self.ctx.rank, attempt=self.ctx.attempt, member=False,
+                            tokens=self._tokens, compute_s=compute_s, sync_s=time.monotonic() - t0,
+                            state_digest=self.state.digest(), t=time.time())
         self.history.append(info)
+        self._next_phase()
+        return info
+
+    def _next_phase(self) -> None:
         self.local_steps, self._losses, self._tokens = 0, [], 0
         self._compute_start = time.monotonic()
-        return info
+        self.allreduce.phase("compute", self.state.round + 1)
+
+    def _warn_if_alone(self, info: RoundMetrics) -> None:
+        if not self._alone_since_start:
+            return
+        if len(info.members) > 1:
+            self._alone_since_start = False
+            return
+        self._log(f"WARNING: round {info.round}: this replica has been alone in every round so far although the run "
+                  f"has {self.ctx.world_size} replicas; they are not meeting in the store {self.store.uri!r} "
+                  f"(is it the same store for all of them?)")
 
     def _load_theta_into_model(self) -> None:
         with torch.no_grad():
@@ -163,15 +178,6 @@ class DiLoCo:
                 n = p.numel()
                 p.copy_(self.state.theta[offset:offset + n].view_as(p))
                 offset += n
-
-    def _write_metrics(self, info: RoundInfo, result: RoundResult) -> None:
-        row = {"rank": self.ctx.rank, "attempt": self.ctx.attempt, **info.__dict__,
-               "requests": {"puts": result.traffic.puts, "gets": result.traffic.gets,
-                            "lists": result.traffic.lists}, "takeovers": result.takeovers, "t": time.time()}
-        try:
-            self.store.put(metrics_key(self.ctx.run_id, info.round, self.ctx.rank), json.dumps(row).encode())
-        except Exception as exc:  # metrics are for people; never fail training over them
-            self._log(f"could not write metrics for round {info.round}: {exc}")
 
     def _log(self, msg: str) -> None:
         self.ctx.log.info(msg)

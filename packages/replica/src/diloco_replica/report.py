@@ -11,8 +11,10 @@ import json
 import time
 from typing import Any
 
+from dataclasses import asdict
+
 from diloco.context import ReplicaContext
-from diloco.metrics import read_rounds
+from diloco.metrics import RoundReader, RoundSummary
 
 
 def artifact_key(run_id: str, name: str) -> str:
@@ -24,14 +26,14 @@ def data_parallel_bytes(n_params: int, world: int, steps: int) -> int:
     return int(steps * 4 * (world - 1) * n_params * 4)
 
 
-def summarize(rounds: list[dict[str, Any]], *, eval_loss: float | None, steps: int, n_params: int,
+def summarize(rounds: list[RoundSummary], *, eval_loss: float | None, steps: int, n_params: int,
               world: int, settings: dict[str, Any]) -> dict[str, Any]:
-    moved = sum(r["bytes_up"] + r["bytes_down"] for r in rounds)
+    moved = sum(r.bytes_up + r.bytes_down for r in rounds)
     dp = data_parallel_bytes(n_params, world, steps)
-    shares = [r["sync_share"] for r in rounds if r.get("sync_share") is not None]
+    shares = [r.sync_share for r in rounds if r.sync_share is not None]
     return {
         "eval_loss": eval_loss,
-        "final_train_loss": rounds[-1]["loss"] if rounds else None,
+        "final_train_loss": rounds[-1].loss if rounds else None,
         "rounds": len(rounds),
         "replicas": world,
         "inner_steps_per_replica": steps,
@@ -42,7 +44,7 @@ def summarize(rounds: list[dict[str, Any]], *, eval_loss: float | None, steps: i
         "data_parallel_bytes": dp,
         "communication_reduction": dp / moved if moved else None,
         "sync_share": sum(shares) / len(shares) if shares else None,
-        "tokens": sum(r["tokens"] for r in rounds),
+        "tokens": sum(r.tokens for r in rounds),
     }
 
 
@@ -62,7 +64,7 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_png(rounds: list[dict[str, Any]], eval_loss: float | None) -> bytes | None:
+def plot_png(rounds: list[RoundSummary], eval_loss: float | None) -> bytes | None:
     try:
         import matplotlib
 
@@ -71,8 +73,8 @@ def plot_png(rounds: list[dict[str, Any]], eval_loss: float | None) -> bytes | N
     except ImportError:
         return None
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    xs = [r["round"] for r in rounds if r.get("loss") is not None]
-    ax.plot(xs, [r["loss"] for r in rounds if r.get("loss") is not None], marker="o", ms=3, label="train loss (mean over replicas)")
+    xs = [r.round for r in rounds if r.loss is not None]
+    ax.plot(xs, [r.loss for r in rounds if r.loss is not None], marker="o", ms=3, label="train loss (mean over replicas)")
     if eval_loss is not None and xs:
         ax.axhline(eval_loss, color="tab:red", ls="--", label=f"final eval loss {eval_loss:.3f}")
     ax.set_xlabel("DiLoCo round")
@@ -90,14 +92,17 @@ def write_run_report(ctx: ReplicaContext, diloco: Any, *, eval_loss: float | Non
                      wait_s: float = 15.0) -> dict[str, Any]:
     """Gather every replica's round metrics (waiting briefly for the last round), write the report."""
     deadline = time.monotonic() + wait_s
-    rounds = read_rounds(ctx.rendezvous, ctx.run_id)
-    while (not rounds or rounds[-1]["round"] < diloco.round) and time.monotonic() < deadline:
+    reader = RoundReader(diloco.store, ctx.run_id)
+    rounds = reader.read_new()
+    while (not rounds or rounds[-1].round < diloco.round) and time.monotonic() < deadline:
         time.sleep(0.2)
-        rounds = read_rounds(ctx.rendezvous, ctx.run_id)
+        rounds += reader.read_new()
+    if not rounds or rounds[-1].round < diloco.round:
+        rounds += reader.read_new(final=True)
     summary = summarize(rounds, eval_loss=eval_loss, steps=steps, n_params=n_params, world=ctx.world_size,
                         settings=diloco.settings)
     store = diloco.store
-    store.put(artifact_key(ctx.run_id, "summary.json"), json.dumps({**summary, "rounds_detail": rounds}, indent=2).encode())
+    store.put(artifact_key(ctx.run_id, "summary.json"), json.dumps({**summary, "rounds_detail": [asdict(r) for r in rounds]}, indent=2).encode())
     store.put(artifact_key(ctx.run_id, "summary.txt"), format_summary(summary).encode())
     png = plot_png(rounds, eval_loss)
     if png:

@@ -1,12 +1,13 @@
 """The tensor wire format: a small JSON header and raw bytes, checksummed, never pickle.
 
-    b"DLCO" | version (1 byte) | header length (u32 LE) | header JSON | payload
+    b"DLCO" | version (1 byte) | header length (u32 LE) | header CRC-32 (u32 LE) | header JSON | payload
 
 The header names what the object is (run, round, kind, owner, source), how the payload is
-encoded (codec, element count) and the payload's length and CRC-32. `decode` checks all of it
-against what the reader expected, so a truncated, corrupted or foreign object (another run,
-another round, another shard — e.g. from a reused rendezvous URI) is an error and is never
-averaged in.
+encoded (codec, element count) and the payload's length and CRC-32; the header has a CRC-32 of
+its own, so a flipped bit anywhere in the object is caught. `unpack` checks all of it against
+what the reader expected, so a truncated, corrupted, malformed or foreign object (another run,
+another round, another shard — e.g. from a reused rendezvous URI) raises `CorruptObject` (never
+KeyError or TypeError) and is never averaged in.
 
 Codecs turn an fp32 vector into transport bytes and back into fp32 (accumulation is always
 fp32): fp32 (4 B/elem), bf16 and fp16 (2 B/elem), int8 (1 B/elem + one fp32 scale per
@@ -25,9 +26,9 @@ from typing import Any
 import torch
 
 MAGIC = b"DLCO"
-VERSION = 1
+VERSION = 2
 INT8_CHUNK = 2048
-_PREFIX = struct.Struct("<4sBI")
+_PREFIX = struct.Struct("<4sBII")
 CODECS = ("fp32", "bf16", "fp16", "int8")
 # Decoding reads straight from the downloaded (read-only) buffer and always copies out; torch's
 # warning about non-writable buffers does not apply.
@@ -117,7 +118,7 @@ def pack(identity: Identity, parts: list[memoryview], *, codec: str, numel: int,
     header = json.dumps({"run": identity.run, "round": identity.round, "kind": identity.kind,
                          "owner": identity.owner, "src": identity.src, "codec": codec, "numel": numel,
                          "nbytes": nbytes, "crc32": crc, "meta": meta or {}}, separators=(",", ":")).encode()
-    return [_PREFIX.pack(MAGIC, VERSION, len(header)) + header, *parts]
+    return [_PREFIX.pack(MAGIC, VERSION, len(header), zlib.crc32(header)) + header, *parts]
 
 
 def joined(blob: list[bytes | memoryview]) -> bytes:
@@ -143,16 +144,21 @@ def unpack(blob: bytes | memoryview, expect: Identity, key: str) -> Unpacked:
     view = memoryview(blob)
     if view.nbytes < _PREFIX.size:
         raise CorruptObject(f"{key}: truncated ({view.nbytes} bytes, no header)")
-    magic, version, hlen = _PREFIX.unpack_from(view)
+    magic, version, hlen, hcrc = _PREFIX.unpack_from(view)
     if magic != MAGIC or version != VERSION:
         raise CorruptObject(f"{key}: not a diloco object (magic {bytes(magic)!r}, version {version})")
     end = _PREFIX.size + hlen
     if view.nbytes < end:
         raise CorruptObject(f"{key}: truncated inside its header")
+    raw_header = view[_PREFIX.size:end]
+    if zlib.crc32(raw_header) != hcrc:
+        raise CorruptObject(f"{key}: header checksum mismatch: the header is corrupt")
     try:
-        header = json.loads(bytes(view[_PREFIX.size:end]))
+        header = json.loads(bytes(raw_header))
     except (ValueError, UnicodeDecodeError) as exc:
         raise CorruptObject(f"{key}: unreadable header ({exc})") from None
+    if not isinstance(header, dict) or not isinstance(header.get("numel"), int) or not isinstance(header.get("meta", {}), dict):
+        raise CorruptObject(f"{key}: malformed header")
     payload = view[end:]
     if payload.nbytes != header.get("nbytes"):
         raise CorruptObject(f"{key}: truncated or padded payload ({payload.nbytes} bytes, "
@@ -166,3 +172,8 @@ def unpack(blob: bytes | memoryview, expect: Identity, key: str) -> Unpacked:
     if header.get("codec") not in CODECS or encoded_nbytes(header["numel"], header["codec"]) != payload.nbytes:
         raise CorruptObject(f"{key}: payload size does not match codec {header.get('codec')!r}")
     return Unpacked(header, payload)
+
+
+def pack_json(identity: Identity, meta: dict[str, Any]) -> bytes:
+    """A small checksummed record (no payload), e.g. a round's membership."""
+    return joined(pack(identity, [], codec="fp32", numel=0, meta=meta))

@@ -1,0 +1,42 @@
+"""Reading a failed replica's error, one rule everywhere: its first line is its cause.
+
+Executors and the in-replica bootstrap write errors cause-first ("killed by SIGKILL", "OOM-killed",
+"ValueError: ... (at global step 120)") with logs or a traceback after it, so events, `diloco
+run` and `diloco status` show the first line, and shortening keeps the head as well as the tail.
+"""
+
+from __future__ import annotations
+
+from .errors import EXIT_CONFIG
+
+STEP_MARK = " (at global step "
+
+
+def cause(error: str | None) -> str:
+    """The first non-empty line of an error ('' for none)."""
+    for line in (error or "").splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def is_config_error(exit_code: int | None) -> bool:
+    """A replica that stopped on a spec or store mistake: relaunching fails the same way."""
+    return exit_code == EXIT_CONFIG
+
+
+def code_failure_signature(error: str | None) -> str | None:
+    """The cause of an exception raised by training code at a known global step, else None.
+
+    Signals, OOM kills, preemptions and lost nodes never carry a step, so they never match.
+    """
+    first = cause(error)
+    return first if STEP_MARK in first else None
+
+
+def shorten(text: str | None, limit: int = 2000) -> str | None:
+    """At most `limit` characters: the cause line and the end of what follows it."""
+    if text is None or len(text) <= limit:
+        return text
+    head = cause(text)[: limit // 4]
+    return f"{head}\n…{text[-(limit - len(head) - 2):]}"

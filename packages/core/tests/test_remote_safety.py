@@ -1,0 +1,176 @@
+"""Runs that cannot meet are refused before launch; failures a relaunch cannot fix end the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import write_spec
+
+# A third-party backend that says nothing about filesystems: it must be treated as remote.
+REMOTE_PLUGIN = '''
+from diloco import hookimpl
+from diloco.local import LocalProcessExecutor
+
+class FarAwayExecutor(LocalProcessExecutor):
+    backend_name = "faraway"
+    shares_launcher_filesystem = None  # says nothing
+
+class KwargsExecutor(LocalProcessExecutor):
+    backend_name = "kwargs"
+    def __init__(self, **options):
+        self.seen_workdir = options.get("workdir")
+        super().__init__(**options)
+    def dryrun(self, *a, **kw):
+        plan = super().dryrun(*a, **kw)
+        plan.request["seen_workdir"] = self.seen_workdir
+        return plan
+
+@hookimpl
+def diloco_register_executors():
+    return [FarAwayExecutor, KwargsExecutor]
+'''
+
+
+@pytest.fixture
+def remote_env(project):
+    (project / "faraway_plugin.py").write_text(REMOTE_PLUGIN)
+    return {"DILOCO_PLUGINS": "faraway_plugin", "PYTHONPATH": str(project), "DILOCO_CONFIG": str(project / "none.toml")}
+
+
+def one_line_error(proc, expected: str) -> None:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr
+
+
+def test_file_rendezvous_refused_for_a_backend_on_other_machines(cli, project, remote_env, state_dir):
+    spec = write_spec(project, 'backend = "faraway"\nreplicas = 2\nentrypoint = "job:main"\n'
+                               'rendezvous = "file:///tmp/shared-store"\n')
+    for cmd in ("run", "dryrun"):
+        one_line_error(cli(cmd, str(spec), env=remote_env), "which 'faraway' replicas do not see")
+    assert not (state_dir / "runs").exists() or not any((state_dir / "runs").iterdir())
+
+
+def test_no_rendezvous_for_a_remote_backend_names_every_fix(cli, project, remote_env):
+    spec = write_spec(project, 'backend = "faraway"\nreplicas = 2\nentrypoint = "job:main"\n')
+    proc = cli("dryrun", str(spec), env=remote_env)
+    one_line_error(proc, "need a shared object store")
+    assert "DILOCO_RENDEZVOUS" in proc.stderr and "none.toml" in proc.stderr
+
+
+def test_user_default_rendezvous_from_env_or_config(cli, project, remote_env):
+    spec = write_spec(project, 'backend = "faraway"\nreplicas = 2\nentrypoint = "job:main"\n')
+    plan = json.loads(cli("dryrun", str(spec), env={**remote_env, "DILOCO_RENDEZVOUS": "s3://team-bucket/diloco"},
+                          check_rc=0).stdout)
+    assert {p["env"]["DILOCO_RENDEZVOUS"] for p in plan["processes"]} == {"s3://team-bucket/diloco"}
+    (project / "none.toml").write_text('rendezvous = "s3://from-config/x"\n')
+    plan = json.loads(cli("dryrun", str(spec), env=remote_env, check_rc=0).stdout)
+    assert plan["processes"][0]["env"]["DILOCO_RENDEZVOUS"] == "s3://from-config/x"
+    (project / "none.toml").write_text('rendezvous = "file:///tmp/x"\n')
+    one_line_error(cli("dryrun", str(spec), env=remote_env), "none.toml: rendezvous 'file:///tmp/x' is a directory")
+
+
+def test_local_backend_keeps_its_default_store_in_the_records(cli, project, state_dir):
+    spec = write_spec(project, 'backend = "local"\nreplicas = 2\nentrypoint = "job:main"\n')
+    plan = json.loads(cli("dryrun", str(spec), env={"DILOCO_CONFIG": str(project / "none.toml")}, check_rc=0).stdout)
+    assert plan["processes"][0]["env"]["DILOCO_RENDEZVOUS"].startswith((state_dir / "runs").as_uri())
+
+
+def test_workdir_reaches_an_executor_that_takes_kwargs(cli, project, remote_env):
+    spec = write_spec(project, 'backend = "kwargs"\nreplicas = 1\nentrypoint = "job:main"\n')
+    plan = json.loads(cli("dryrun", str(spec), env=remote_env, check_rc=0).stdout)
+    assert plan["seen_workdir"] == str(project)
+
+
+def test_secret_looking_args_are_redacted_in_a_dry_run():
+    from diloco.launchenv import redact_env
+
+    shown = redact_env({"DILOCO_ENTRYPOINT_ARGS": json.dumps({"hf_token": "hf_live", "lr": 0.1})})
+    assert "hf_live" not in json.dumps(shown) and json.loads(shown["DILOCO_ENTRYPOINT_ARGS"])["lr"] == 0.1
+
+
+FAILING = '''
+import os, signal
+from diloco.errors import UserError
+
+def config_error(ctx):
+    raise UserError("rendezvous 's3://nope' could not list objects: access denied")
+
+def same_bug(ctx):
+    ctx.global_step = 40
+    raise ValueError("shapes (3, 4) and (5, 6) do not match")
+
+def killed_once(ctx, marker: str = ""):
+    if ctx.attempt == 0 and ctx.rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return ctx.rank
+'''
+
+
+def supervised(cli, project, entry: str, extra: str = ""):
+    (project / "failing.py").write_text(FAILING)
+    spec = write_spec(project, f'backend = "local"\nreplicas = 3\nentrypoint = "failing:{entry}"\n'
+                               f'[restart]\nbackoff = 0.1\nmonitor_interval = 0.1\n{extra}')
+    proc = cli("run", str(spec), "--on-interrupt", "cancel", timeout=120)
+    run_id = proc.stdout.split()[1].rstrip(":")
+    return proc, run_id
+
+
+def record_of(state_dir, run_id):
+    return json.loads((state_dir / "runs" / run_id / "run.json").read_text())
+
+
+def test_a_configuration_error_fails_the_run_without_relaunching(cli, project, state_dir):
+    proc, run_id = supervised(cli, project, "config_error")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "configuration error" in proc.stdout and "access denied" in proc.stdout and "Traceback" not in proc.stdout
+    record = record_of(state_dir, run_id)
+    assert record["restarts_used"] == 0 and record["state"] == "FAILED"
+    assert all(r["restarts"] == 0 for r in record["ranks"])
+
+
+def test_the_same_bug_on_every_rank_fails_fast(cli, project, state_dir):
+    proc, run_id = supervised(cli, project, "same_bug", "max_restarts_per_rank = 5\n")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "every rank failed with the same error at the same step" in proc.stdout
+    assert "ValueError: shapes (3, 4) and (5, 6) do not match (at global step 40)" in proc.stdout
+    assert record_of(state_dir, run_id)["restarts_used"] < 3  # not 3 ranks × 5 budgets
+
+
+def test_a_signal_is_infrastructure_and_is_relaunched(cli, project, state_dir):
+    proc, run_id = supervised(cli, project, "killed_once")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = record_of(state_dir, run_id)
+    assert record["ranks"][0]["restarts"] == 1
+    events = [json.loads(x) for x in (state_dir / "runs" / run_id / "events.jsonl").read_text().splitlines()]
+    failed = [e for e in events if e["event"] == "failed"]
+    assert failed and failed[0]["error"].startswith("killed by SIGKILL")  # the cause first, the log tail after
+
+
+def test_a_paused_launcher_still_counts_as_alive(state_dir):
+    """A launcher stopped past its heartbeat (SIGSTOP, laptop asleep) must not get a twin via resume."""
+    from diloco.cli import _launcher_alive
+    from diloco.state import RunRecord, process_start_ticks
+    import socket
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        record = RunRecord.create("r-paused", {"launcher": {
+            "pid": child.pid, "host": socket.gethostname(), "heartbeat": time.time() - 3600,
+            "start_ticks": process_start_ticks(child.pid)}})
+        assert _launcher_alive(record)
+        record.data["launcher"]["start_ticks"] = 12345  # the pid was recycled by another process
+        assert not _launcher_alive(record)
+    finally:
+        child.kill()
+        child.wait()
+    record.data["launcher"]["start_ticks"] = None
+    assert not _launcher_alive(record)

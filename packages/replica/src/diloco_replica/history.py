@@ -1,0 +1,142 @@
+"""The run's history in the store: checkpoints, the garbage-collection low-water mark, and GC.
+
+- Checkpoints every `checkpoint_every` rounds at ``ckpt/r<round>/<j>``: shard j of
+  [θ_global ; momentum] in fp32, written create-only by shard j's reducer; round 0 is the
+  initial state. A rejoining replica loads the newest *complete* checkpoint and replays the
+  reduced shards of the rounds after it.
+- A checkpoint can be voided (``ckpt/r<round>/void``) by a replica that learns its θ had
+  diverged when it wrote shards of it; loaders and GC skip void checkpoints.
+- The low-water mark: before GC deletes anything it writes ``history/gc-through-r<p>``
+  (create-only). Every round ≤ the highest mark is gone or going, so a replica that has not
+  decided such a round must rejoin from a checkpoint, never decide it again — round 1
+  included (a replica still at round 0 must not re-run a deleted round 1 alone).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import torch
+
+from diloco.store import ObjectExists
+
+from .transport import CountingStore, RunKeys, shard_bounds
+from .wire import CorruptObject, Identity, encode_tensor, pack, unpack
+
+VOID = "void"
+
+
+class History:
+    def __init__(self, store: CountingStore, keys: RunKeys, n: int, pool, log: Callable[[str], None]):
+        self.store, self.keys, self.n, self.pool, self.log = store, keys, n, pool, log
+
+    # -- low-water mark ----------------------------------------------------------------------
+
+    def low_water(self) -> int:
+        """The highest round GC has begun deleting (0: nothing deleted yet). One LIST."""
+        marks = [x for x in self.store.list_names(self.keys.low_water()) if x.startswith("gc-through-r")]
+        return max((int(x.rsplit("r", 1)[1]) for x in marks if x.rsplit("r", 1)[1].isdigit()), default=0)
+
+    def _mark_low_water(self, r: int) -> None:
+        try:
+            self.store.put(self.keys.low_water(r), b"{}", create_only=True)
+        except ObjectExists:
+            pass
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def put_shard(self, r: int, j: int, theta: torch.Tensor, buf: torch.Tensor, *, digest: str | None = None) -> None:
+        a, b = shard_bounds(theta.numel(), self.n)[j]
+        part = torch.cat([theta[a:b], buf[a:b]])
+        blob = pack(Identity(self.keys.run, r, "ckpt", j, -1), encode_tensor(part, "fp32"), codec="fp32",
+                    numel=part.numel(), meta={"numel": theta.numel(), "writer_digest": digest})
+        try:
+            self.store.put(self.keys.checkpoint(r, j), blob, create_only=True)
+        except ObjectExists:
+            pass
+
+    def complete(self) -> list[int]:
+        """Rounds with every checkpoint shard present and no void marker, oldest first."""
+        counts: dict[int, int] = {}
+        void: set[int] = set()
+        for name in self.store.list_names(self.keys.checkpoints()):
+            head, _, leaf = name.partition("/")
+            if not (head.startswith("r") and head[1:].isdigit()):
+                continue
+            if leaf == VOID:
+                void.add(int(head[1:]))
+            elif leaf.isdigit():
+                counts[int(head[1:])] = counts.get(int(head[1:]), 0) + 1
+        return sorted(r for r, c in counts.items() if c >= self.n and r not in void)
+
+    def void(self, rounds: list[int], why: str) -> None:
+        """Mark checkpoints unusable (written from a diverged θ); create-only, idempotent."""
+        for r in rounds:
+            try:
+                self.store.put(self.keys.checkpoint(r, VOID), json.dumps({"why": why}).encode(), create_only=True)
+            except ObjectExists:
+                pass
+
+    def load(self, r: int, numel: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """θ and momentum of checkpoint r; None if a shard vanished (GC raced us) or is corrupt."""
+        bounds = shard_bounds(numel, self.n)
+        keys = [self.keys.checkpoint(r, j) for j in range(self.n)]
+        blobs = list(self.pool.map(self.store.get, keys))
+        theta, buf = torch.empty(numel), torch.empty(numel)
+        for j, (key, blob) in enumerate(zip(keys, blobs)):
+            if blob is None:
+                self.log(f"checkpoint shard {key} vanished while loading; trying the next checkpoint")
+                return None
+            try:
+                got = unpack(blob, Identity(self.keys.run, r, "ckpt", j, -1), key)
+            except CorruptObject as exc:
+                self.log(f"{exc}; voiding checkpoint {r} and trying an older one")
+                self.void([r], f"corrupt shard: {exc}")
+                return None
+            if got.meta.get("numel") != numel:
+                from diloco.errors import UserError
+
+                raise UserError(f"{key} holds a model of {got.meta.get('numel')} parameters, this replica has "
+                                f"{numel}: the rendezvous store already holds run {self.keys.run!r} of another "
+                                f"model; use a new run or another rendezvous")
+            a, b = bounds[j]
+            part = got.tensor()
+            theta[a:b], buf[a:b] = part[: b - a], part[b - a:]  # copies out of the downloaded buffer
+        return theta, buf
+
+    # -- garbage collection ------------------------------------------------------------------
+
+    def collect_garbage(self, newest: int) -> int:
+        """Delete what no rejoin can need any more; returns how many objects went.
+
+        A rejoiner loads the newest complete checkpoint and replays the rounds after it. Once
+        checkpoint p < `newest` is complete, rounds ≤ p and checkpoints < p are dead weight (p,
+        not `newest`: `newest` may still miss a shard whose writer died). The low-water mark
+        p is written first, so no replica decides a round that is being deleted.
+        """
+        try:
+            older = [c for c in self.complete() if c < newest]
+            if not older:
+                return 0
+            keep_from = max(older)
+            self._mark_low_water(keep_from)
+            raw, run = self.store.store, self.keys.run
+            doomed = [d for d in raw.list_dirs(f"{run}/") if _round_below(d.rsplit("/", 1)[-1], keep_from + 1)]
+            doomed += [d for d in raw.list_dirs(self.keys.checkpoints()) if _round_below(d.rsplit("/", 1)[-1], keep_from)]
+            n = 0
+            for prefix in doomed:
+                for meta in list(raw.list(prefix + "/")):
+                    self.store.delete(meta["path"])
+                    n += 1
+            if n:
+                self.log(f"removed {n} objects of rounds before checkpoint {keep_from}")
+            return n
+        except Exception as exc:  # storage hygiene must never stop training
+            self.log(f"garbage collection after round {newest} failed: {exc}")
+            return 0
+
+
+def _round_below(name: str, below: int) -> bool:
+    """Whether a directory named r<round> holds a round older than `below`."""
+    return name.startswith("r") and name[1:].isdigit() and int(name[1:]) < below

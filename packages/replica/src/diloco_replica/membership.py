@@ -1,0 +1,92 @@
+"""Who is in a round: decided once, by the first create-only write, and never for a dead round.
+
+A round waits until all N replicas are ready (their shards are up) or `round_timeout` passes,
+then one replica's create-only ``members.json`` fixes the members for every shard; everyone
+reads the winner's list. Fewer than `min_members` → `RoundFailed`. A replica that arrives after
+the decision is not a member: its update is left out and it adopts the round's result.
+
+History is never rewritten: a round at or below the store's low-water mark (see
+`history.History`) is gone or going, so a replica that has not seen it decided raises
+`FellBehind` and rejoins from a checkpoint instead of deciding it again alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from diloco.store import ObjectExists
+
+from .history import History
+from .transport import Backoff, CountingStore, RunKeys
+from .wire import CorruptObject, Identity, pack_json, unpack
+
+
+class RoundFailed(Exception):
+    """A round could not complete (too few replicas, or an object never appeared)."""
+
+
+class FellBehind(RoundFailed):
+    """This replica's round is older than the history the store still keeps: rejoin instead."""
+
+
+class Membership:
+    def __init__(self, store: CountingStore, keys: RunKeys, rank: int, n: int, history: History, *,
+                 round_timeout: float, min_members: int, poll_interval: float, poll_max: float,
+                 log: Callable[[str], None]):
+        self.store, self.keys, self.rank, self.n, self.history = store, keys, rank, n, history
+        self.round_timeout, self.min_members = round_timeout, min_members
+        self.poll_interval, self.poll_max, self.log = poll_interval, poll_max, log
+
+    def read(self, r: int) -> list[int] | None:
+        """The decided members of round r, or None if undecided (or deleted)."""
+        key = self.keys.members(r)
+        raw = self.store.get(key)
+        if raw is None:
+            return None
+        try:
+            got = unpack(raw, Identity(self.keys.run, r, "members"), key)
+        except CorruptObject:
+            raw = self.store.get(key)  # a torn read in transit heals on a second read; damage at rest does not
+            if raw is None:
+                return None
+            got = unpack(raw, Identity(self.keys.run, r, "members"), key)
+        members = got.meta.get("members")
+        if not isinstance(members, list) or not all(isinstance(m, int) for m in members) or not members:
+            raise CorruptObject(f"{key}: malformed membership record")
+        return members
+
+    def check_not_collected(self, r: int) -> None:
+        """Raise FellBehind if round r is at or below the low-water mark (one LIST)."""
+        mark = self.history.low_water()
+        if r <= mark:
+            raise FellBehind(f"round {r} is at or below the store's retained history (rounds ≤ {mark} were "
+                             f"garbage-collected); this replica is too far behind")
+
+    def decide(self, r: int) -> list[int]:
+        """Wait for the others, then fix round r's members (or adopt whoever decided first)."""
+        deadline = time.monotonic() + self.round_timeout
+        backoff = Backoff(self.poll_interval, self.poll_max)
+        prefix = self.keys.ready(r)
+        while True:
+            ready = sorted(int(x) for x in self.store.list_names(prefix) if x.isdigit() and int(x) < self.n)
+            if len(ready) == self.n:
+                break
+            decided = self.read(r) if len(ready) > 1 else None
+            if decided is not None:
+                return decided
+            if not backoff.sleep(deadline):
+                break
+        if len(ready) < self.min_members:
+            raise RoundFailed(f"round {r}: only {len(ready)} of {self.n} replicas ready within "
+                              f"{self.round_timeout:g}s, below min_members={self.min_members}")
+        self.check_not_collected(r)  # the last look before writing: never decide a collected round
+        record = pack_json(Identity(self.keys.run, r, "members"), {"members": ready, "decided_by": self.rank})
+        try:
+            self.store.put(self.keys.members(r), record, create_only=True)
+        except ObjectExists:
+            return self.read(r) or ready
+        if len(ready) < self.n:
+            self.log(f"round {r}: proceeding with {len(ready)} of {self.n} replicas {ready} after "
+                     f"{self.round_timeout:g}s")
+        return ready

@@ -1,0 +1,38 @@
+"""The outer optimizer step, bit-reproducible on every host, and a digest of the state it keeps.
+
+θ_global is never sent between replicas: agreement rests on every replica computing the very
+same floats from the same decoded bytes. So the step is written as separate elementwise
+operations, each one IEEE-rounded on its own: no fused multiply-add anywhere. torch's `add(x,
+alpha=a)` and `addcmul` may be computed with an FMA in a vectorised loop and with a separate
+multiply and add in its scalar tail, so the result of an element would depend on its offset
+from a vector boundary, on how the tensor was sliced across threads, and on the CPU. A lone
+multiply or add is exactly rounded whichever path computes it.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+
+def outer_step(theta: torch.Tensor, momentum_buf: torch.Tensor, grad: torch.Tensor, *, lr: float,
+               momentum: float, nesterov: bool) -> None:
+    """SGD with (Nesterov) momentum, in place: torch.optim.SGD's update with dampening 0.
+
+        buf ← momentum·buf + g;  u ← g + momentum·buf (Nesterov) or buf;  θ ← θ − lr·u
+    """
+    if momentum:
+        momentum_buf.mul_(momentum)
+        momentum_buf.add_(grad)
+        update = torch.mul(momentum_buf, momentum).add_(grad) if nesterov else momentum_buf
+    else:
+        update = grad
+    theta.sub_(torch.mul(update, lr))
+
+
+def state_digest(theta: torch.Tensor, momentum_buf: torch.Tensor) -> str:
+    """CRC-32 of θ_global's and the momentum's bytes: equal on every replica, or one diverged."""
+    crc_theta = zlib.crc32(memoryview(theta.numpy()).cast("B"))
+    crc_buf = zlib.crc32(memoryview(momentum_buf.numpy()).cast("B"))
+    return f"{crc_theta:08x}-{crc_buf:08x}"

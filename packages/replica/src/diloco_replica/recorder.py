@@ -1,0 +1,77 @@
+"""Writing a round's record: each replica's metrics row, and the round's summary once per round.
+
+The summary (`diloco.metrics.RoundSummary`) is written by the round's recorder — the reducer of
+shard 0 — once every member's row is in (or `round_timeout` has passed), create-only, on a
+background thread so training goes on. It carries the cross-replica checks: θ digests that
+disagree (`diverged`), and the incidents members met. Every replica reads the summaries that
+appeared since its last look (one LIST, one GET per new round) to learn whether its own state
+is in the minority.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from diloco.metrics import RoundMetrics, RoundReader, RoundSummary, metrics_key, summary_key
+from diloco.store import ObjectExists
+
+from .allreduce import StoreAllReduce
+from .transport import Backoff, reducer_of
+
+
+class Recorder:
+    def __init__(self, ar: StoreAllReduce, log: Callable[[str], None]):
+        self.ar, self.log = ar, log
+        self.reader: RoundReader | None = None
+
+    def write_row(self, row: RoundMetrics) -> None:
+        try:
+            self.ar.store.put(metrics_key(self.ar.run_id, row.round, row.rank), row.to_json())
+        except Exception as exc:  # metrics are for people; never fail training over them
+            self.log(f"could not write metrics for round {row.round}: {exc}")
+
+    def maybe_summarize(self, r: int, members: list[int]) -> None:
+        """If this replica records round r, write its summary in the background."""
+        if members and reducer_of(0, members) == self.ar.rank:
+            self.ar.pool.submit(self._summarize, r, members)
+
+    def _summarize(self, r: int, members: list[int]) -> None:
+        prefix = f"{self.ar.run_id}/metrics/r{r:08d}/"
+        deadline = time.monotonic() + self.ar.round_timeout
+        backoff = Backoff(self.ar.poll_interval, self.ar.poll_max)
+        try:
+            names = self.ar.store.list_names(prefix)
+            while not {f"rank-{m}.json" for m in members} <= set(names) and backoff.sleep(deadline):
+                names = self.ar.store.list_names(prefix)
+            rows = []
+            for name in names:
+                raw = self.ar.store.get(prefix + name)
+                if raw is not None:
+                    rows.append(RoundMetrics.from_json(raw))
+            summary = RoundSummary.from_rows(r, rows)
+            self.ar.store.put(summary_key(self.ar.run_id, r), summary.to_json(), create_only=True)
+            if summary.diverged:
+                self.log(f"round {r}: replicas {summary.diverged['minority']} hold a global state different from "
+                         f"{summary.diverged['majority']}")
+        except ObjectExists:
+            pass
+        except Exception as exc:  # the launcher rebuilds a missing summary from the rows
+            self.log(f"could not write the summary of round {r}: {exc}")
+
+    def diverged_since(self, after: int) -> int | None:
+        """The first round (newer than `after`) in which this replica's state was in the minority."""
+        if self.reader is None:
+            self.reader = RoundReader(self.ar.store, self.ar.run_id, after=after)
+        try:
+            for summary in self.reader.read_new():
+                if summary.diverged and self.ar.rank in summary.diverged["minority"]:
+                    return summary.round
+        except Exception as exc:
+            self.log(f"could not read round summaries: {exc}")
+        return None
+
+    def skip_through(self, r: int) -> None:
+        """Ignore summaries of rounds ≤ r (they describe a state this replica has replaced)."""
+        if self.reader is not None:
+            self.reader.after = max(self.reader.after, r)

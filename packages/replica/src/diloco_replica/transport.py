@@ -1,0 +1,145 @@
+"""The store as the round protocol uses it: counted requests, paced waiting, and key names.
+
+Everything above this module addresses objects through `RunKeys` and moves them through
+`CountingStore`, so bytes and requests per round are measured in one place and the layout is
+written down once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from diloco.store import Store
+
+
+@dataclass
+class Traffic:
+    """Object bytes and requests through the store, as the round protocol counts them."""
+
+    bytes_up: int = 0
+    bytes_down: int = 0
+    puts: int = 0
+    gets: int = 0
+    lists: int = 0
+    deletes: int = 0
+
+    def snapshot(self) -> Traffic:
+        return Traffic(**self.__dict__)
+
+    def since(self, before: Traffic) -> Traffic:
+        return Traffic(**{k: getattr(self, k) - getattr(before, k) for k in self.__dict__})
+
+    def requests(self) -> dict[str, int]:
+        return {"puts": self.puts, "gets": self.gets, "lists": self.lists, "deletes": self.deletes}
+
+
+class CountingStore:
+    """Wraps the run's store; counts every byte and request made through it."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.traffic = Traffic()
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri
+
+    def put(self, key: str, data: bytes | list[bytes | memoryview], *, create_only: bool = False) -> None:
+        self.traffic.puts += 1
+        parts = data if isinstance(data, list) else [data]
+        self.traffic.bytes_up += sum(memoryview(x).nbytes for x in parts)
+        self.store.put(key, data, create_only=create_only)
+
+    def get(self, key: str) -> memoryview | None:
+        self.traffic.gets += 1
+        data = self.store.get(key)
+        if data is not None:
+            self.traffic.bytes_down += data.nbytes
+        return data
+
+    def list(self, prefix: str, *, offset: str | None = None):
+        self.traffic.lists += 1
+        return list(self.store.list(prefix, offset=offset))
+
+    def list_names(self, prefix: str) -> list[str]:
+        """Object names under `prefix`, relative to it."""
+        self.traffic.lists += 1
+        return [m["path"][len(prefix):] for m in self.store.list(prefix)]
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        self.traffic.lists += 1
+        return self.store.list_dirs(prefix)
+
+    def delete(self, key: str) -> None:
+        self.traffic.deletes += 1
+        self.store.delete(key)
+
+
+class Backoff:
+    """Waits that grow (×1.5 up to `cap`), so waiting costs O(log) requests, not a tight loop."""
+
+    def __init__(self, first: float, cap: float = 1.0):
+        self.delay, self.cap = first, cap
+
+    def sleep(self, deadline: float) -> bool:
+        """Sleep the next interval; False if the deadline has passed."""
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        time.sleep(min(self.delay, deadline - now))
+        self.delay = min(self.delay * 1.5, self.cap)
+        return True
+
+
+def shard_bounds(numel: int, n: int) -> list[tuple[int, int]]:
+    """N contiguous, near-equal slices covering [0, numel)."""
+    base, extra = divmod(numel, n)
+    bounds, start = [], 0
+    for j in range(n):
+        end = start + base + (1 if j < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def reducer_of(shard: int, members: list[int]) -> int:
+    """Who reduces shard j in a round: its owner if a member, else a member chosen by j."""
+    return shard if shard in members else members[shard % len(members)]
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """The store layout of one run (documented in packages/replica/README.md)."""
+
+    run: str
+
+    def round(self, r: int) -> str:
+        return f"{self.run}/r{r:08d}"
+
+    def scatter(self, r: int, owner: int, src: int) -> str:
+        return f"{self.round(r)}/scatter/{owner}/{src}"
+
+    def ready(self, r: int, src: int | None = None) -> str:
+        return f"{self.round(r)}/ready/" + ("" if src is None else str(src))
+
+    def members(self, r: int) -> str:
+        return f"{self.round(r)}/members.json"
+
+    def reduced(self, r: int, owner: int | None = None) -> str:
+        return f"{self.round(r)}/reduced/" + ("" if owner is None else str(owner))
+
+    def repaired(self, r: int, owner: int) -> str:
+        return f"{self.round(r)}/repaired/{owner}"
+
+    def claim(self, r: int, owner: int, generation: int) -> str:
+        return f"{self.round(r)}/claim/{owner}.{generation}"
+
+    def checkpoint(self, r: int, shard: int | str | None = None) -> str:
+        return f"{self.run}/ckpt/r{r:08d}/" + ("" if shard is None else str(shard))
+
+    def checkpoints(self) -> str:
+        return f"{self.run}/ckpt/"
+
+    def low_water(self, r: int | None = None) -> str:
+        return f"{self.run}/history/" + ("" if r is None else f"gc-through-r{r:08d}")
