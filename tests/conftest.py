@@ -41,3 +41,34 @@ def tiny_spec(tmp_path: Path, *, steps: int = 120, sync_every: int = 20, transpo
     path = tmp_path / "diloco.toml"
     path.write_text(text)
     return path
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """A moto S3 server on 127.0.0.1 (a real S3 API over HTTP) and a fresh bucket; the launcher's
+    shell gets its AWS_* variables, replicas only what the spec passes them."""
+    from diloco.testing.s3server import moto_s3
+
+    with moto_s3() as server:
+        for k, v in server["env"].items():
+            monkeypatch.setenv(k, v)
+        yield server
+
+
+S3_SPEC = """rendezvous = "{uri}"
+secrets = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
+"""
+S3_ENV = """
+[env]
+AWS_ENDPOINT_URL = "{endpoint}"
+AWS_REGION = "us-east-1"
+"""
+
+
+def on_s3(spec: Path, s3: dict) -> Path:
+    """Point a spec at the moto S3 server the way a user would on a cloud backend."""
+    text = spec.read_text()
+    head, sep, rest = text.partition("\n[")
+    text = head + "\n" + S3_SPEC.format(uri=s3["uri"]) + sep + rest + S3_ENV.format(endpoint=s3["env"]["AWS_ENDPOINT_URL"])
+    spec.write_text(text)
+    return spec

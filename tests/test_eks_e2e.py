@@ -1,6 +1,10 @@
 """The tiny-LM DiLoCo main job through `backend = "eks"`: real kubernetes client over HTTP
 against kmock's Kubernetes API emulator with the test-side Job controller and kubelet from
-diloco_eks.testing (pods run as local processes; no kube-apiserver can run here)."""
+diloco_eks.testing (pods run as local processes; no kube-apiserver can run here).
+
+Remote means remote: the replicas meet in an s3:// rendezvous on a moto server, and pods see
+only the environment their manifest declares (credentials through the spec's `secrets`, which
+become a Kubernetes Secret), never the launcher's disk or shell."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, tiny_spec
+from conftest import ROOT, on_s3, tiny_spec
 
 pytest.importorskip("diloco_eks")
 
@@ -27,8 +31,8 @@ def cluster(tmp_path):
     assert not sim.error_traces, sim.error_traces
 
 
-def eks_spec(tmp_path, cluster, **kw):
-    spec = tiny_spec(tmp_path, **kw)
+def eks_spec(tmp_path, cluster, s3, **kw):
+    spec = on_s3(tiny_spec(tmp_path, **kw), s3)
     text = spec.read_text().replace('backend = "local"\n', "")
     text += (f'\n[backend]\nname = "eks"\nimage = "ghcr.io/example/tiny-lm:1"\nnamespace = "ml"\n'
              f'api_url = "{cluster.url}"\n')
@@ -41,9 +45,9 @@ def run_cli(state, *args, timeout=600):
                           env={**os.environ, "DILOCO_STATE_DIR": str(state)})
 
 
-def test_tiny_lm_main_job_through_eks(tmp_path, cluster):
+def test_tiny_lm_main_job_through_eks(tmp_path, cluster, s3):
     state = tmp_path / "state"
-    proc = run_cli(state, "run", str(eks_spec(tmp_path, cluster, steps=100, sync_every=25)))
+    proc = run_cli(state, "run", str(eks_spec(tmp_path, cluster, s3, steps=100, sync_every=25)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "round 4  members [0, 1, 2, 3]" in proc.stdout and "eval loss" in proc.stdout
     run_id = proc.stdout.split()[1].rstrip(":")
@@ -51,11 +55,24 @@ def test_tiny_lm_main_job_through_eks(tmp_path, cluster):
     assert {r["handle"]["metadata"]["job"] for r in record["ranks"]} == {record["ranks"][0]["handle"]["metadata"]["job"]}
     logs = run_cli(state, "logs", run_id, "--rank", "3").stdout
     assert "round 4: loss" in logs
+    keys = [o["Key"] for o in s3["client"].list_objects_v2(Bucket=s3["bucket"], Prefix=f"runs/{run_id}/")["Contents"]]
+    assert any("/reduced/" in k for k in keys) and any("/rounds/" in k for k in keys)  # they met in S3
+    dry = run_cli(state, "dryrun", str(tmp_path / "diloco.toml")).stdout
+    assert "testing" not in dry.replace("ghcr.io/example/tiny-lm", "")  # credentials never shown
 
 
-def test_killed_pod_is_relaunched_and_the_run_recovers(tmp_path, cluster):
+def test_eks_refuses_a_rendezvous_on_the_launchers_disk(tmp_path, cluster, s3):
+    spec = eks_spec(tmp_path, cluster, s3)
+    spec.write_text(spec.read_text().replace(s3["uri"], (tmp_path / "store").as_uri()))
+    for cmd in ("dryrun", "run"):
+        proc = run_cli(tmp_path / "state", cmd, str(spec))
+        assert proc.returncode == 2 and "which 'eks' replicas do not see" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_killed_pod_is_relaunched_and_the_run_recovers(tmp_path, cluster, s3):
     state = tmp_path / "state"
-    spec = eks_spec(tmp_path, cluster, steps=200, sync_every=25,
+    spec = eks_spec(tmp_path, cluster, s3, steps=200, sync_every=25,
                     restart="backoff = 0.2\nmax_restarts_per_rank = 5")
     spec.write_text(spec.read_text().replace("round_timeout = 120", "round_timeout = 8\ncheckpoint_every = 2"))
     launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec)], stdout=subprocess.PIPE,

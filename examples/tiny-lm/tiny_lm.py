@@ -140,7 +140,7 @@ def train(ctx: ReplicaContext, steps: int = 600, batch_size: int = 16, context: 
         info = diloco.step(loss=loss.item(), tokens=batch_size * context)
         if info is not None:
             ctx.log.info("round %d: loss %.4f members %s%s sync %.2fs", info.round, info.loss or float("nan"),
-                         info.members, " (late)" if info.late else "", info.sync_s)
+                         info.members, "" if info.member else " (not a member)", info.sync_s)
     eval_loss = evaluate(model, eval_data, context)
     diloco.close()
     result = {"rank": ctx.rank, "rounds": diloco.round, "eval_loss": eval_loss,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -59,26 +58,12 @@ def replicas(request):
     r.cancel_all()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def s3(monkeypatch):
     """A moto S3 server on 127.0.0.1 and a fresh bucket; AWS_* env points every process at it."""
-    import boto3
-    from moto.server import ThreadedMotoServer
+    from diloco.testing.s3server import moto_s3
 
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"])
-    client.create_bucket(Bucket="diloco-test")
-    yield {"uri": "s3://diloco-test/runs", "client": client, "env": env}
-    server.stop()
+    with moto_s3() as server:
+        for k, v in server["env"].items():
+            monkeypatch.setenv(k, v)
+        yield server

@@ -60,11 +60,14 @@ def gloo_vs_store(ctx: ReplicaContext, numel: int = 100_003, init_file: str = ""
 
 
 def mlp_rounds(ctx: ReplicaContext, steps: int = 12, dim: int = 64, delay_rank: int = -1, delay_before_round: int = 0,
-               delay_s: float = 0.0, start_delay_s: float = 0.0, crash_at_step: int = -1) -> dict:
+               delay_s: float = 0.0, start_delay_s: float = 0.0, crash_at_step: int = -1, perturb_rank: int = -1,
+               perturb_round: int = 0) -> dict:
     """A small MLP under DiLoCo with Adam; records θ's hash after every round.
 
     delay_rank sleeps `delay_s` before its sync of round `delay_before_round` (to miss it);
-    start_delay_s delays joining; crash_at_step makes attempt 0 of the rank exit abruptly.
+    start_delay_s delays joining; crash_at_step makes attempt 0 of the rank exit abruptly;
+    perturb_rank adds 1e-3 to one element of its θ_global after round `perturb_round` (a bit flip
+    in host memory, as far as DiLoCo can tell).
     """
     if start_delay_s:
         time.sleep(start_delay_s)
@@ -86,6 +89,8 @@ def mlp_rounds(ctx: ReplicaContext, steps: int = 12, dim: int = 64, delay_rank: 
         if ctx.rank == delay_rank and diloco.local_steps + 1 == diloco.H and diloco.round + 1 == delay_before_round:
             time.sleep(delay_s)
         info = diloco.step(loss=loss.item())
+        if info is not None and ctx.rank == perturb_rank and info.round == perturb_round and ctx.attempt == 0:
+            diloco.state.theta[0] += 1e-3
         if info is not None:
             hashes[info.round] = theta_crc(diloco)
             rounds.append({"round": info.round, "members": info.members, "member": info.member,

@@ -77,11 +77,11 @@ def run_round(store, run, n, deltas, *, skip=(), timeout=2.0, min_members=1, r=1
     return out, errors
 
 
-def test_corrupt_contribution_is_an_error_never_averaged():
+def test_corrupt_contribution_is_never_averaged_in_and_is_reported():
     store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-c"
     deltas = [torch.full((100,), float(i)) for i in range(2)]
     # rank 1 "uploads" a corrupted shard for owner 0 before the round, then only rank 0 runs: the
-    # ready marker says rank 1 is a member, so rank 0 must read that object — and refuse it.
+    # ready marker says rank 1 is a member, so rank 0 must read that object — and leave it out.
     good = joined(pack(Identity(run, 1, "scatter", 0, 1), encode_tensor(deltas[1][:50], "fp32"), codec="fp32",
                        numel=50))
     bad = bytearray(good)
@@ -91,7 +91,13 @@ def test_corrupt_contribution_is_an_error_never_averaged():
     store.put(f"{run}/r00000001/reduced/1", pack(Identity(run, 1, "reduced", 1, -1),
                                                  encode_tensor(torch.zeros(50), "fp32"), codec="fp32", numel=50))
     out, errors = run_round(store, run, 2, deltas, skip=(1,))
-    assert not out and isinstance(errors[0], CorruptObject) and "checksum mismatch" in str(errors[0])
+    assert not errors, errors
+    assert torch.equal(out[0].mean[:50], deltas[0][:50])  # rank 1's damaged part is not in the mean
+    [incident] = out[0].incidents
+    assert incident["object"] == f"{run}/r00000001/scatter/0/1" and incident["writer"] == 1
+    assert "checksum mismatch" in incident["problem"] and "left out" in incident["action"]
+    reduced = unpack(store.get(f"{run}/r00000001/reduced/0"), Identity(run, 1, "reduced", 0, -1), "k")
+    assert reduced.meta["members"] == [0] and "1" in reduced.meta["left_out"]
 
 
 def test_reused_store_from_an_old_run_does_not_leak_in():

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from diloco.errors import BackendError, UserError
+from diloco.failures import cause_from_log
 from diloco.launchenv import check_ranks, is_secret_name, parse_entrypoint, replica_env
 from diloco.protocol import ENV_RANK, LaunchPlan, ReplicaHandle, ReplicaResult, ReplicaStatus
 from diloco.state import new_run_id
@@ -288,6 +289,9 @@ class EksExecutor:
             parts += reasons
             tail = self.stream_logs(handle, n_lines=20).strip() if pod else ""
             error = "; ".join(parts) + (f"\n{tail}" if tail else "")
+            cause = cause_from_log(tail)
+            if cause:  # the replica said why it stopped: that is the cause, the pod's exit comes after
+                error = f"{cause}\n{error}"
         return ReplicaResult(handle.rank, status, code if code is not None else 1, error, None, handle.attempt)
 
     # -- stopping ------------------------------------------------------------------------------

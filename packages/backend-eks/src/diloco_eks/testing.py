@@ -9,7 +9,9 @@ two this backend relies on, driven through the same client against the same API:
   ``failedIndexes`` and the Complete/Failed conditions, honours ``backoffLimitPerIndex`` and
   ``backoffLimit: 0``, and deletes pods of deleted Jobs;
 - kubelet: runs each pod's command as a local process (in its own process group) with the env
-  the pod spec declares — literal values, the downward-API completion index, Secret keys —
+  the pod spec declares — literal values, the downward-API completion index, Secret keys — and
+  nothing of the test process's own environment beyond what a node's image would have (PATH,
+  HOME, locale): no AWS_* or DILOCO_* leaks in, so a pod reaches the store only as the spec says;
   records exit codes in the pod status, and serves ``pods/log`` from the process output.
 
 Images are not pulled; an image whose name contains ``does-not-exist`` reports ErrImagePull.
@@ -184,7 +186,7 @@ class SimulatedCluster:
                      "reason": "ErrImagePull", "message": f"failed to pull image {container['image']!r}: not found"}}}]}},
                 _preload_content=False)
             return
-        env = {**os.environ, **self._resolve_env(ns, container.get("env") or [], annotations)}
+        env = {**_node_env(), **self._resolve_env(ns, container.get("env") or [], annotations)}
         env["PYTHONPATH"] = os.pathsep.join([*self.extra_pythonpath, env.get("PYTHONPATH", "")]).strip(os.pathsep)
         cmd = list(container.get("command") or ["diloco-replica"]) + list(container.get("args") or [])
         if cmd[0] in ("python", "python3"):
@@ -290,6 +292,14 @@ class SimulatedCluster:
             if exc.status != 404:
                 raise
         self._pods.pop((pod.ns, pod.name), None)
+
+
+_NODE_VARS = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV")
+
+
+def _node_env() -> dict[str, str]:
+    """What a container starts with before the pod spec's env: the image's basics, nothing of the test's."""
+    return {k: os.environ[k] for k in _NODE_VARS if k in os.environ}
 
 
 def _now() -> str:

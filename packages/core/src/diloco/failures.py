@@ -40,3 +40,14 @@ def shorten(text: str | None, limit: int = 2000) -> str | None:
         return text
     head = cause(text)[: limit // 4]
     return f"{head}\n…{text[-(limit - len(head) - 2):]}"
+
+
+def cause_from_log(tail: str) -> str | None:
+    """The cause line the in-replica bootstrap prints last, for backends that only have logs."""
+    from .runner import CAUSE_PREFIX, USER_ERROR_PREFIX
+
+    for line in reversed(tail.splitlines()):
+        for prefix in (CAUSE_PREFIX, USER_ERROR_PREFIX):
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+    return None

@@ -123,6 +123,10 @@ def _run_command(cmd: list[str], outcome: _Outcome) -> int:
     return 1
 
 
+CAUSE_PREFIX = "diloco: replica failed: "
+USER_ERROR_PREFIX = "diloco: error: "
+
+
 def failure_cause(exc: BaseException, ctx: ReplicaContext) -> str:
     """The first line of a failed replica's error: the exception, and where training was.
 
@@ -167,15 +171,16 @@ def main() -> int:
         from .errors import EXIT_CONFIG, UserError
 
         if isinstance(exc, UserError):  # a mistake in the spec or the store, not in the code: one line
-            print(f"diloco: error: {exc}", file=sys.stderr, flush=True)
+            print(f"{USER_ERROR_PREFIX}{exc}", file=sys.stderr, flush=True)
             outcome.write("failed", EXIT_CONFIG, str(exc))
             return EXIT_CONFIG
         import traceback
 
         tb = traceback.format_exc()
-        sys.stderr.write(tb)
+        cause = failure_cause(exc, ctx)
+        sys.stderr.write(f"{tb}{CAUSE_PREFIX}{cause}\n")  # last line: backends that only have logs read it
         sys.stderr.flush()
-        outcome.write("failed", 1, f"{failure_cause(exc, ctx)}\n{tb}")
+        outcome.write("failed", 1, f"{cause}\n{tb}")
         return 1
 
 

@@ -1,0 +1,111 @@
+"""A misbehaving S3 endpoint for tests: a real HTTP proxy on 127.0.0.1 in front of a real S3 API.
+
+Test double, not a store: it forwards every request unchanged to an upstream S3 server (moto
+in this repository's tests) and can misbehave the way S3-compatible stores do:
+
+- ``ignore_conditional=True``: strips If-None-Match / If-Match, like stores that do not
+  implement conditional puts (every "first writer wins" decision then silently has two
+  winners; `diloco.store.verify_store` must refuse such a store);
+- ``error_rate=p``: answers a fraction p of requests with S3's own throttling and server
+  errors (503 SlowDown, 500 InternalError) instead of forwarding them, as S3 does under load;
+  clients are expected to retry (obstore does, with backoff).
+
+Counts of forwarded and failed requests are kept for assertions. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import http.client
+import random
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlparse
+
+_ERRORS = [(503, "SlowDown", "Please reduce your request rate."),
+           (500, "InternalError", "We encountered an internal error. Please try again.")]
+_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade", "te", "trailer"}
+
+
+class FaultyS3Proxy:
+    def __init__(self, upstream: str, *, ignore_conditional: bool = False, error_rate: float = 0.0,
+                 seed: int = 0):
+        up = urlparse(upstream)
+        self.upstream_host, self.upstream_port = up.hostname, up.port or 80
+        self.ignore_conditional = ignore_conditional
+        self.error_rate = error_rate
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.forwarded = 0
+        self.injected = 0
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self) -> FaultyS3Proxy:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def _fail_now(self) -> bool:
+        with self.lock:
+            fail = self.error_rate > 0 and self.rng.random() < self.error_rate
+            if fail:
+                self.injected += 1
+            else:
+                self.forwarded += 1
+            return fail
+
+    def _handler(self):
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def _body(self) -> bytes:
+                n = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(n) if n else b""
+
+            def _forward(self) -> None:
+                body = self._body()
+                if proxy._fail_now():
+                    status, code, message = proxy.rng.choice(_ERRORS)
+                    payload = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+                               f"<Message>{message}</Message></Error>").encode()
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}
+                if proxy.ignore_conditional:
+                    headers = {k: v for k, v in headers.items() if k.lower() not in ("if-none-match", "if-match")}
+                conn = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=60)
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                finally:
+                    conn.close()
+                self.send_response(resp.status, resp.reason)
+                for k, v in resp.getheaders():
+                    if k.lower() not in _HOP and k.lower() != "content-length":
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        return Handler

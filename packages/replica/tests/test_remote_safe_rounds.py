@@ -1,0 +1,239 @@
+"""Rounds that stay right when replicas run elsewhere and the store misbehaves (issue: remote-safe rounds)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+import pytest
+import torch
+
+from diloco.metrics import read_rounds
+from diloco.store import open_store
+from diloco_replica.allreduce import StoreAllReduce
+from diloco_replica.membership import FellBehind
+from diloco_replica.outer import outer_step
+from diloco_replica.wire import CorruptObject, Identity, encode_tensor, joined, pack, unpack
+
+
+# -- the outer step is the same floats everywhere ------------------------------------------------
+
+def reference_step(theta, buf, g, lr, m):
+    """numpy float32, one IEEE-rounded operation at a time (numpy never contracts to FMA)."""
+    f = np.float32
+    buf = buf * f(m) + g
+    update = g + buf * f(m)
+    return theta - update * f(lr), buf
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_outer_step_is_bit_identical_across_thread_counts_and_offsets(threads):
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(7)
+    n = 100_003  # odd: every vector loop has a scalar tail
+    theta0, buf0, grad = (torch.randn(n, generator=gen) for _ in range(3))
+    want_theta, want_buf = reference_step(theta0.numpy(), buf0.numpy(), grad.numpy(), 0.7, 0.9)
+    for offset in range(9):  # misaligned views, as slices of a larger flat buffer are
+        big = torch.zeros(n + 16)
+        theta = big[offset:offset + n]
+        theta.copy_(theta0)
+        buf = torch.zeros(n + 16)[offset + 1:offset + 1 + n]
+        buf.copy_(buf0)
+        outer_step(theta, buf, grad, lr=0.7, momentum=0.9, nesterov=True)
+        assert np.array_equal(theta.numpy(), want_theta), f"offset {offset}, {threads} threads"
+        assert np.array_equal(buf.numpy(), want_buf)
+    torch.set_num_threads(1)
+
+
+# -- objects: the header is checksummed too ------------------------------------------------------
+
+def test_a_damaged_or_malformed_header_is_a_corrupt_object():
+    ident = Identity("run", 3, "reduced", 1, -1)
+    blob = bytearray(joined(pack(ident, encode_tensor(torch.randn(64), "fp32"), codec="fp32", numel=64,
+                                 meta={"members": [0, 1]})))
+    hstart = 13
+    damaged = bytearray(blob)
+    damaged[blob.index(b'"members"') + 2] ^= 0x01  # a flipped bit in the metadata, payload untouched
+    with pytest.raises(CorruptObject, match="header checksum mismatch"):
+        unpack(bytes(damaged), ident, "k")
+    import struct
+    import zlib
+
+    header = b"[1, 2, 3]"  # valid JSON, valid checksum, wrong shape
+    malformed = struct.pack("<4sBII", b"DLCO", 2, len(header), zlib.crc32(header)) + header
+    with pytest.raises(CorruptObject, match="malformed header"):
+        unpack(malformed, ident, "k")
+    assert hstart == struct.calcsize("<4sBII")
+
+
+# -- history is never rewritten -----------------------------------------------------------------
+
+def test_a_replica_at_round_zero_never_decides_a_collected_round_one():
+    store = open_store(f"memory://{uuid.uuid4().hex}")
+    store.put("run-lw/history/gc-through-r00000004", b"{}")
+    ar = StoreAllReduce(store, "run-lw", 0, 2, round_timeout=0.3, poll_interval=0.01)
+    with pytest.raises(FellBehind, match="rounds ≤ 4 were garbage-collected"):
+        ar.run_round(1, torch.zeros(8))
+    ar.close()
+    assert not list(store.list("run-lw/r00000001/"))  # nothing was written for the dead round
+
+
+# -- races end in "use the published result" -----------------------------------------------------
+
+def test_a_takeover_after_the_reducer_published_and_cleaned_up_uses_the_published_shard():
+    store = open_store(f"memory://{uuid.uuid4().hex}")
+    run, n = "run-t", 2
+    deltas = [torch.full((10,), float(i + 1)) for i in range(n)]
+    results = {}
+
+    def go(i):
+        ar = StoreAllReduce(store, run, i, n, round_timeout=2.0, poll_interval=0.005)
+        results[i] = ar.run_round(1, deltas[i])
+        ar.close()
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for m in range(n):  # the reducer's cleanup has run: inputs gone
+        store.delete(f"{run}/r00000001/scatter/0/{m}")
+    late = StoreAllReduce(store, run, 1, n, round_timeout=0.5, poll_interval=0.005)
+    got = late._reduce_shard(1, 0, (0, 5), [0, 1], deltas[1], takeover=True, incidents=[])
+    late.close()
+    assert torch.equal(got, results[0].mean[:5])
+
+
+def test_only_one_replica_takes_over_a_slow_reducers_shard():
+    """Shard 0's reducer stalls past the timeout: one waiting replica (the create-only claim's
+    winner) reduces it, the rest wait for its result; every replica ends with the same bytes."""
+    store = open_store(f"memory://{uuid.uuid4().hex}")
+    run, n, timeout = "run-slow", 4, 0.6
+    deltas = [torch.randn(4000, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+    results, ars = {}, {}
+    scatter_gets = {"shard 0": 0}
+    get = store.get
+
+    def counting_get(key):
+        if f"{run}/r00000001/scatter/0/" in key:
+            scatter_gets["shard 0"] += 1
+        return get(key)
+
+    store.get = counting_get
+
+    class Slow(StoreAllReduce):
+        def _reduce_shard(self, r, j, *a, **kw):
+            if self.rank == 0 and not kw.get("takeover"):
+                time.sleep(2.5 * timeout)
+            return super()._reduce_shard(r, j, *a, **kw)
+
+    def go(i):
+        ar = Slow(store, run, i, n, round_timeout=timeout, poll_interval=0.005, poll_max=0.02)
+        ars[i] = ar
+        results[i] = ar.run_round(1, deltas[i])
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert sorted(j for res in results.values() for j in res.takeovers) == [0]  # exactly one takeover
+    assert all(torch.equal(results[0].mean, res.mean) for res in results.values())
+    a, b = 0, 1000  # shard 0: its owner's own part never left it, so the takeover averages ranks 1-3
+    assert torch.allclose(results[0].mean[a:b], torch.stack(deltas[1:])[:, a:b].mean(0), atol=1e-6)
+    assert torch.allclose(results[0].mean[b:], torch.stack(deltas)[:, b:].mean(0), atol=1e-6)
+    claims = [m["path"] for m in store.list(f"{run}/r00000001/claim/")]
+    assert claims == [f"{run}/r00000001/claim/0.0"]
+    # the losers of the claim never fetched shard 0's inputs: the winner (2) and the slow reducer (3) did
+    assert scatter_gets["shard 0"] <= 5, scatter_gets
+    for ar in ars.values():
+        ar.close()
+
+
+# -- corrupt objects mid-run, real processes --------------------------------------------------------
+
+def summaries(store_uri, run_id):
+    return read_rounds(store_uri, run_id, final=True)
+
+
+@pytest.mark.parametrize("target, action", [("scatter:2:0:1", "left out of shard 0's mean"),
+                                            ("reduced:2:1", "re-published by its reducer")])
+def test_a_corrupt_object_mid_run_is_handled_the_same_everywhere(replicas, store_uri, target, action):
+    handles = replicas.launch("mlp_rounds", 4, rendezvous=store_uri, settings={"sync_every": 2, "round_timeout": 20},
+                              args={"steps": 10, "dim": 32}, env={"DILOCO_FAULT_CORRUPT": target})
+    results = replicas.results(handles, timeout=240)
+    for rnd in ("1", "2", "3", "4", "5"):
+        assert len({r["hashes"][rnd] for r in results}) == 1, f"replicas differ after round {rnd}"
+    rounds = {s.round: s for s in summaries(store_uri, replicas.run_id)}
+    incidents = rounds[2].incidents
+    assert incidents and all(action in i["action"] for i in incidents), incidents
+    kind, _, owner, *src = target.split(":")
+    assert incidents[0]["object"].endswith(f"/r00000002/{kind}/{owner}" + (f"/{src[0]}" if src else ""))
+    assert incidents[0]["writer"] == (int(src[0]) if src else int(owner))
+    assert all(r["rounds"][-1]["members"] == [0, 1, 2, 3] for r in results)
+
+
+def test_a_replica_paused_past_the_retained_history_rejoins_instead_of_rewriting_it(replicas, store_uri):
+    """SIGSTOP rank 3 while the others run on and garbage-collect the rounds it would come back to;
+    SIGCONT it: it must rejoin from a checkpoint (not decide dead rounds alone), and end identical."""
+    settings = {"sync_every": 2, "round_timeout": 1.0, "checkpoint_every": 2}
+    handles = replicas.launch("mlp_rounds", 4, rendezvous=store_uri, settings=settings,
+                              args={"steps": 60, "dim": 16})
+    metrics = Path(urlparse(store_uri).path) / replicas.run_id / "metrics"
+
+    def rounds_done() -> int:
+        return max((int(p.name[1:]) for p in metrics.glob("r*")), default=0) if metrics.exists() else 0
+
+    deadline = time.monotonic() + 120
+    while rounds_done() < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = handles[3].metadata["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    stopped_at = rounds_done()
+    try:
+        while rounds_done() < stopped_at + 8 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    marks = sorted((Path(urlparse(store_uri).path) / replicas.run_id / "history").iterdir())
+    assert marks and int(marks[-1].name.rsplit("r", 1)[1]) > stopped_at  # its rounds were collected
+    results = replicas.results(handles, timeout=240)
+    assert len({r["final"] for r in results}) == 1
+    log = replicas.executor.stream_logs(handles[3], n_lines=400)
+    assert "garbage-collected" in log and "rejoining" in log
+    late = next(r for r in results if r["rank"] == 3)
+    assert late["rounds"][-1]["members"] == [0, 1, 2, 3]  # it took part again
+
+
+def test_an_injected_divergence_is_detected_and_the_minority_reloads(replicas, store_uri):
+    handles = replicas.launch("mlp_rounds", 4, rendezvous=store_uri,
+                              settings={"sync_every": 2, "checkpoint_every": 2, "round_timeout": 20},
+                              args={"steps": 24, "dim": 16, "perturb_rank": 2, "perturb_round": 3})
+    results = replicas.results(handles, timeout=240)
+    rounds = {s.round: s for s in summaries(store_uri, replicas.run_id)}
+    diverged = [s for s in rounds.values() if s.diverged]
+    assert diverged and diverged[0].round == 4 and diverged[0].diverged["minority"] == [2]
+    assert diverged[0].diverged["majority"] == [0, 1, 3]
+    assert len({r["final"] for r in results}) == 1  # repaired: everyone ends on the majority's state
+    assert not rounds[max(rounds)].diverged
+    log = replicas.executor.stream_logs(handles[2], n_lines=400)
+    assert "diverged from the majority's at round 4" in log
+
+
+# -- a store that cannot serve a run is refused at start ---------------------------------------------
+
+def test_a_store_that_ignores_create_only_is_refused_at_replica_start(replicas, s3):
+    from diloco.testing.s3proxy import FaultyS3Proxy
+
+    with FaultyS3Proxy(s3["env"]["AWS_ENDPOINT_URL"], ignore_conditional=True) as proxy:
+        handles = replicas.launch("mlp_rounds", 2, rendezvous=s3["uri"], env={**s3["env"], "AWS_ENDPOINT_URL": proxy.url},
+                                  args={"steps": 4, "dim": 8})
+        res = replicas.executor.collect(handles, timeout=120)
+    for r in res:
+        assert r.status == "failed" and r.exit_code == 78, r
+        assert "ignores create-only writes" in r.error and "\n" not in r.error.strip()
+    log = replicas.executor.stream_logs(handles[0])
+    assert "Traceback" not in log and "diloco: error: rendezvous 's3://diloco-test/runs'" in log
