@@ -5,7 +5,19 @@ The harness aims each kill at a phase — inner steps ("compute"), uploading the
 the replica runtime's fault-injection phase marker (DILOCO_FAULT_PHASE_FILE /
 DILOCO_FAULT_PHASE_DELAY, which stretches each sync phase so a kill can land inside it).
 
-DILOCO_FAULT_RUNS and DILOCO_FAULT_KILLS scale the soak (CI runs the default 2 × 3).
+DILOCO_FAULT_RUNS and DILOCO_FAULT_KILLS scale the SIGKILL soak (CI runs the default 2 × 3).
+
+`test_mixed_fault_soak` mixes every fault kind in each run, on an s3:// rendezvous (moto behind
+a proxy that answers a share of requests with 503 SlowDown / 500 InternalError): SIGKILLs aimed
+at each phase, a SIGSTOP'd straggler held past `round_timeout` and then resumed, corrupt objects
+at rest (a contribution and a reduced shard), and on every other run the launcher SIGKILLed and
+resumed. CI runs one such run; the documented soak is
+
+    DILOCO_SOAK_RUNS=20 .venv/bin/python -m pytest tests/test_fault_injection.py -k soak -s
+
+which prints one JSON line per run (injections by kind, relaunches, eval loss against the
+fault-free run) and asserts: no deadlock (every run ends within its timeout), no crash loop
+(relaunches bounded by the kills), survivors bit-identical, eval loss within 3%.
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_spec
+from conftest import on_s3, tiny_spec
 
 FAULT_RUNS = int(os.environ.get("DILOCO_FAULT_RUNS", "2"))
 KILLS_PER_RUN = int(os.environ.get("DILOCO_FAULT_KILLS", "3"))
@@ -153,3 +165,87 @@ def test_launcher_killed_mid_run_then_resumed_reaches_the_same_state(tmp_path, r
     results = final_results(record_of(state, run_id))
     assert len(results) == 4
     assert {r["theta_crc32"] for r in results} == {reference["theta_crc32"]}
+
+
+SOAK_RUNS = int(os.environ.get("DILOCO_SOAK_RUNS", "1"))
+SOAK_ERROR_RATE = float(os.environ.get("DILOCO_SOAK_ERROR_RATE", "0.02"))
+
+
+def stop_straggler(state: Path, run_id: str, rng: random.Random, hold_s: float) -> bool:
+    """SIGSTOP one running replica for `hold_s` (past round_timeout), then SIGCONT it."""
+    try:
+        running = [r for r in record_of(state, run_id)["ranks"] if r["status"] == "running" and r.get("handle")]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    if not running:
+        return False
+    pid = rng.choice(running)["handle"]["metadata"]["pid"]
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(hold_s)
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def resume(state: Path, run_id: str, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "diloco", "resume", run_id, "--on-interrupt", "detach"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "DILOCO_STATE_DIR": str(state), **env})
+
+
+@pytest.mark.parametrize("run_index", range(SOAK_RUNS))
+def test_mixed_fault_soak(tmp_path, reference, s3, run_index):
+    from diloco.testing.s3proxy import FaultyS3Proxy
+
+    rng = random.Random(2000 + run_index)
+    state, phase_dir = tmp_path / "state", tmp_path / "phases"
+    phase_dir.mkdir()
+    corrupt = [f"scatter:{rng.randint(2, 5)}:{rng.randrange(4)}:{rng.randrange(4)}", f"reduced:{rng.randint(6, 9)}:{rng.randrange(4)}"]
+    corrupt = [c for c in corrupt if c.split(":")[0] == "reduced" or c.split(":")[2] != c.split(":")[3]]
+    injected = {"sigkill": [], "sigstop": 0, "corrupt_object": len(corrupt), "launcher_kill": 0, "store_error": 0}
+    with FaultyS3Proxy(s3["env"]["AWS_ENDPOINT_URL"], error_rate=SOAK_ERROR_RATE, seed=run_index) as proxy:
+        spec = on_s3(spec_for(tmp_path), s3)
+        spec.write_text(spec.read_text().replace(s3["env"]["AWS_ENDPOINT_URL"], proxy.url))
+        env = {"DILOCO_FAULT_PHASE_FILE": str(phase_dir / "phase-{rank}"), "DILOCO_FAULT_PHASE_DELAY": "0.15",
+               "DILOCO_FAULT_CORRUPT": ",".join(corrupt), "AWS_ENDPOINT_URL": proxy.url}
+        spec.write_text(spec.read_text().replace("[env]\n", "[env]\n" + "".join(
+            f'{k} = "{v}"\n' for k, v in env.items() if k.startswith("DILOCO_FAULT"))))
+        proc, run_id = start(spec, state, {"AWS_ENDPOINT_URL": proxy.url})
+        try:
+            for k in range(4):
+                time.sleep(rng.uniform(2.0, 5.0))
+                if proc.poll() is not None:
+                    break
+                if k == 1:
+                    if stop_straggler(state, run_id, rng, hold_s=12.0):
+                        injected["sigstop"] += 1
+                    continue
+                hit = kill_in_phase(state, run_id, phase_dir, rng, PHASES[(k + run_index) % len(PHASES)])
+                if hit:
+                    injected["sigkill"].append(hit)
+                if k == 2 and run_index % 2 == 0 and proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                    injected["launcher_kill"] += 1
+                    proc = resume(state, run_id, {"AWS_ENDPOINT_URL": proxy.url})
+            out, _ = proc.communicate(timeout=900)  # a deadlock fails here
+        finally:
+            proc.kill()
+        injected["store_error"] = proxy.injected
+    assert proc.returncode == 0, out
+    record, events = record_of(state, run_id), events_of(state, run_id)
+    results = final_results(record)
+    assert len(results) == 4
+    assert len({r["theta_crc32"] for r in results}) == 1, "survivors disagree on the global model"
+    assert not any("CorruptObject" in (e.get("error") or "") for e in events), "a corrupt object was read"
+    relaunches = sum(r["restarts"] for r in record["ranks"])
+    assert relaunches <= len(injected["sigkill"]) + injected["sigstop"] + 1, "a crash loop: relaunches beyond the faults"
+    delta = results[0]["eval_loss"] / reference["eval_loss"] - 1
+    incidents = [e for e in events if e["event"] == "incident"]
+    print(json.dumps({"soak_run": run_index, "injected": {**injected, "sigkill": len(injected["sigkill"])},
+                      "kill_phases": injected["sigkill"], "relaunches": relaunches, "incidents": len(incidents),
+                      "eval_loss": round(results[0]["eval_loss"], 4), "reference": round(reference["eval_loss"], 4),
+                      "delta": round(delta, 4)}))
+    assert abs(delta) < 0.03

@@ -20,8 +20,12 @@ def free_port() -> int:
 @contextmanager
 def moto_s3(bucket: str = "diloco-test", prefix: str = "runs") -> Iterator[dict[str, Any]]:
     """Yields {"uri": s3://bucket/prefix, "env": AWS_* for processes, "client": boto3 client, "endpoint"}."""
+    import logging
+
     import boto3
     from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)

@@ -1,0 +1,122 @@
+"""Round summaries: one metrics type, reads that cost O(new rounds), and what the launcher makes of them."""
+
+from __future__ import annotations
+
+import uuid
+
+from diloco.metrics import RoundMetrics, RoundReader, RoundSummary, divergence, metrics_key, read_rounds, summary_key
+from diloco.store import open_store
+
+
+class Counting:
+    """The store API RoundReader uses, with every request counted."""
+
+    def __init__(self, store):
+        self.store, self.gets, self.lists = store, 0, 0
+
+    def get(self, key):
+        self.gets += 1
+        return self.store.get(key)
+
+    def list(self, prefix, offset=None):
+        self.lists += 1
+        return self.store.list(prefix, offset=offset)
+
+
+def row(r: int, rank: int, members: list[int], digest: str = "aa-bb", **kw) -> RoundMetrics:
+    return RoundMetrics(round=r, rank=rank, members=members, loss=1.0 / r, tokens=100, bytes_up=10, bytes_down=15,
+                        compute_s=1.0, sync_s=0.1, state_digest=digest, **kw)
+
+
+def write_round(store, run, r, rows, *, summary=True):
+    for x in rows:
+        store.put(metrics_key(run, r, x.rank), x.to_json())
+    if summary:
+        store.put(summary_key(run, r), RoundSummary.from_rows(r, rows).to_json())
+
+
+def test_reading_progress_costs_new_rounds_not_all_rounds():
+    store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-s"
+    for r in range(1, 201):
+        write_round(store, run, r, [row(r, k, [0, 1, 2, 3]) for k in range(4)])
+    counting = Counting(store)
+    reader = RoundReader(counting, run)
+    assert [s.round for s in reader.read_new()] == list(range(1, 201))
+    assert counting.gets == 200  # one per round, not one per replica per round
+    counting.gets = counting.lists = 0
+    assert reader.read_new() == []
+    assert counting.gets == 0 and counting.lists == 1  # nothing new: one LIST
+    for r in (201, 202):
+        write_round(store, run, r, [row(r, k, [0, 1, 2, 3]) for k in range(4)])
+    assert [s.round for s in reader.read_new()] == [201, 202] and counting.gets == 2
+
+
+def test_a_round_whose_recorder_died_is_rebuilt_from_its_rows():
+    store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-o"
+    write_round(store, run, 1, [row(1, k, [0, 1]) for k in range(2)])
+    write_round(store, run, 2, [row(2, k, [0, 1]) for k in range(2)], summary=False)
+    reader = RoundReader(store, run)
+    assert [s.round for s in reader.read_new()] == [1]  # round 2 may still be being recorded
+    assert [s.round for s in reader.read_new(final=True)] == [2]  # the run ended: rebuild it
+
+
+def test_divergence_names_the_minority_and_breaks_ties_by_rank():
+    rows = [row(3, k, [0, 1, 2, 3], digest="good") for k in (0, 1, 3)] + [row(3, 2, [0, 1, 2, 3], digest="bad")]
+    assert divergence(rows) == {"majority": [0, 1, 3], "minority": [2], "digest": "good"}
+    tie = [row(3, 0, [0, 1], digest="x"), row(3, 1, [0, 1], digest="y")]
+    assert divergence(tie)["majority"] == [0]
+    assert divergence([row(3, k, [0, 1]) for k in range(2)]) is None
+
+
+def test_status_of_a_finished_run_reads_its_cache_and_warns(cli, state_dir, tmp_path):
+    from diloco.state import RunRecord
+
+    store_uri = (tmp_path / "store").as_uri()
+    store = open_store(store_uri)
+    run = "solo-20260101-000000-abcd"
+    for r in (1, 2, 3):  # two replicas that never met: each round had one member
+        write_round(store, run, r, [row(r, 0, [0])])
+    spec = {"name": "solo", "backend": "local", "replicas": 2, "entrypoint": "x:y", "workdir": str(tmp_path),
+            "timeout": 60.0}
+    RunRecord.create(run, {"spec": spec, "backend": "local", "state": "RUNNING",
+                           "launch": {"n_replicas": 2, "rendezvous": store_uri}})
+    out = cli("status", run, check_rc=0).stdout
+    assert "WARNING: every round so far (1-3) had a single member although the run has 2 replicas" in out
+    write_round(store, run, 4, [row(4, 0, [0, 1], digest="a"), row(4, 1, [0, 1], digest="b")])
+    out = cli("status", run, check_rc=0).stdout
+    assert "single member" not in out
+    assert "replicas [1] held a global state different from [0] at round 4" in out
+    assert (state_dir / "runs" / run / "rounds.jsonl").read_text().count("\n") == 4  # 1-3, then only 4
+    import shutil
+
+    shutil.rmtree(tmp_path / "store")  # the store is gone (or unreachable from this shell): the cache answers
+    again = cli("status", run, check_rc=0).stdout
+    assert "rounds: 4" in again and "held a global state different" in again
+
+
+def test_supervisor_turns_summaries_into_events(state_dir, tmp_path):
+    from diloco.local import LocalProcessExecutor
+    from diloco.state import RunRecord
+    from diloco.supervisor import LaunchArgs, Supervisor
+
+    store_uri = (tmp_path / "store").as_uri()
+    store = open_store(store_uri)
+    run = "ev-20260101-000000-abcd"
+    incident = {"round": 2, "object": f"{run}/r00000002/scatter/0/1", "writer": 1, "problem": "checksum mismatch",
+                "action": "left out of shard 0's mean by rank 0"}
+    write_round(store, run, 1, [row(1, 0, [0])])
+    write_round(store, run, 2, [row(2, 0, [0], incidents=[incident])])
+    record = RunRecord.create(run, {"state": "HEALTHY"})
+    args = LaunchArgs(n_replicas=2, entrypoint="x:y", entrypoint_args={}, gpu=None, timeout=60, run_id=run,
+                      rendezvous=store_uri, env={})
+    sup = Supervisor(LocalProcessExecutor(), record, args, {})
+    assert sup._record_rounds(final=True)
+    events = [e["event"] for e in record.events()]
+    assert events == ["round", "training_alone", "round", "incident"]
+    assert sup.health["alone"]["through_round"] == 2
+    write_round(store, run, 3, [row(3, 0, [0, 1], digest="a"), row(3, 1, [0, 1], digest="b")])
+    assert sup._record_rounds(final=True)
+    kinds = [e["event"] for e in record.events()]
+    assert kinds[-2:] == ["round", "diverged"] and "alone" not in sup.health  # they met at last
+    sup.save()
+    assert RunRecord.load(run).data["last_round"] == 3  # saved, so a resumed launcher starts after it
