@@ -21,26 +21,9 @@ from pathlib import Path
 
 from diloco.metrics import RoundMetrics, RoundReader, RoundSummary, metrics_key, read_rounds, summary_key
 from diloco.store import open_store
+from diloco.testing.counting import RequestCounter
 
 N = 8
-
-
-class Counting:
-    def __init__(self, store):
-        self.store, self.gets, self.lists = store, 0, 0
-
-    def get(self, key):
-        self.gets += 1
-        return self.store.get(key)
-
-    def list(self, prefix, offset=None):
-        self.lists += 1
-        return self.store.list(prefix, offset=offset)
-
-    def take(self) -> dict[str, int]:
-        out = {"gets": self.gets, "lists": self.lists}
-        self.gets = self.lists = 0
-        return out
 
 
 def write_run(store, run: str, rounds: range) -> None:
@@ -65,7 +48,7 @@ def main(sizes=(10, 100, 1000)) -> None:
     results = []
     for R in sizes:
         with tempfile.TemporaryDirectory() as tmp:
-            store = Counting(open_store(Path(tmp, "store").as_uri()))
+            store = RequestCounter(open_store(Path(tmp, "store").as_uri()))
             run = f"bench-{R}"
             write_run(store.store, run, range(1, R + 1))
             cache = Path(tmp, "records")

@@ -71,6 +71,17 @@ def start(spec: Path, state_dir: Path, env: dict | None = None) -> tuple[subproc
     return proc, proc.stdout.readline().split()[1].rstrip(":")
 
 
+def recovered(proc: subprocess.Popen, out: str, state: Path, run_id: str) -> tuple[dict, list[dict], list[dict]]:
+    """What every fault run must end with: success, four survivors holding one θ, nothing corrupt read."""
+    assert proc.returncode == 0, out
+    record, events = record_of(state, run_id), events_of(state, run_id)
+    results = final_results(record)
+    assert len(results) == 4
+    assert len({r["theta_crc32"] for r in results}) == 1, "survivors disagree on the global model"
+    assert not any("CorruptObject" in (e.get("error") or "") for e in events), "a corrupt object was read"
+    return record, events, results
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """A fault-free run of the same spec and seed: the yardstick for loss and final state."""
@@ -134,12 +145,7 @@ def test_random_sigkills_never_break_the_run(tmp_path, reference, run_index):
         out, _ = proc.communicate(timeout=900)
     finally:
         proc.kill()
-    assert proc.returncode == 0, out
-    record, events = record_of(state, run_id), events_of(state, run_id)
-    results = final_results(record)
-    assert len(results) == 4
-    assert len({r["theta_crc32"] for r in results}) == 1, "survivors disagree on the global model"
-    assert not any("CorruptObject" in (e.get("error") or "") for e in events), "a corrupt object was read"
+    record, events, results = recovered(proc, out, state, run_id)
     failures = [e for e in events if e["event"] == "failed"]
     assert len(failures) >= len(hits) and len(hits) >= 1
     delta = results[0]["eval_loss"] / reference["eval_loss"] - 1
@@ -234,12 +240,7 @@ def test_mixed_fault_soak(tmp_path, reference, s3, run_index):
         finally:
             proc.kill()
         injected["store_error"] = proxy.injected
-    assert proc.returncode == 0, out
-    record, events = record_of(state, run_id), events_of(state, run_id)
-    results = final_results(record)
-    assert len(results) == 4
-    assert len({r["theta_crc32"] for r in results}) == 1, "survivors disagree on the global model"
-    assert not any("CorruptObject" in (e.get("error") or "") for e in events), "a corrupt object was read"
+    record, events, results = recovered(proc, out, state, run_id)
     relaunches = sum(r["restarts"] for r in record["ranks"])
     assert relaunches <= len(injected["sigkill"]) + injected["sigstop"] + 1, "a crash loop: relaunches beyond the faults"
     delta = results[0]["eval_loss"] / reference["eval_loss"] - 1

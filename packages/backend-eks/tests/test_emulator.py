@@ -92,7 +92,7 @@ def test_diloco_run_through_eks_with_a_relaunched_rank(cluster, tmp_path):
         "    return ctx.rank\n")
     cluster.extra_pythonpath.append(str(tmp_path))
     spec = tmp_path / "diloco.toml"
-    spec.write_text('replicas = 3\nentrypoint = "flaky:main"\n[restart]\nmonitor_interval = 0.1\nbackoff = 0.1\n'
+    spec.write_text('replicas = 3\nentrypoint = "flaky:main"\nrendezvous = "s3://bucket/runs"\n[restart]\nmonitor_interval = 0.1\nbackoff = 0.1\n'
                     f'[backend]\nname = "eks"\nimage = "img"\nnamespace = "runs"\napi_url = "{cluster.url}"\n'
                     f'command = {json.dumps(RUNNER)}\n')
     env = {**os.environ, "DILOCO_STATE_DIR": str(tmp_path / "state")}

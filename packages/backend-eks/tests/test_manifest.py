@@ -142,6 +142,7 @@ def cli_yaml(tmp_path, monkeypatch):
 
     (tmp_path / "diloco.toml").write_text(
         'replicas = 2\nentrypoint = "train:main"\nsecrets = ["HF_TOKEN"]\ngpu = "A10G"\n'
+        'rendezvous = "s3://bucket/runs"\n'
         '[backend]\nname = "eks"\nimage = "example.com/img:1"\nnamespace = "ml"\n')
     proc = subprocess.run([sys.executable, "-m", "diloco", "dryrun", str(tmp_path / "diloco.toml")], text=True,
                           capture_output=True, env={**__import__("os").environ, "HF_TOKEN": "hf-secret-value",

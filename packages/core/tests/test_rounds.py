@@ -6,21 +6,7 @@ import uuid
 
 from diloco.metrics import RoundMetrics, RoundReader, RoundSummary, divergence, metrics_key, read_rounds, summary_key
 from diloco.store import open_store
-
-
-class Counting:
-    """The store API RoundReader uses, with every request counted."""
-
-    def __init__(self, store):
-        self.store, self.gets, self.lists = store, 0, 0
-
-    def get(self, key):
-        self.gets += 1
-        return self.store.get(key)
-
-    def list(self, prefix, offset=None):
-        self.lists += 1
-        return self.store.list(prefix, offset=offset)
+from diloco.testing.counting import RequestCounter
 
 
 def row(r: int, rank: int, members: list[int], digest: str = "aa-bb", **kw) -> RoundMetrics:
@@ -39,7 +25,7 @@ def test_reading_progress_costs_new_rounds_not_all_rounds():
     store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-s"
     for r in range(1, 201):
         write_round(store, run, r, [row(r, k, [0, 1, 2, 3]) for k in range(4)])
-    counting = Counting(store)
+    counting = RequestCounter(store)
     reader = RoundReader(counting, run)
     assert [s.round for s in reader.read_new()] == list(range(1, 201))
     assert counting.gets == 200  # one per round, not one per replica per round

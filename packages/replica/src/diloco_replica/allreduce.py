@@ -46,7 +46,9 @@ from .transport import Backoff, CountingStore, RunKeys, Traffic, reducer_of, sha
 from .wire import CorruptObject, Identity, decode_tensor, encode_tensor, pack, unpack
 
 __all__ = ["FellBehind", "RoundFailed", "RoundResult", "StoreAllReduce"]
-REPAIR_POLL_CAP = 5.0  # a reducer watching for repair requests backs off to one LIST per 5 s
+# A reducer watches for repair requests for round_timeout after publishing, backing off to one LIST
+# per 30 s: ~20 LISTs a round on S3 for a fault that is rare; a reader asking waits at most that long.
+REPAIR_POLL_CAP = 30.0
 
 
 @dataclass

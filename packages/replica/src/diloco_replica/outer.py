@@ -25,10 +25,10 @@ def outer_step(theta: torch.Tensor, momentum_buf: torch.Tensor, grad: torch.Tens
     if momentum:
         momentum_buf.mul_(momentum)
         momentum_buf.add_(grad)
-        update = torch.mul(momentum_buf, momentum).add_(grad) if nesterov else momentum_buf
+        update = torch.mul(momentum_buf, momentum).add_(grad) if nesterov else momentum_buf.clone()
     else:
-        update = grad
-    theta.sub_(torch.mul(update, lr))
+        update = grad.clone()
+    theta.sub_(update.mul_(lr))  # one temporary; every operation rounded on its own
 
 
 def state_digest(theta: torch.Tensor, momentum_buf: torch.Tensor) -> str:
