@@ -29,7 +29,7 @@ def one_round(codec: str) -> list[dict]:
 
     def go(rank: int) -> None:
         ar = StoreAllReduce(store, "bytes", rank, WORLD, codec=codec, round_timeout=60, poll_interval=0.001)
-        out[rank] = ar.reduce(1, torch.randn(numel)).traffic
+        out[rank] = ar.run_round(1, torch.randn(numel)).traffic
         ar.close()
 
     threads = [threading.Thread(target=go, args=(r,)) for r in range(WORLD)]

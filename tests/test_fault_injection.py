@@ -220,11 +220,11 @@ def test_mixed_fault_soak(tmp_path, reference, s3, run_index):
             f'{k} = "{v}"\n' for k, v in env.items() if k.startswith("DILOCO_FAULT"))))
         proc, run_id = start(spec, state, {"AWS_ENDPOINT_URL": proxy.url})
         try:
-            for k in range(4):
+            for k in range(6):
                 time.sleep(rng.uniform(2.0, 5.0))
                 if proc.poll() is not None:
                     break
-                if k == 1:
+                if k in (1, 4):
                     if stop_straggler(state, run_id, rng, hold_s=12.0):
                         injected["sigstop"] += 1
                     continue
