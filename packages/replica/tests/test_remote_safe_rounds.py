@@ -87,6 +87,29 @@ def test_a_replica_at_round_zero_never_decides_a_collected_round_one():
 
 # -- races end in "use the published result" -----------------------------------------------------
 
+def test_replaying_a_round_that_retention_deletes_underneath_is_a_rejoin_not_a_crash():
+    store = open_store(f"memory://{uuid.uuid4().hex}")
+    run, n = "run-v", 2
+    deltas = [torch.full((10,), float(i + 1)) for i in range(n)]
+
+    def go(i):
+        ar = StoreAllReduce(store, run, i, n, round_timeout=2.0, poll_interval=0.005)
+        ar.run_round(1, deltas[i])
+        ar.close()
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    store.delete(f"{run}/r00000001/reduced/1")  # GC got there first: mark, then delete
+    store.put(f"{run}/history/gc-through-r00000001", b"{}")
+    replayer = StoreAllReduce(store, run, 0, n, round_timeout=30.0, poll_interval=0.005)
+    t0 = time.monotonic()
+    with pytest.raises(FellBehind):
+        replayer.fetch(1, 10)
+    assert time.monotonic() - t0 < 5  # at once, not after the 30 s round timeout
+    replayer.close()
+
+
 def test_a_takeover_after_the_reducer_published_and_cleaned_up_uses_the_published_shard():
     store = open_store(f"memory://{uuid.uuid4().hex}")
     run, n = "run-t", 2

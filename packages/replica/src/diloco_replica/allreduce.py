@@ -138,7 +138,8 @@ class StoreAllReduce:
             raise RoundFailed(f"round {r} has no membership record; it has not happened yet")
         mean = torch.empty(numel, dtype=torch.float32)
         incidents: list[dict[str, Any]] = []
-        takeovers = self._gather(r, shard_bounds(numel, self.n), members, mean, set(), None, incidents)
+        takeovers = self._gather(r, shard_bounds(numel, self.n), members, mean, set(), None, incidents,
+                                 replay=True)
         return RoundResult(r, members, mean, False, self.store.traffic.since(before), time.monotonic() - t0,
                            takeovers, incidents)
 
@@ -259,8 +260,12 @@ class StoreAllReduce:
                                   f"it within {self.round_timeout:g}s")
 
     def _gather(self, r: int, bounds: list[tuple[int, int]], members: list[int], out: torch.Tensor,
-                have: set[int], delta: torch.Tensor | None, incidents: list[dict[str, Any]]) -> list[int]:
+                have: set[int], delta: torch.Tensor | None, incidents: list[dict[str, Any]], *,
+                replay: bool = False) -> list[int]:
         """Fill `out` with every reduced shard not in `have`; one replica takes over any that never appears.
+
+        `replay`: the round is known complete, so a shard missing now was garbage-collected under
+        us: rejoin at once (FellBehind) instead of waiting out the timeout.
 
         Each shard is fetched, verified and decoded into its slice of `out` on a pool thread,
         so checksums and copies overlap with waiting for the remaining shards.
@@ -282,6 +287,8 @@ class StoreAllReduce:
                 present = {int(x) for x in self.store.list_names(prefix) if x.isdigit()}
                 pending += [self.pool.submit(fetch, j) for j in wanted if j in present]
                 wanted = [j for j in wanted if j not in present]
+                if wanted and replay:
+                    self.membership.check_not_collected(r)
                 if wanted and not backoff.sleep(deadline):
                     break
             for j in list(wanted):  # its reducer (or the last claimant) never published
