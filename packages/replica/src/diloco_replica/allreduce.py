@@ -346,15 +346,18 @@ class StoreAllReduce:
 
         def watch() -> None:
             deadline = time.monotonic() + self.round_timeout
-            backoff = Backoff(max(self.poll_interval, 0.05), max(self.poll_max, REPAIR_POLL_CAP))
-            while not stop.is_set():
+            delay = max(self.poll_interval, 0.05)
+            while True:
                 try:
                     if self._serve_repairs_once():
                         return
                 except Exception as exc:  # never let the watcher take the replica down
                     self.log(f"round {r}: repair watch failed: {exc}")
-                if not backoff.sleep(deadline) or stop.wait(0):
+                remaining = deadline - time.monotonic()
+                # waiting on the event, not sleeping: the next round stops the watch at once
+                if remaining <= 0 or stop.wait(min(delay, remaining)):
                     return
+                delay = min(delay * 1.5, max(self.poll_max, REPAIR_POLL_CAP))
 
         self._watcher = threading.Thread(target=watch, name=f"diloco-repairs-r{r}", daemon=True)
         self._watcher.start()
