@@ -77,10 +77,10 @@ class Membership:
                 return decided
             if not backoff.sleep(deadline):
                 break
+        self.check_not_collected(r)  # paused past the history (even our own ready marker went): rejoin
         if len(ready) < self.min_members:
             raise RoundFailed(f"round {r}: only {len(ready)} of {self.n} replicas ready within "
                               f"{self.round_timeout:g}s, below min_members={self.min_members}")
-        self.check_not_collected(r)  # the last look before writing: never decide a collected round
         record = pack_json(Identity(self.keys.run, r, "members"), {"members": ready, "decided_by": self.rank})
         try:
             self.store.put(self.keys.members(r), record, create_only=True)
