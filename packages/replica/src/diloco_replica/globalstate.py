@@ -17,7 +17,7 @@ import torch
 from .allreduce import StoreAllReduce
 from .membership import FellBehind, RoundFailed
 from .outer import outer_step, state_digest
-from .transport import Backoff, reducer_of, shard_bounds
+from .transport import Backoff, reducer_of
 
 
 class GlobalState:
@@ -120,6 +120,3 @@ class GlobalState:
             self.history.void(tainted, f"written by rank {self.ar.rank}, whose state diverged at round {since}")
         self.written = {c: s for c, s in self.written.items() if c < since}
         return self.bootstrap(initial, below=since)
-
-    def shard_bounds(self) -> list[tuple[int, int]]:
-        return shard_bounds(self.theta.numel(), self.ar.n)
