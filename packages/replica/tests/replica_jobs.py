@@ -90,6 +90,7 @@ def mlp_rounds(ctx: ReplicaContext, steps: int = 12, dim: int = 64, delay_rank: 
             time.sleep(delay_s)
         info = diloco.step(loss=loss.item())
         if info is not None and ctx.rank == perturb_rank and info.round == perturb_round and ctx.attempt == 0:
+            diloco._wait_for_record()  # round r's digest (written in the background) is of the state before the flip
             diloco.state.theta[0] += 1e-3
         if info is not None:
             hashes[info.round] = theta_crc(diloco)
