@@ -155,7 +155,7 @@ class EksExecutor:
     # -- launching -----------------------------------------------------------------------------
 
     def _plan(self, n_replicas, entrypoint, entrypoint_args, *, gpu, timeout, run_id, rendezvous, ranks, attempt,
-              env, secret_env) -> tuple[str, list[tuple[list[int], dict[str, Any], dict[str, Any] | None]]]:
+              env, secret_env, processes=1) -> tuple[str, list[tuple[list[int], dict[str, Any], dict[str, Any] | None]]]:
         """(run id, [(ranks, Job, its env Secret or None)]) — one Secret per Job, so relaunches of
         different ranks never share (or delete) each other's."""
         if not self.opts.image:
@@ -168,7 +168,8 @@ class EksExecutor:
         args = dict(entrypoint_args or {})
         rank_env = str(args.get("rank_env", ENV_RANK))
         base = replica_env(rank=0, n_replicas=n_replicas, run_id=run_id, attempt=attempt, entrypoint=ep,
-                           entrypoint_args=args, rendezvous=rendezvous, timeout=timeout, env=env)
+                           entrypoint_args=args, rendezvous=rendezvous, timeout=timeout, env=env,
+                           processes=processes)
         base.pop("PYTHONPATH", None)
         secrets = dict(secret_env or {})
         secrets.update({k: v for k, v in base.items() if is_secret_name(k)})
@@ -180,16 +181,19 @@ class EksExecutor:
             secret_name = f"{name}-env" if secrets else None
             job = m.build_job(name=name, run_id=run_id, attempt=attempt, ranks=group, n_replicas=n_replicas,
                               entrypoint=ep, env=literal, rank_env=rank_env, secret_names=sorted(secrets),
-                              secret_ref=secret_name, timeout=timeout, gpu=gpu_req, opts=self.opts)
+                              secret_ref=secret_name, timeout=timeout, gpu=gpu_req, opts=self.opts,
+                              processes=processes)
             secret = (m.build_secret(name=secret_name, run_id=run_id, namespace=self.opts.namespace,
                                      values=secrets) if secrets else None)
             jobs.append((group, job, secret))
         return run_id, jobs
 
     def dryrun(self, n_replicas, entrypoint, entrypoint_args=None, *, gpu=None, timeout=3600, run_id=None,
-               rendezvous=None, ranks=None, attempt=0, env=None, secret_env=None) -> LaunchPlan:
+               rendezvous=None, ranks=None, attempt=0, env=None, secret_env=None,
+               processes_per_replica=1) -> LaunchPlan:
         _, jobs = self._plan(n_replicas, entrypoint, entrypoint_args, gpu=gpu, timeout=timeout, run_id=run_id,
-                             rendezvous=rendezvous, ranks=ranks, attempt=attempt, env=env, secret_env=secret_env)
+                             rendezvous=rendezvous, ranks=ranks, attempt=attempt, env=env, secret_env=secret_env,
+                             processes=processes_per_replica)
         docs = []
         for _, job, secret in jobs:
             if secret:
@@ -199,12 +203,12 @@ class EksExecutor:
 
     def launch_replicas(self, n_replicas, entrypoint, entrypoint_args=None, *, gpu=None, timeout=3600,
                         run_id=None, rendezvous=None, ranks=None, attempt=0, env=None,
-                        secret_env=None) -> list[ReplicaHandle]:
+                        secret_env=None, processes_per_replica=1) -> list[ReplicaHandle]:
         from kubernetes import client
 
         run_id, jobs = self._plan(n_replicas, entrypoint, entrypoint_args, gpu=gpu, timeout=timeout,
                                   run_id=run_id, rendezvous=rendezvous, ranks=ranks, attempt=attempt,
-                                  env=env, secret_env=secret_env)
+                                  env=env, secret_env=secret_env, processes=processes_per_replica)
         ns = self.opts.namespace
         core, batch = client.CoreV1Api(self._client()), client.BatchV1Api(self._client())
         handles = []

@@ -17,6 +17,7 @@ from typing import Any
 
 from diloco.errors import UserError
 from diloco.launchenv import Entrypoint
+from diloco.procgroup import replica_command
 from diloco.protocol import ENV_RANK
 
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
@@ -128,8 +129,13 @@ def _env_list(env: Mapping[str, str], secret_names: Sequence[str], secret_ref: s
 def build_job(*, name: str, run_id: str, attempt: int, ranks: Sequence[int], n_replicas: int,
               entrypoint: Entrypoint, env: Mapping[str, str], rank_env: str, secret_names: Sequence[str],
               secret_ref: str | None, timeout: float | None, gpu: GpuRequest | None,
-              opts: PodOptions) -> dict[str, Any]:
-    """The Job for `ranks` of a world of `n_replicas` (all of them, or one relaunched rank)."""
+              opts: PodOptions, processes: int = 1) -> dict[str, Any]:
+    """The Job for `ranks` of a world of `n_replicas` (all of them, or one relaunched rank).
+
+    With `processes` L > 1 each pod runs torchrun over L processes (`diloco.procgroup`), gets
+    a memory-backed /dev/shm (NCCL and DataLoader workers need more than a container's 64 MB)
+    and, with a `gpu`, its GPUs: one per process at least.
+    """
     whole = list(ranks) == list(range(n_replicas))
     if not whole and len(ranks) != 1:
         raise ValueError("a Job launches either every rank or exactly one")
@@ -143,7 +149,16 @@ def build_job(*, name: str, run_id: str, attempt: int, ranks: Sequence[int], n_r
         "image": opts.image,
         "env": _env_list(env, secret_names, secret_ref, rank_vars, from_annotation=whole),
     }
-    if entrypoint.command:
+    if processes > 1:
+        if opts.command:
+            raise UserError("[backend] command replaces the replica's launcher, so it cannot be combined with "
+                            f"processes_per_replica = {processes}; drop one of them")
+        if gpu and gpu.count < processes:
+            raise UserError(f"processes_per_replica = {processes} needs a GPU per process, but gpu {gpu.name!r} "
+                            f"gives {gpu.count}; ask for gpu = \"{gpu.name}:{processes}\"")
+        container["command"] = replica_command(processes)
+        container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    elif entrypoint.command:
         container["command"] = list(entrypoint.command)
     else:
         container["command"] = list(opts.command or ["diloco-replica"])
@@ -162,6 +177,8 @@ def build_job(*, name: str, run_id: str, attempt: int, ranks: Sequence[int], n_r
     if not whole:
         labels[LABEL_RANK] = str(ranks[0])
     pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
+    if processes > 1:
+        pod_spec["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
     if opts.service_account:
         pod_spec["serviceAccountName"] = opts.service_account
     if opts.runtime_class:

@@ -17,9 +17,11 @@ from . import envvars as v
 
 class ReplicaContext:
     def __init__(self, rank: int, world_size: int, run_id: str, attempt: int = 0, rendezvous: str | None = None,
-                 settings: dict[str, object] | None = None, args: dict[str, object] | None = None):
-        self.rank = rank
-        self.world_size = world_size
+                 settings: dict[str, object] | None = None, args: dict[str, object] | None = None,
+                 lane: int = 0, lanes: int = 1):
+        self.rank = rank              # this replica's index
+        self.world_size = world_size  # the number of replicas (not torch's WORLD_SIZE inside a replica)
+        self.lane, self.lanes = lane, lanes  # this process's index in its replica, and the replica's processes
         self.run_id = run_id
         self.attempt = attempt
         self.rendezvous = rendezvous
@@ -43,17 +45,19 @@ class ReplicaContext:
 
     def __repr__(self) -> str:
         return (f"ReplicaContext(rank={self.rank}, world_size={self.world_size}, run_id={self.run_id!r}, "
-                f"attempt={self.attempt}, rendezvous={self.rendezvous!r})")
+                f"attempt={self.attempt}, rendezvous={self.rendezvous!r}, lane={self.lane}, lanes={self.lanes})")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ReplicaContext:
         env = os.environ if environ is None else environ
         ctx = cls(
             rank=int(env.get(v.ENV_RANK, "0")),
-            world_size=int(env.get(v.ENV_WORLD_SIZE, "1")),
+            world_size=int(env.get(v.ENV_REPLICAS) or env.get(v.ENV_WORLD_SIZE) or "1"),
             run_id=env.get(v.ENV_RUN_ID, "local"),
             attempt=int(env.get(v.ENV_ATTEMPT, "0")),
             rendezvous=env.get(v.ENV_RENDEZVOUS) or None,
+            lane=int(env.get(v.ENV_LANE) or "0") if env.get(v.ENV_REPLICAS) else 0,
+            lanes=int(env.get(v.ENV_LANES) or "1") if env.get(v.ENV_REPLICAS) else 1,
         )
         ctx._raw_settings = env.get(v.ENV_SETTINGS) or "{}"
         ctx._raw_args = env.get(v.ENV_ENTRYPOINT_ARGS) or "{}"
@@ -65,11 +69,12 @@ class ReplicaContext:
         import logging
         import sys
 
-        logger = logging.getLogger(f"diloco.replica.{self.rank}")
+        who = f"rank {self.rank}" + (f" process {self.lane}" if self.lanes > 1 else "")
+        logger = logging.getLogger(f"diloco.replica.{self.rank}.{self.lane}")
         if not logger.handlers:
             handler = logging.StreamHandler(sys.stderr)
             handler.setFormatter(logging.Formatter(
-                f"%(asctime)s [rank {self.rank} attempt {self.attempt}] %(levelname)s %(message)s"))
+                f"%(asctime)s [{who} attempt {self.attempt}] %(levelname)s %(message)s"))
             logger.addHandler(handler)
             logger.setLevel(logging.INFO)
             logger.propagate = False

@@ -123,11 +123,17 @@ def replica_env(*, rank: int, n_replicas: int, run_id: str, attempt: int,
                 entrypoint: Entrypoint, entrypoint_args: Mapping[str, Any] | None,
                 rendezvous: str | None, timeout: float | None,
                 env: Mapping[str, str] | None = None,
-                settings: Mapping[str, Any] | None = None) -> dict[str, str]:
+                settings: Mapping[str, Any] | None = None, processes: int = 1) -> dict[str, str]:
     """Environment for one replica attempt (without secrets: the caller adds those last).
 
     Scalar entrypoint args also appear as upper-cased variables (`lr = 0.1` → `LR=0.1`) so
     command-line entrypoints can read them; the whole mapping travels as JSON for functions.
+
+    The rank contract (docs/design.md#environment): REPLICA_RANK (or `rank_env`) is the replica's
+    index and DILOCO_REPLICAS the number of replicas, always. With one process per replica
+    WORLD_SIZE is also the number of replicas (the original contract); with `processes` > 1,
+    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT for
+    the replica's own process group, so user code calls `init_process_group()` as usual.
     """
     args = dict(entrypoint_args or {})
     check_entrypoint_args(args)
@@ -143,13 +149,15 @@ def replica_env(*, rank: int, n_replicas: int, run_id: str, attempt: int,
     out.update({
         rank_env: str(rank),
         p.ENV_RANK: str(rank),
-        p.ENV_WORLD_SIZE: str(n_replicas),
+        p.ENV_REPLICAS: str(n_replicas),
         p.ENV_RUN_ID: run_id,
         p.ENV_ATTEMPT: str(attempt),
         p.ENV_ENTRYPOINT: entrypoint.to_env(),
         p.ENV_ENTRYPOINT_ARGS: json.dumps(args, sort_keys=True),
         "PYTHONUNBUFFERED": "1",
     })
+    if processes <= 1:
+        out[p.ENV_WORLD_SIZE] = str(n_replicas)
     if rendezvous:
         out[p.ENV_RENDEZVOUS] = rendezvous
     if timeout:

@@ -14,6 +14,7 @@ from typing import Any
 
 from .errors import SpecError, UserError
 from .plugins import get_backend
+from .procgroup import accepts_processes
 from .protocol import ENV_SETTINGS, LaunchPlan, ServerlessExecutor
 from .rendezvous import resolve_rendezvous
 from .spec import RunSpec, validate_backend_options
@@ -49,8 +50,13 @@ def launch_args(spec: RunSpec, run_id: str, executor: ServerlessExecutor) -> Lau
         env[ENV_SETTINGS] = json.dumps(spec.diloco, sort_keys=True)
     rendezvous = resolve_rendezvous(spec.rendezvous, backend=spec.backend, executor=executor,
                                     run_dir=state_dir() / "runs" / run_id, source=spec.source)
+    if spec.processes_per_replica > 1 and not accepts_processes(executor):
+        raise SpecError(f"{spec.source}: backend {spec.backend!r} cannot start several processes per replica "
+                        f"(processes_per_replica = {spec.processes_per_replica}); use processes_per_replica = 1 "
+                        f"or a backend that supports it (local, eks)")
     return LaunchArgs(n_replicas=spec.replicas, entrypoint=spec.entrypoint, entrypoint_args=dict(spec.args),
-                      gpu=spec.gpu, timeout=spec.timeout, run_id=run_id, rendezvous=rendezvous, env=env)
+                      gpu=spec.gpu, timeout=spec.timeout, run_id=run_id, rendezvous=rendezvous, env=env,
+                      processes_per_replica=spec.processes_per_replica)
 
 
 def secret_values(names: list[str], source: str) -> dict[str, str]:
@@ -66,7 +72,7 @@ def plan(executor: ServerlessExecutor, args: LaunchArgs, secrets: dict[str, str]
     """The request the first launch of every rank would submit."""
     return executor.dryrun(args.n_replicas, args.entrypoint, args.entrypoint_args, gpu=args.gpu,
                            timeout=args.timeout, run_id=args.run_id, rendezvous=args.rendezvous, env=args.env,
-                           secret_env=secrets)
+                           secret_env=secrets, **args.processes_kwargs())
 
 
 def dryrun(spec: RunSpec) -> LaunchPlan:

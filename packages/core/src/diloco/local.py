@@ -2,6 +2,8 @@
 
 Every replica attempt is `python -m diloco.runner` in its own session (so its pid is its
 process-group id and cancel/timeout kill the whole tree) with stdout+stderr in its own log file.
+With `processes_per_replica` L > 1 it is torchrun over L runners (`diloco.procgroup`): cancel's
+SIGTERM reaches torchrun, which stops its processes; they also die with it if it is SIGKILLed.
 All state lives in files under the run's work directory — pid and process start time, a
 "started" marker, the runner's result JSON, a "cancelled" marker — so any process holding a
 handle (a second shell, a resumed launcher) can poll, stream logs and cancel. The start time
@@ -23,6 +25,7 @@ from typing import Any
 from . import protocol as p
 from .errors import UserError
 from .launchenv import check_ranks, parse_entrypoint, redact_env, replica_env
+from .procgroup import replica_command
 from .protocol import LaunchPlan, ReplicaHandle, ReplicaResult, ReplicaStatus
 from .state import new_run_id, process_start_ticks, state_dir
 from .waiting import poll_until_terminal
@@ -129,8 +132,14 @@ class LocalProcessExecutor:
         return (self._state_dir or state_dir()) / "local" / run_id
 
     def _plan(self, n_replicas, entrypoint, entrypoint_args, *, gpu, timeout, run_id, rendezvous,
-              ranks, attempt, env, secret_env) -> tuple[str, list[dict[str, Any]]]:
+              ranks, attempt, env, secret_env, processes) -> tuple[str, list[dict[str, Any]]]:
         ep = parse_entrypoint(entrypoint)
+        if processes > 1:
+            from importlib.util import find_spec
+
+            if find_spec("torch") is None or find_spec("diloco_replica") is None:
+                raise UserError(f"processes_per_replica = {processes} starts each replica with torchrun, which needs "
+                                f"torch and diloco-replica in this environment: pip install diloco-replica")
         if ep.function:
             check_function_exists(ep.function, [self.workdir, *sys.path])
         run_id = run_id or new_run_id("local")
@@ -143,34 +152,37 @@ class LocalProcessExecutor:
             stem = run_dir / f"rank-{rank}.attempt-{attempt}"
             renv = replica_env(rank=rank, n_replicas=n_replicas, run_id=run_id, attempt=attempt,
                                entrypoint=ep, entrypoint_args=entrypoint_args, rendezvous=rendezvous,
-                               timeout=timeout, env=env)
+                               timeout=timeout, env=env, processes=processes)
             renv.update({p.ENV_RESULT_PATH: f"{stem}.result.json", p.ENV_STARTED_PATH: f"{stem}.started.json",
                          "PYTHONPATH": pythonpath})
-            if self.devices:
-                renv["CUDA_VISIBLE_DEVICES"] = self.devices[rank % len(self.devices)]
+            if self.devices:  # a replica of L processes gets L devices: rank r takes the r-th block of L
+                picked = [self.devices[(rank * processes + k) % len(self.devices)] for k in range(processes)]
+                renv["CUDA_VISIBLE_DEVICES"] = ",".join(picked)
             plans.append({"rank": rank, "stem": str(stem), "env": renv,
+                          "argv": replica_command(processes, python=sys.executable),
                           "secret_names": sorted((secret_env or {}).keys())})
         return run_id, plans
 
     def dryrun(self, n_replicas, entrypoint, entrypoint_args=None, *, gpu=None, timeout=3600,
-               run_id=None, rendezvous=None, ranks=None, attempt=0, env=None, secret_env=None) -> LaunchPlan:
+               run_id=None, rendezvous=None, ranks=None, attempt=0, env=None, secret_env=None,
+               processes_per_replica=1) -> LaunchPlan:
         run_id, plans = self._plan(n_replicas, entrypoint, entrypoint_args, gpu=gpu, timeout=timeout,
                                    run_id=run_id, rendezvous=rendezvous, ranks=ranks, attempt=attempt,
-                                   env=env, secret_env=secret_env)
+                                   env=env, secret_env=secret_env, processes=processes_per_replica)
         processes = []
         for plan in plans:
             shown = redact_env(plan["env"], plan["secret_names"])
             shown.update({k: "REDACTED" for k in plan["secret_names"]})
-            processes.append({"rank": plan["rank"], "argv": [sys.executable, "-m", "diloco.runner"],
+            processes.append({"rank": plan["rank"], "argv": plan["argv"],
                               "cwd": self.workdir, "log": plan["stem"] + ".log", "env": shown})
         return LaunchPlan(self.backend_name, {"run_id": run_id, "processes": processes})
 
     def launch_replicas(self, n_replicas, entrypoint, entrypoint_args=None, *, gpu=None, timeout=3600,
                         run_id=None, rendezvous=None, ranks=None, attempt=0, env=None,
-                        secret_env=None) -> list[ReplicaHandle]:
+                        secret_env=None, processes_per_replica=1) -> list[ReplicaHandle]:
         run_id, plans = self._plan(n_replicas, entrypoint, entrypoint_args, gpu=gpu, timeout=timeout,
                                    run_id=run_id, rendezvous=rendezvous, ranks=ranks, attempt=attempt,
-                                   env=env, secret_env=secret_env)
+                                   env=env, secret_env=secret_env, processes=processes_per_replica)
         self._run_dir(run_id).mkdir(parents=True, exist_ok=True)
         handles = []
         for plan in plans:
@@ -179,7 +191,7 @@ class LocalProcessExecutor:
                 Path(stem + suffix).unlink(missing_ok=True)
             full_env = {**os.environ, **plan["env"], **dict(secret_env or {})}
             with open(stem + ".log", "ab") as log:
-                proc = subprocess.Popen([sys.executable, "-m", "diloco.runner"], cwd=self.workdir,
+                proc = subprocess.Popen(plan["argv"], cwd=self.workdir,
                                         env=full_env, stdin=subprocess.DEVNULL, stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
             self._procs[(run_id, plan["rank"], attempt)] = proc

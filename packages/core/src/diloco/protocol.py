@@ -6,7 +6,8 @@ training jobs) and reports on them. The contract, kept from the original design:
 - `launch_replicas` returns handles in rank order (`handles[i].rank == i`), or, when `ranks`
   is given, one handle per requested rank in that order;
 - every replica sees its rank in `REPLICA_RANK` (renamed by the entrypoint arg `rank_env`),
-  the world size in `WORLD_SIZE`, and the rendezvous URI in `DILOCO_RENDEZVOUS`;
+  the number of replicas in `DILOCO_REPLICAS` (and in `WORLD_SIZE` when a replica is one
+  process), and the rendezvous URI in `DILOCO_RENDEZVOUS` (see `diloco.launchenv.replica_env`);
 - `poll` returns a `ReplicaStatus`; `collect` returns one `ReplicaResult` per handle;
 - `cancel` is best effort and idempotent: it never raises for a replica that already ended.
 
@@ -140,6 +141,9 @@ class ServerlessExecutor(Protocol):
       env: extra environment variables for every replica.
       secret_env: environment variables whose values must never be written anywhere
         (dry-run output, handles, logs of the launcher).
+      processes_per_replica: optional; an executor that accepts it starts each replica as
+        `diloco.procgroup.replica_command(L)` (torchrun over L processes). It is passed only
+        when L > 1, and `diloco run/dryrun` refuse L > 1 for an executor that does not take it.
     """
 
     backend_name: str
@@ -186,5 +190,5 @@ class ServerlessExecutor(Protocol):
 
 from .envvars import (  # noqa: E402,F401  (re-exported: part of the protocol)
     ENV_ATTEMPT, ENV_ENTRYPOINT, ENV_ENTRYPOINT_ARGS, ENV_RANK, ENV_RENDEZVOUS, ENV_RESULT_PATH, ENV_RUN_ID,
-    ENV_SETTINGS, ENV_STARTED_PATH, ENV_TIMEOUT, ENV_WORLD_SIZE,
+    ENV_REPLICAS, ENV_SETTINGS, ENV_STARTED_PATH, ENV_TIMEOUT, ENV_WORLD_SIZE,
 )

@@ -138,17 +138,40 @@ def failure_cause(exc: BaseException, ctx: ReplicaContext) -> str:
     return f"{text} (at global step {step})" if step is not None else text
 
 
+def lane_result_path(path: str, lane: int) -> str:
+    """Where process `lane` of a multi-process replica writes its result; `diloco_replica.torchrun`
+    turns the lanes' results into the replica's one result at `path`."""
+    return f"{path}.lane-{lane}"
+
+
+def _die_with_parent() -> None:
+    """A process of a multi-process replica dies with its torchrun parent (even SIGKILLed), so no
+    orphan keeps training into the store after its replica was stopped or relaunched. Linux only."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the parent died before the line above ran
+        os._exit(137)
+
+
 def main() -> int:
     ctx = ReplicaContext.from_env()
     entrypoint = os.environ[v.ENV_ENTRYPOINT]
-    outcome = _Outcome(os.environ.get(v.ENV_RESULT_PATH), ctx.rank, ctx.attempt)
+    result_path = os.environ.get(v.ENV_RESULT_PATH)
+    if ctx.lanes > 1:
+        _die_with_parent()
+        result_path = lane_result_path(result_path, ctx.lane) if result_path else None
+    outcome = _Outcome(result_path, ctx.rank, ctx.attempt)
     timeout = float(os.environ.get(v.ENV_TIMEOUT) or 0)
     if timeout > 0:
         _start_watchdog(timeout, outcome)
     # SIGTERM (cancel) becomes a clean exit so `finally` blocks in user code run.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = os.environ.get(v.ENV_STARTED_PATH)
-    if started:
+    if started and ctx.lane == 0:
         write_text_atomic(started, f'{{"pid": {os.getpid()}, "started_at": {time.time()!r}}}')
     try:
         if not entrypoint.startswith("["):  # "module:function"; a command is a JSON array

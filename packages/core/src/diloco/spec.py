@@ -5,7 +5,8 @@
     replicas = 4
     entrypoint = "train:main"               # or ["python", "train.py"]
     workdir = "."                           # where the code lives (relative to this file)
-    gpu = "H100"                            # optional logical GPU name
+    gpu = "H100:8"                          # optional logical GPU name and count per replica
+    processes_per_replica = 8               # optional; torchrun starts them (default: the GPU count, else 1)
     timeout = 3600                          # seconds, per replica attempt
     rendezvous = "s3://bucket/prefix"       # optional; default: DILOCO_RENDEZVOUS / config, or (local) the records
     secrets = ["HF_TOKEN"]                  # launcher env vars forwarded, never recorded
@@ -29,6 +30,7 @@ from typing import Any
 
 from .errors import SpecError, UserError
 from .launchenv import check_entrypoint_args, is_secret_name, parse_entrypoint
+from .procgroup import resolve_processes
 from .rendezvous import SCHEMES
 
 
@@ -118,6 +120,8 @@ TOP_LEVEL = {
     "entrypoint": Field("entrypoint", required=True, help='e.g. entrypoint = "train:main"'),
     "workdir": Field("str"),
     "gpu": Field("str"),
+    "processes_per_replica": Field("int", min=1, max=64,
+                                   help="processes inside each replica, started by torchrun (default: the GPU count)"),
     "timeout": Field("float", default=3600.0, min=1),
     "rendezvous": Field("str"),
     "secrets": Field("strlist", default=[]),
@@ -167,6 +171,7 @@ class RunSpec:
     workdir: str
     timeout: float
     gpu: str | None = None
+    processes_per_replica: int = 1
     rendezvous: str | None = None
     secrets: list[str] = field(default_factory=list)
     args: dict[str, Any] = field(default_factory=dict)
@@ -227,6 +232,7 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", base_dir: Pat
     return RunSpec(
         name=top["name"] or name_default, backend=backend["name"], replicas=top["replicas"],
         entrypoint=top["entrypoint"], workdir=str(workdir), timeout=top["timeout"], gpu=top["gpu"],
+        processes_per_replica=resolve_processes(top["processes_per_replica"], top["gpu"], source=where),
         rendezvous=top["rendezvous"], secrets=list(top["secrets"]), args=dict(top["args"]),
         env={k: str(v) for k, v in top["env"].items()}, backend_options=options,
         restart=restart, diloco=diloco, source=source)

@@ -120,6 +120,12 @@ class LaunchArgs:
     run_id: str
     rendezvous: str | None
     env: dict[str, str]
+    processes_per_replica: int = 1  # (records written before it existed are single-process)
+
+    def processes_kwargs(self) -> dict[str, int]:
+        """`processes_per_replica=L` for launch/dryrun when L > 1; nothing otherwise, so executors
+        that predate it still work for single-process replicas."""
+        return {"processes_per_replica": self.processes_per_replica} if self.processes_per_replica > 1 else {}
 
 
 class Supervisor:
@@ -180,7 +186,7 @@ class Supervisor:
             handles = self.executor.launch_replicas(
                 a.n_replicas, a.entrypoint, a.entrypoint_args, gpu=a.gpu, timeout=a.timeout,
                 run_id=a.run_id, rendezvous=a.rendezvous, ranks=group, attempt=attempt,
-                env=a.env, secret_env=self.secret_env)
+                env=a.env, secret_env=self.secret_env, **a.processes_kwargs())
             for h in handles:
                 st = self.ranks[h.rank]
                 st.handle, st.status, st.relaunch_at = h, ReplicaStatus.PENDING.value, None

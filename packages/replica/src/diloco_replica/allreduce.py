@@ -41,6 +41,7 @@ from diloco.store import ObjectExists, Store
 
 from .faults import CorruptionInjector, PhaseMarker
 from .history import History
+from .lanes import Lanes
 from .membership import FellBehind, Membership, RoundFailed
 from .transport import Backoff, CountingStore, RunKeys, Traffic, reducer_of, shard_bounds
 from .wire import CorruptObject, Identity, decode_tensor, encode_tensor, pack, unpack
@@ -66,20 +67,24 @@ class RoundResult:
 class StoreAllReduce:
     def __init__(self, store: Store, run_id: str, rank: int, world_size: int, *, codec: str = "fp32",
                  round_timeout: float = 300.0, min_members: int = 1, poll_interval: float = 0.05,
-                 poll_max: float = 1.0, workers: int = 8, log: Callable[[str], None] | None = None):
+                 poll_max: float = 1.0, workers: int = 8, log: Callable[[str], None] | None = None,
+                 lanes: Lanes | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         self.store = CountingStore(store)
         self.keys = RunKeys(run_id)
         self.run_id, self.rank, self.n = run_id, rank, world_size
+        self.lanes = lanes or Lanes()
+        self.base = self.lanes.index * world_size  # this lane's shards are base..base+N-1 in the store
         self.codec = codec
         self.round_timeout = round_timeout
         self.poll_interval, self.poll_max = poll_interval, poll_max
         self.pool = ThreadPoolExecutor(max_workers=max(2, min(workers, 2 * world_size)))
         self.log = log or (lambda msg: None)
-        self.phase = PhaseMarker(rank)
+        self.phase = PhaseMarker(rank, self.lanes.index)
         self.corrupt = CorruptionInjector()
-        self.history = History(self.store, self.keys, world_size, self.pool, self.log)
+        self.history = History(self.store, self.keys, world_size, self.pool, self.log,
+                               lane=self.lanes.index, lanes=self.lanes.count)
         self.membership = Membership(self.store, self.keys, rank, world_size, self.history,
                                      round_timeout=round_timeout, min_members=min_members,
                                      poll_interval=poll_interval, poll_max=poll_max, log=self.log)
@@ -90,31 +95,36 @@ class StoreAllReduce:
 
     # -- the round ---------------------------------------------------------------------------
 
-    def run_round(self, r: int, delta: torch.Tensor) -> RoundResult:
-        """Take part in round `r` with `delta` (fp32, CPU, flat); return the members' mean."""
+    def run_round(self, r: int, delta: torch.Tensor, *, in_place: bool = False) -> RoundResult:
+        """Take part in round `r` with `delta` (fp32, CPU, flat); return the members' mean.
+
+        `in_place`: the mean is written over `delta` (shard j's slice of Δ is only read until
+        shard j's mean is known), so a round holds one model-sized buffer, not two.
+        """
         t0, before = time.monotonic(), self.store.traffic.snapshot()
         self._stop_watching()
         self._serve_repairs_once()  # late requests for the previous round (e.g. from a replaying rejoiner)
         self._published.clear()
         delta = delta.detach().to("cpu", torch.float32).reshape(-1)
         bounds = shard_bounds(delta.numel(), self.n)
-        members = self.membership.read(r)
+        members = self.lanes.on_leader(lambda: self._decided_or_open(r))
         if members is None:
-            self.membership.check_not_collected(r)
             self.phase("upload", r)
-            uploads = [self.pool.submit(self._put_scatter, r, j, delta[a:b])
-                       for j, (a, b) in enumerate(bounds) if j != self.rank]
-            for f in uploads:
-                f.result()
-            self._put(self.keys.ready(r, self.rank), b"{}", create_only=True)
+
+            def upload() -> None:
+                for f in [self.pool.submit(self._put_scatter, r, j, delta[a:b])
+                          for j, (a, b) in enumerate(bounds) if j != self.rank]:
+                    f.result()
+
+            self.lanes.agree(upload)  # "ready" means every lane's shards are in the store
             self.phase("membership", r)
-            members = self.membership.decide(r)
+            members = self.lanes.on_leader(lambda: self._ready_and_decide(r))
         member = self.rank in members
         if not member:
             self.log(f"round {r}: not a member (members {members}); this replica's update is left out")
         incidents: list[dict[str, Any]] = []
         mine = [j for j in range(self.n) if reducer_of(j, members) == self.rank] if member else []
-        mean = torch.empty_like(delta)
+        mean = delta if in_place else torch.empty_like(delta)
         if mine:
             self.phase("reduce", r)
         for j in mine:
@@ -128,6 +138,18 @@ class StoreAllReduce:
             self._watch_repairs(r)
         return RoundResult(r, members, mean, member, self.store.traffic.since(before), time.monotonic() - t0,
                            takeovers, incidents)
+
+    def _decided_or_open(self, r: int) -> list[int] | None:
+        """Round r's members if already decided (we are late); None if it is open to join."""
+        members = self.membership.read(r)
+        if members is None:
+            self.membership.check_not_collected(r)
+        return members
+
+    def _ready_and_decide(self, r: int) -> list[int]:
+        """(Lane 0, once per replica) mark this replica ready, then fix the round's members."""
+        self._put(self.keys.ready(r, self.rank), b"{}", create_only=True)
+        return self.membership.decide(r)
 
     def fetch(self, r: int, numel: int) -> RoundResult:
         """Read round `r`'s result without contributing (replay, catching up)."""
@@ -144,8 +166,20 @@ class StoreAllReduce:
                            takeovers, incidents)
 
     def round_complete(self, r: int) -> bool:
-        """Whether every reduced shard of round `r` is in the store (one LIST request)."""
-        return len(self.store.list_names(self.keys.reduced(r))) >= self.n
+        """Whether every reduced shard of this lane for round `r` is in the store (one LIST request)."""
+        return len(self._present(self.keys.reduced(r))) >= self.n
+
+    def sid(self, j: int) -> int:
+        """Shard j of this lane as the store names it (lane k's shards are kN..kN+N−1; L = 1: j)."""
+        return self.base + j
+
+    def _present(self, prefix: str) -> set[int]:
+        """This lane's shard indices among the objects under `prefix`."""
+        out = set()
+        for x in self.store.list_names(prefix):
+            if x.isdigit() and self.base <= int(x) < self.base + self.n:
+                out.add(int(x) - self.base)
+        return out
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -157,10 +191,11 @@ class StoreAllReduce:
             return False
 
     def _put_scatter(self, r: int, owner: int, part: torch.Tensor) -> None:
-        ident = Identity(self.run_id, r, "scatter", owner, self.rank)
+        ident = Identity(self.run_id, r, "scatter", self.sid(owner), self.rank)
         blob = pack(ident, encode_tensor(part, self.codec), codec=self.codec, numel=part.numel())
-        self._put(self.keys.scatter(r, owner, self.rank), blob)
-        self.corrupt(self.store.store, self.keys.scatter(r, owner, self.rank), "scatter", r, owner, self.rank)
+        self._put(self.keys.scatter(r, self.sid(owner), self.rank), blob)
+        self.corrupt(self.store.store, self.keys.scatter(r, self.sid(owner), self.rank), "scatter", r, self.sid(owner),
+                     self.rank)
 
     def _get_verified(self, key: str, ident: Identity):
         """(unpacked, None), (None, "missing") or (None, reason): a corrupt read is retried once,
@@ -183,7 +218,8 @@ class StoreAllReduce:
         if takeover and j in sources and j != self.rank:
             sources.remove(j)  # a dead owner kept its own part of shard j locally: it is gone
         got = dict(zip(sources, self.pool.map(
-            lambda m: self._get_verified(self.keys.scatter(r, j, m), Identity(self.run_id, r, "scatter", j, m)),
+            lambda m: self._get_verified(self.keys.scatter(r, self.sid(j), m),
+                                         Identity(self.run_id, r, "scatter", self.sid(j), m)),
             sources)))
         total = torch.zeros(b - a, dtype=torch.float32)
         used, left_out = [], {}
@@ -198,7 +234,7 @@ class StoreAllReduce:
                     published = self._published_or_none(r, j)
                     if published is not None:  # reduced (and inputs cleaned) while we looked: use that
                         return published
-                    key = self.keys.scatter(r, j, m)
+                    key = self.keys.scatter(r, self.sid(j), m)
                     left_out[str(m)] = problem
                     incidents.append({"round": r, "object": key, "writer": m, "problem": problem,
                                       "action": f"left out of shard {j}'s mean by rank {self.rank}"})
@@ -211,25 +247,25 @@ class StoreAllReduce:
         if not used:
             raise RoundFailed(f"round {r}: no usable contribution to shard {j}")
         mean = total / len(used)
-        ident = Identity(self.run_id, r, "reduced", j, -1)
+        ident = Identity(self.run_id, r, "reduced", self.sid(j), -1)
         blob = pack(ident, encode_tensor(mean, self.codec), codec=self.codec, numel=b - a,
                     meta={"members": used, "left_out": left_out, "reducer": self.rank, "takeover": takeover})
-        if self._put(self.keys.reduced(r, j), blob, create_only=True):
+        if self._put(self.keys.reduced(r, self.sid(j)), blob, create_only=True):
             self._published[j] = (r, blob)
-            self.corrupt(self.store.store, self.keys.reduced(r, j), "reduced", r, j)
+            self.corrupt(self.store.store, self.keys.reduced(r, self.sid(j)), "reduced", r, self.sid(j))
             payload = blob[1] if len(blob) == 2 else b"".join(blob[1:])
             return decode_tensor(payload, self.codec, b - a)  # exactly what every reader decodes
         return self._read_reduced(r, j, members, incidents)  # someone else won: use theirs
 
     def _published_or_none(self, r: int, j: int) -> torch.Tensor | None:
-        if self.store.get(self.keys.reduced(r, j)) is None:
+        if self.store.get(self.keys.reduced(r, self.sid(j))) is None:
             return None
         return self._read_reduced(r, j, None, [])
 
     def _read_reduced(self, r: int, j: int, members: list[int] | None, incidents: list[dict[str, Any]]) -> torch.Tensor:
         """Shard j's published mean, verified; a corrupt one is replaced by its reducer's re-publication."""
-        ident = Identity(self.run_id, r, "reduced", j, -1)
-        key = self.keys.reduced(r, j)
+        ident = Identity(self.run_id, r, "reduced", self.sid(j), -1)
+        key = self.keys.reduced(r, self.sid(j))
         obj, problem = self._get_verified(key, ident)
         if obj is not None:
             return obj.tensor()
@@ -240,19 +276,19 @@ class StoreAllReduce:
 
     def _repaired(self, r: int, j: int, key: str, problem: str, members: list[int] | None,
                   incidents: list[dict[str, Any]]) -> torch.Tensor:
-        ident = Identity(self.run_id, r, "reduced", j, -1)
+        ident = Identity(self.run_id, r, "reduced", self.sid(j), -1)
         members = members or self.membership.read(r) or []
         writer = reducer_of(j, members) if members else None
         self.log(f"round {r}: {problem}; asking its reducer (rank {writer}) to re-publish it")
-        self._put(f"{self.keys.round(r)}/repair/{j}", json.dumps({"by": self.rank, "problem": problem}).encode(),
+        self._put(self.keys.repair(r, self.sid(j)), json.dumps({"by": self.rank, "problem": problem}).encode(),
                   create_only=True)
         deadline = time.monotonic() + self.round_timeout
         backoff = Backoff(self.poll_interval, self.poll_max)
         while True:
-            obj, _ = self._get_verified(self.keys.repaired(r, j), ident)
+            obj, _ = self._get_verified(self.keys.repaired(r, self.sid(j)), ident)
             if obj is not None:
                 incidents.append({"round": r, "object": key, "writer": writer, "problem": problem,
-                                  "action": f"re-published by its reducer as {self.keys.repaired(r, j)}"})
+                                  "action": f"re-published by its reducer as {self.keys.repaired(r, self.sid(j))}"})
                 return obj.tensor()
             if not backoff.sleep(deadline):
                 self.membership.check_not_collected(r)
@@ -284,7 +320,7 @@ class StoreAllReduce:
             deadline = time.monotonic() + self.round_timeout
             backoff = Backoff(self.poll_interval, self.poll_max)
             while wanted:
-                present = {int(x) for x in self.store.list_names(prefix) if x.isdigit()}
+                present = self._present(prefix)
                 pending += [self.pool.submit(fetch, j) for j in wanted if j in present]
                 wanted = [j for j in wanted if j not in present]
                 if wanted and replay:
@@ -292,7 +328,8 @@ class StoreAllReduce:
                 if wanted and not backoff.sleep(deadline):
                     break
             for j in list(wanted):  # its reducer (or the last claimant) never published
-                if not self._put(self.keys.claim(r, j, generation[j]), str(self.rank).encode(), create_only=True):
+                if not self._put(self.keys.claim(r, self.sid(j), generation[j]), str(self.rank).encode(),
+                                 create_only=True):
                     generation[j] += 1  # someone else claimed it: wait for their result, then claim the next
                     continue
                 self.log(f"round {r}: reduced shard {j} did not appear in {self.round_timeout:g}s; reducing it here")
@@ -314,7 +351,7 @@ class StoreAllReduce:
         if due is None:
             return
         r, owned, members = due
-        keys = [self.keys.scatter(r, j, m) for j in owned for m in members if m != self.rank]
+        keys = [self.keys.scatter(r, self.sid(j), m) for j in owned for m in members if m != self.rank]
 
         def delete_all() -> None:
             for key in keys:
@@ -331,11 +368,11 @@ class StoreAllReduce:
         for j, (r, _) in self._published.items():
             by_round.setdefault(r, []).append(j)
         for r, shards in by_round.items():
-            asked = {int(x) for x in self.store.list_names(f"{self.keys.round(r)}/repair/") if x.isdigit()}
+            asked = self._present(self.keys.repair(r))
             for j in shards:
                 if j in asked:  # the very bytes it published first: readers verify them the same way
                     _, blob = self._published.pop(j)
-                    self._put(self.keys.repaired(r, j), blob, create_only=True)
+                    self._put(self.keys.repaired(r, self.sid(j)), blob, create_only=True)
                     self.log(f"round {r}: re-published reduced shard {j} (a reader found it corrupt)")
         return not self._published
 
@@ -373,4 +410,5 @@ class StoreAllReduce:
         self.pool.shutdown(wait=True)
 
     def describe(self) -> dict[str, Any]:
-        return {"run": self.run_id, "rank": self.rank, "world_size": self.n, "codec": self.codec}
+        return {"run": self.run_id, "rank": self.rank, "world_size": self.n, "codec": self.codec,
+                "lane": self.lanes.index, "lanes": self.lanes.count}

@@ -10,6 +10,10 @@ Every `sync_every` (H) inner steps: Δ = θ_global − θ_local, averaged across
 store, an outer SGD-Nesterov step on θ_global (lr 0.7, momentum 0.9 by default), θ_global copied
 into the model. Inner optimizer state stays local. Settings come from the spec's [diloco]
 table (ctx.settings) unless given as keyword arguments here.
+
+`model` may be a plain module, a DDP-wrapped one or an FSDP2 (`fully_shard`) one. In a replica
+of L processes (torchrun) each process syncs its lane (`lanes`, `modelview`): 1/L of the
+replicated parameters, or the shards it holds.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from diloco.store import verify_store
 
 from .allreduce import RoundResult, StoreAllReduce
 from .globalstate import GlobalState
+from .lanes import Lanes
 from .membership import FellBehind
+from .modelview import model_view
 from .recorder import Recorder
 
 # One place for the defaults: the spec's [diloco] table (diloco.spec.DILOCO).
@@ -44,10 +50,6 @@ def inner_optimizer(params, *, lr: float = 4e-4, weight_decay: float = 0.1, beta
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
 
 
-def _flatten(params: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
-
-
 class DiLoCo:
     def __init__(self, model: torch.nn.Module, inner_opt: torch.optim.Optimizer | None = None,
                  ctx: ReplicaContext | None = None, *, store=None, **settings: Any):
@@ -59,22 +61,24 @@ class DiLoCo:
                          **{k: v for k, v in settings.items() if v is not None}}
         s = self.settings
         self.model, self.inner_opt = model, inner_opt
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.lanes = Lanes.join(self.ctx.lanes, self.ctx.lane)
+        self.view = model_view(model, self.lanes)  # what this process syncs: its lane of the model
         self.H = int(s["sync_every"])
         self.store = store if store is not None else self.ctx.store
-        verify_store(self.store, self.ctx.run_id, f"rank-{self.ctx.rank}-attempt-{self.ctx.attempt}")
+        verify_store(self.store, self.ctx.run_id, f"rank-{self.ctx.rank}-{self.ctx.lane}-attempt-{self.ctx.attempt}")
         first, cap = POLL_BY_SCHEME.get(self.store.uri.split(":", 1)[0], POLL_BY_SCHEME["s3"])
         self.allreduce = StoreAllReduce(
             self.store, self.ctx.run_id, self.ctx.rank, self.ctx.world_size, codec=s["transport"],
             round_timeout=float(s["round_timeout"]), min_members=int(s["min_members"]),
-            poll_interval=float(s["poll_interval"] or first), poll_max=float(s["poll_max"] or cap), log=self._log)
-        self.state = GlobalState(self.allreduce, lr=float(s["outer_lr"]), momentum=float(s["outer_momentum"]),
-                                 nesterov=bool(s["nesterov"]), checkpoint_every=int(s["checkpoint_every"]),
-                                 log=self._log)
+            poll_interval=float(s["poll_interval"] or first), poll_max=float(s["poll_max"] or cap), log=self._log,
+            lanes=self.lanes)
+        on_cuda = any(t.device.type == "cuda" for t in self.view.tensors[:1])
+        self.state = GlobalState(self.allreduce, self.view.numel, lr=float(s["outer_lr"]),
+                                 momentum=float(s["outer_momentum"]), nesterov=bool(s["nesterov"]),
+                                 checkpoint_every=int(s["checkpoint_every"]), log=self._log, pin=on_cuda)
         self.recorder = Recorder(self.allreduce, self._log)
-        self._initial = _flatten(self.params)
-        self.state.bootstrap(self._initial)
-        self._load_theta_into_model()
+        self.state.bootstrap(self.view.read())  # θ_0 from this replica if the run is new
+        self.view.write(self.state.theta)
         self.local_steps = 0          # inner steps since the last sync
         self._losses: list[float] = []
         self._tokens = 0
@@ -116,30 +120,36 @@ class DiLoCo:
         compute_s = time.monotonic() - self._compute_start
         t0 = time.monotonic()
         self._wait_for_record()  # the previous round's digest must be of the state before this step
-        diverged = self.recorder.diverged_since(self.state.round - 1) if self.state.round > 0 else None
+        since = self.state.round - 1
+        diverged = self.lanes.on_leader(lambda: self.recorder.diverged_since(since)) if self.state.round > 0 else None
         if diverged is not None:
             self._log(f"this replica's global state diverged from the majority's at round {diverged}; "
                       f"reloading it from an older checkpoint")
-            self.state.repair_divergence(diverged, self._initial)
+            self.state.repair_divergence(diverged, None)
             self.recorder.skip_through(self.state.round)  # later summaries still show the old state
             return self._adopted(compute_s, t0)
-        delta = self.state.theta - _flatten(self.params)
+        delta = self.view.read()
+        torch.sub(self.state.theta, delta, out=delta)  # Δ = θ_global − θ_local, in the read buffer
         try:
-            result: RoundResult = self.allreduce.run_round(self.state.round + 1, delta)
+            result: RoundResult = self.lanes.agree(
+                lambda: self.allreduce.run_round(self.state.round + 1, delta, in_place=True))
         except FellBehind as exc:
             self._log(f"{exc}; rejoining from the latest checkpoint")
-            self.state.bootstrap(self._initial)
+            self.state.bootstrap(None)
             return self._adopted(compute_s, t0)
         self.allreduce.phase("outer", result.round)
         self.state.apply(result.round, result.mean, result.members)
+        result.mean = delta = None  # the round's one model-sized buffer (the mean was written over Δ)
         if not result.member:
             self.state.catch_up()  # others may be rounds ahead: adopt every completed round
-        self._load_theta_into_model()
+        self.view.write(self.state.theta)
+        traffic = self.lanes.total({"bytes_up": result.traffic.bytes_up, "bytes_down": result.traffic.bytes_down,
+                                    **result.traffic.requests()})
         info = RoundMetrics(
             round=result.round, rank=self.ctx.rank, attempt=self.ctx.attempt, members=result.members,
             member=result.member, loss=sum(self._losses) / len(self._losses) if self._losses else None,
-            tokens=self._tokens, bytes_up=result.traffic.bytes_up, bytes_down=result.traffic.bytes_down,
-            compute_s=compute_s, sync_s=time.monotonic() - t0, requests=result.traffic.requests(),
+            tokens=self._tokens, bytes_up=traffic.pop("bytes_up"), bytes_down=traffic.pop("bytes_down"),
+            compute_s=compute_s, sync_s=time.monotonic() - t0, requests=traffic,
             takeovers=result.takeovers, incidents=result.incidents, t=time.time())
         self._warn_if_alone(info)
         self.history.append(info)
@@ -150,9 +160,13 @@ class DiLoCo:
         return info
 
     def _record(self, info: RoundMetrics) -> None:
-        info.state_digest = self.state.digest()
-        self.recorder.write_row(info)
-        self.recorder.maybe_summarize(info.round, info.members)
+        """The replica's row for the round: one per replica (lane 0 writes it), with the digest
+        of every lane's state, so a divergence in any lane shows."""
+        digests = self.lanes.exchange(self.state.digest())
+        if self.lanes.leader:
+            info.state_digest = "+".join(digests)
+            self.recorder.write_row(info)
+            self.recorder.maybe_summarize(info.round, info.members)
 
     def _wait_for_record(self) -> None:
         if self._pending_row is not None:
@@ -161,7 +175,7 @@ class DiLoCo:
 
     def _adopted(self, compute_s: float, t0: float) -> RoundMetrics:
         """Took no part in a round: adopted the run's state instead (rejoin or divergence repair)."""
-        self._load_theta_into_model()
+        self.view.write(self.state.theta)
         info = RoundMetrics(round=self.state.round, rank=self.ctx.rank, attempt=self.ctx.attempt, member=False,
                             tokens=self._tokens, compute_s=compute_s, sync_s=time.monotonic() - t0, t=time.time())
         self.history.append(info)
@@ -183,20 +197,13 @@ class DiLoCo:
                   f"has {self.ctx.world_size} replicas; they are not meeting in the store {self.store.uri!r} "
                   f"(is it the same store for all of them?)")
 
-    def _load_theta_into_model(self) -> None:
-        with torch.no_grad():
-            offset = 0
-            for p in self.params:
-                n = p.numel()
-                p.copy_(self.state.theta[offset:offset + n].view_as(p))
-                offset += n
-
     def _log(self, msg: str) -> None:
         self.ctx.log.info(msg)
 
     def close(self) -> None:
         self._wait_for_record()
         self.allreduce.close()
+        self.lanes.close()
 
     def __enter__(self) -> DiLoCo:
         return self

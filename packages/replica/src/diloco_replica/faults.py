@@ -9,21 +9,25 @@ import time
 class PhaseMarker:
     """Announces which phase of a round a replica is in.
 
-    With DILOCO_FAULT_PHASE_FILE set (``{rank}`` is replaced), each phase's name is written
-    there as it starts, and DILOCO_FAULT_PHASE_DELAY seconds are slept, so a test harness can
-    aim SIGKILLs and SIGSTOPs at uploads, reductions and gathers and record where each landed.
+    With DILOCO_FAULT_PHASE_FILE set (``{rank}`` and ``{lane}`` are replaced), each phase's name,
+    the round and the process id are written there as the phase starts, and
+    DILOCO_FAULT_PHASE_DELAY seconds are slept, so a test harness can aim SIGKILLs and SIGSTOPs
+    at uploads, reductions and gathers — at one process of a multi-process replica too — and
+    record where each landed. Without ``{lane}`` in the template only process 0 writes.
     """
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, lane: int = 0):
         template = os.environ.get("DILOCO_FAULT_PHASE_FILE")
-        self.path = template.replace("{rank}", str(rank)) if template else None
+        if template and lane and "{lane}" not in template:
+            template = None
+        self.path = template.replace("{rank}", str(rank)).replace("{lane}", str(lane)) if template else None
         self.delay = float(os.environ.get("DILOCO_FAULT_PHASE_DELAY") or 0)
 
     def __call__(self, phase: str, r: int) -> None:
         if self.path is None:
             return
         with open(self.path, "w") as f:
-            f.write(f"{phase} {r}\n")
+            f.write(f"{phase} {r} {os.getpid()}\n")
         if self.delay:
             time.sleep(self.delay)
 

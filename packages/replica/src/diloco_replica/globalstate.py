@@ -15,14 +15,15 @@ from collections.abc import Callable
 import torch
 
 from .allreduce import StoreAllReduce
+from .lanes import Retry
 from .membership import FellBehind, RoundFailed
 from .outer import outer_step, state_digest
 from .transport import Backoff, reducer_of
 
 
 class GlobalState:
-    def __init__(self, allreduce: StoreAllReduce, *, lr: float, momentum: float, nesterov: bool,
-                 checkpoint_every: int = 10, log: Callable[[str], None] | None = None):
+    def __init__(self, allreduce: StoreAllReduce, numel: int, *, lr: float, momentum: float, nesterov: bool,
+                 checkpoint_every: int = 10, log: Callable[[str], None] | None = None, pin: bool = False):
         self.ar = allreduce
         self.history = allreduce.history
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
@@ -32,64 +33,91 @@ class GlobalState:
         self.theta: torch.Tensor | None = None
         self.buf: torch.Tensor | None = None
         self.written: dict[int, list[int]] = {}  # checkpoint round -> shards this replica wrote
+        self.numel = numel  # of this lane
+        self.pin = pin      # pinned host buffers (the model is on CUDA)
 
     # -- start -------------------------------------------------------------------------------
 
-    def bootstrap(self, initial: torch.Tensor, *, below: int | None = None) -> int:
+    def bootstrap(self, initial: torch.Tensor | None, *, below: int | None = None) -> int:
         """Adopt the run's global state (creating round 0 from `initial` if the run is new).
 
         `below`: only checkpoints older than this round are trusted (after a divergence).
+        `initial` is None once this replica has joined: round 0 then exists or was collected.
+        With several lanes, lane 0 picks the checkpoint, every lane loads its part of it, and
+        they replay to the same round (`catch_up`); a lane that sees the store change under it
+        sends the whole replica round the loop again.
         """
-        numel = initial.numel()
+        lanes = self.ar.lanes
         for _ in range(8):  # a checkpoint can vanish under GC between listing and loading
-            usable = [c for c in self.history.complete() if below is None or c < below]
-            if not usable:
-                if self.history.low_water() > 0:
-                    raise RoundFailed("no usable checkpoint is left in the store and the early rounds are gone")
-                self._write_initial(initial)
-                usable = [0]
-            loaded = self.history.load(usable[-1], numel)
-            if loaded is None:
-                continue
-            self.theta, self.buf = loaded
-            self.round = usable[-1]
             try:
+                chosen = lanes.on_leader(lambda: self._newest_usable(below))
+                if chosen is None:
+                    lanes.agree(lambda: self._write_initial(initial))
+                    chosen = 0
+                lanes.agree(lambda: self._load(chosen))
                 replayed = self.catch_up()
-            except FellBehind as exc:  # GC overtook the replay: start again from the newer checkpoint
+            except (Retry, FellBehind) as exc:  # GC overtook the load or the replay: start again from newer
                 self.log(f"{exc}; reloading")
                 continue
-            self.log(f"joined at round {self.round} (checkpoint {usable[-1]}, replayed {replayed} rounds)")
+            self.log(f"joined at round {self.round} (checkpoint {chosen}, replayed {replayed} rounds)")
             return self.round
         raise RoundFailed("could not load a checkpoint: they kept changing under this replica")
 
-    def catch_up(self) -> int:
-        """Apply every round completed after ours; returns how many were applied."""
-        n = 0
-        while self.ar.round_complete(self.round + 1):
-            res = self.ar.fetch(self.round + 1, self.theta.numel())
-            self.apply(res.round, res.mean, res.members)
-            n += 1
-        return n
+    def _newest_usable(self, below: int | None) -> int | None:
+        usable = [c for c in self.history.complete() if below is None or c < below]
+        if usable:
+            return usable[-1]
+        if self.history.low_water() > 0:
+            raise RoundFailed("no usable checkpoint is left in the store and the early rounds are gone")
+        return None
 
-    def _write_initial(self, initial: torch.Tensor) -> None:
+    def _load(self, c: int) -> None:
+        loaded = self.history.load(c, self.numel, pin=self.pin)
+        if loaded is None:
+            raise Retry(f"checkpoint {c} changed while loading")
+        self.theta, self.buf = loaded
+        self.round = c
+
+    def catch_up(self) -> int:
+        """Apply every round completed after ours; returns how many were applied.
+
+        Each lane applies what it sees complete, then every lane replays to the furthest of them
+        (a round one lane saw complete is decided, so its other lanes' shards come, or are taken
+        over), so a replica's lanes always hold the same round.
+        """
+        lanes = self.ar.lanes
+        start = self.round
+
+        def replay(until: int | None) -> None:
+            while (self.round < until) if until is not None else self.ar.round_complete(self.round + 1):
+                res = self.ar.fetch(self.round + 1, self.theta.numel())
+                self.apply(res.round, res.mean, res.members)
+
+        lanes.agree(lambda: replay(None))
+        if lanes.count > 1:
+            target = lanes.largest(self.round)
+            lanes.agree(lambda: replay(target))
+        return self.round - start
+
+    def _write_initial(self, initial: torch.Tensor | None) -> None:
         """Round 0: shard i from this replica; after a wait, any missing shard from here too.
 
         Create-only puts, so each shard has exactly one writer and everyone loads the same θ_0
         (replicas should seed their model init identically; if they did not, θ_0 is still one
         consistent state that all of them adopt). Only the shards still missing are written.
         """
+        if initial is None:
+            raise RoundFailed("round 0's checkpoint is missing although this replica joined the run before")
         zeros = torch.zeros_like(initial)
-        prefix = self.ar.keys.checkpoint(0)
-        present = set(self.ar.store.list_names(prefix))
-        if str(self.ar.rank) not in present:
+        if self.ar.rank not in self.history.present(0):
             self.history.put_shard(0, self.ar.rank, initial, zeros)
         deadline = time.monotonic() + self.ar.round_timeout
         backoff = Backoff(self.ar.poll_interval, self.ar.poll_max)
-        present = set(self.ar.store.list_names(prefix))
+        present = self.history.present(0)
         while len(present) < self.ar.n and backoff.sleep(deadline):
-            present = set(self.ar.store.list_names(prefix))
+            present = self.history.present(0)
         for j in range(self.ar.n):
-            if str(j) not in present:  # its owner never came: write it from here (create-only)
+            if j not in present:  # its owner never came: write it from here (create-only)
                 self.history.put_shard(0, j, initial, zeros)
 
     # -- each round --------------------------------------------------------------------------
@@ -106,7 +134,7 @@ class GlobalState:
                 self.history.put_shard(r, j, self.theta, self.buf, digest=self.digest())
             if mine:
                 self.written[r] = mine
-            if reducer_of(0, members) == self.ar.rank:  # one collector per checkpoint, off the hot path
+            if reducer_of(0, members) == self.ar.rank and self.ar.lanes.leader:  # one collector, off the hot path
                 self.ar.pool.submit(self.history.collect_garbage, r)
 
     def digest(self) -> str:
@@ -116,7 +144,7 @@ class GlobalState:
         """This replica's state left the others' at round `since`: void the checkpoints it wrote
         from then on, and reload from an older one (the others' state, replayed)."""
         tainted = sorted(c for c in self.written if c >= since)
-        if tainted:
+        if tainted:  # each lane voids the checkpoints it wrote shards of: a void marker voids all lanes
             self.history.void(tainted, f"written by rank {self.ar.rank}, whose state diverged at round {since}")
         self.written = {c: s for c, s in self.written.items() if c < since}
         return self.bootstrap(initial, below=since)

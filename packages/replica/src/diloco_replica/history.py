@@ -2,7 +2,8 @@
 
 - Checkpoints every `checkpoint_every` rounds at ``ckpt/r<round>/<j>``: shard j of
   [θ_global ; momentum] in fp32, written create-only by shard j's reducer; round 0 is the
-  initial state. A rejoining replica loads the newest *complete* checkpoint and replays the
+  initial state. With L processes per replica, lane k's shards are kN … kN+N−1 and a
+  checkpoint is complete with all N·L. A rejoining replica loads the newest *complete* checkpoint and replays the
   reduced shards of the rounds after it.
 - A checkpoint can be voided (``ckpt/r<round>/void``) by a replica that learns its θ had
   diverged when it wrote shards of it; loaders and GC skip void checkpoints.
@@ -28,8 +29,10 @@ VOID = "void"
 
 
 class History:
-    def __init__(self, store: CountingStore, keys: RunKeys, n: int, pool, log: Callable[[str], None]):
+    def __init__(self, store: CountingStore, keys: RunKeys, n: int, pool, log: Callable[[str], None], *,
+                 lane: int = 0, lanes: int = 1):
         self.store, self.keys, self.n, self.pool, self.log = store, keys, n, pool, log
+        self.base, self.lanes = lane * n, lanes  # this lane's shards are base..base+N-1; a checkpoint has N·L
 
     # -- low-water mark ----------------------------------------------------------------------
 
@@ -49,10 +52,10 @@ class History:
     def put_shard(self, r: int, j: int, theta: torch.Tensor, buf: torch.Tensor, *, digest: str | None = None) -> None:
         a, b = shard_bounds(theta.numel(), self.n)[j]
         part = torch.cat([theta[a:b], buf[a:b]])
-        blob = pack(Identity(self.keys.run, r, "ckpt", j, -1), encode_tensor(part, "fp32"), codec="fp32",
+        blob = pack(Identity(self.keys.run, r, "ckpt", self.base + j, -1), encode_tensor(part, "fp32"), codec="fp32",
                     numel=part.numel(), meta={"numel": theta.numel(), "writer_digest": digest})
         try:
-            self.store.put(self.keys.checkpoint(r, j), blob, create_only=True)
+            self.store.put(self.keys.checkpoint(r, self.base + j), blob, create_only=True)
         except ObjectExists:
             pass
 
@@ -68,7 +71,12 @@ class History:
                 void.add(int(head[1:]))
             elif leaf.isdigit():
                 counts[int(head[1:])] = counts.get(int(head[1:]), 0) + 1
-        return sorted(r for r, c in counts.items() if c >= self.n and r not in void)
+        return sorted(r for r, c in counts.items() if c >= self.n * self.lanes and r not in void)
+
+    def present(self, r: int) -> set[int]:
+        """This lane's shards of checkpoint r already in the store (one LIST)."""
+        names = self.store.list_names(self.keys.checkpoint(r))
+        return {int(x) - self.base for x in names if x.isdigit() and self.base <= int(x) < self.base + self.n}
 
     def void(self, rounds: list[int], why: str) -> None:
         """Mark checkpoints unusable (written from a diverged θ); create-only, idempotent."""
@@ -78,18 +86,18 @@ class History:
             except ObjectExists:
                 pass
 
-    def load(self, r: int, numel: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """θ and momentum of checkpoint r; None if a shard vanished (GC raced us) or is corrupt."""
+    def load(self, r: int, numel: int, *, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This lane's θ and momentum of checkpoint r; None if a shard vanished (GC raced us) or is corrupt."""
         bounds = shard_bounds(numel, self.n)
-        keys = [self.keys.checkpoint(r, j) for j in range(self.n)]
+        keys = [self.keys.checkpoint(r, self.base + j) for j in range(self.n)]
         blobs = list(self.pool.map(self.store.get, keys))
-        theta, buf = torch.empty(numel), torch.empty(numel)
+        theta, buf = torch.empty(numel, pin_memory=pin), torch.empty(numel, pin_memory=pin)
         for j, (key, blob) in enumerate(zip(keys, blobs)):
             if blob is None:
                 self.log(f"checkpoint shard {key} vanished while loading; trying the next checkpoint")
                 return None
             try:
-                got = unpack(blob, Identity(self.keys.run, r, "ckpt", j, -1), key)
+                got = unpack(blob, Identity(self.keys.run, r, "ckpt", self.base + j, -1), key)
             except CorruptObject as exc:
                 self.log(f"{exc}; voiding checkpoint {r} and trying an older one")
                 self.void([r], f"corrupt shard: {exc}")

@@ -129,6 +129,9 @@ class RunKeys:
     def reduced(self, r: int, owner: int | None = None) -> str:
         return f"{self.round(r)}/reduced/" + ("" if owner is None else str(owner))
 
+    def repair(self, r: int, owner: int | None = None) -> str:
+        return f"{self.round(r)}/repair/" + ("" if owner is None else str(owner))
+
     def repaired(self, r: int, owner: int) -> str:
         return f"{self.round(r)}/repaired/{owner}"
 

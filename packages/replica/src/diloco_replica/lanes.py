@@ -1,0 +1,142 @@
+"""The processes of one replica, and how they agree.
+
+A replica of L processes (torchrun, `processes_per_replica = L`) syncs as L lanes: process k
+owns lane k — 1/L of the flat parameter vector with DDP, or exactly the shards it holds with
+FSDP2 — and runs the store all-reduce for that lane only, so the replica's bytes move over L
+connections at once. What must be decided once per replica is decided by lane 0 and shared:
+a round's members, which checkpoint to load, whether this replica's state diverged. What every
+lane does on its own (upload, reduce, gather, replay) ends in an agreement, so a lane that fell
+behind takes the whole replica with it into the same rejoin, and no lane is left waiting in a
+collective the others never enter.
+
+The messages are a few bytes of JSON over a gloo group of diloco's own (never pickle, never the
+user's NCCL stream): all-gather of lengths, then of the bytes. With L = 1 every method is a
+plain call and nothing is exchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from diloco.errors import UserError
+
+from .membership import FellBehind, RoundFailed
+
+T = TypeVar("T")
+
+
+class Retry(Exception):
+    """A lane saw the store change under it (a checkpoint vanished): the replica tries again."""
+
+
+# What a failure in one lane becomes in the others (anything else: RoundFailed naming the lane).
+_KINDS: dict[str, type[Exception]] = {"FellBehind": FellBehind, "RoundFailed": RoundFailed, "Retry": Retry,
+                                      "UserError": UserError}
+
+
+class Lanes:
+    def __init__(self, index: int = 0, count: int = 1, group: Any = None):
+        self.index, self.count, self.group = index, count, group
+
+    @property
+    def leader(self) -> bool:
+        return self.index == 0
+
+    @classmethod
+    def join(cls, lanes: int, lane: int) -> Lanes:
+        """The lanes of this process's replica (torchrun's group), or a single lane."""
+        if lanes <= 1:
+            return cls()
+        import torch.distributed as dist
+
+        if not dist.is_initialized():  # a plain module under torchrun: the group is only ours
+            dist.init_process_group("gloo")
+        if dist.get_world_size() != lanes or dist.get_rank() != lane:
+            raise UserError(f"torch.distributed's group has {dist.get_world_size()} processes (this is rank "
+                            f"{dist.get_rank()}) but the replica has {lanes} (this is process {lane}); DiLoCo "
+                            f"syncs the group torchrun started: call init_process_group() without a world size")
+        return cls(lane, lanes, dist.new_group(backend="gloo"))
+
+    # -- exchanges ---------------------------------------------------------------------------
+
+    def exchange(self, obj: Any) -> list[Any]:
+        """Every lane's `obj` (JSON-able), in lane order."""
+        if self.count == 1:
+            return [obj]
+        import torch
+        import torch.distributed as dist
+
+        data = json.dumps(obj).encode()
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.count)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group)
+        longest = max(int(s) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.count)]
+        dist.all_gather(out, mine, group=self.group)
+        return [json.loads(bytes(t[:int(s)].tolist())) for t, s in zip(out, sizes)]
+
+    def agree(self, fn: Callable[[], T]) -> T:
+        """Every lane runs `fn`; if any lane failed, every lane raises (its own error, or the first one's kind)."""
+        if self.count == 1:
+            return fn()
+        value: Any = None
+        error: BaseException | None = None
+        try:
+            value = fn()
+            status: dict[str, Any] = {"ok": True}
+        except Exception as exc:  # shared below, then raised in every lane
+            error = exc
+            status = {"ok": False, "kind": type(exc).__name__, "message": str(exc)}
+        statuses = self.exchange(status)
+        failed = [(k, s) for k, s in enumerate(statuses) if not s["ok"]]
+        if not failed:
+            return value
+        if error is not None:
+            raise error
+        k, first = failed[0]
+        kind = _KINDS.get(first["kind"])
+        if kind is None:
+            raise RoundFailed(f"process {k} of this replica failed: {first['kind']}: {first['message']}")
+        raise kind(first["message"])
+
+    def on_leader(self, fn: Callable[[], T]) -> T:
+        """Lane 0 runs `fn` and every lane gets its (JSON-able) result, or raises its error."""
+        if self.count == 1:
+            return fn()
+        value: Any = None
+        status: dict[str, Any] = {"ok": True}
+        error: BaseException | None = None
+        if self.leader:
+            try:
+                value = fn()
+                status = {"ok": True, "value": value}
+            except Exception as exc:
+                error = exc
+                status = {"ok": False, "kind": type(exc).__name__, "message": str(exc)}
+        first = self.exchange(status if self.leader else None)[0]
+        if first["ok"]:
+            return value if self.leader else first["value"]
+        if error is not None:
+            raise error
+        raise _KINDS.get(first["kind"], RoundFailed)(first["message"])
+
+    def largest(self, x: int) -> int:
+        return max(self.exchange(x))
+
+    def total(self, counts: dict[str, int]) -> dict[str, int]:
+        """Key-wise sum over lanes (bytes and requests of the replica, from each lane's own)."""
+        rows = self.exchange(counts)
+        return {k: sum(int(r.get(k, 0)) for r in rows) for k in counts}
+
+    def close(self) -> None:
+        if self.group is not None:
+            import torch.distributed as dist
+
+            try:
+                dist.destroy_process_group(self.group)
+            except Exception:  # the default group may already be gone at interpreter exit
+                pass
+            self.group = None

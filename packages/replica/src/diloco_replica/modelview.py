@@ -1,0 +1,137 @@
+"""The part of a model one process syncs (its lane), as one flat fp32 vector on the host.
+
+- A plain module (one process) syncs every parameter.
+- Replicated parameters (DDP, or a plain module in each of L processes): process k syncs lane
+  k, the k-th of L contiguous slices of the flat parameter vector. After the outer step every
+  process needs all of θ, so the lanes are broadcast over the replica's process group, chunk
+  by chunk straight into the parameters (NCCL for CUDA parameters, gloo on the host): at most
+  one chunk is in flight, never a second full copy of the model.
+- Sharded parameters (FSDP2's `fully_shard`, DTensor): each process syncs exactly the shards it
+  holds (`to_local()`), and writes them back; no traffic inside the replica at all.
+
+θ_global, the momentum and the transfer buffer stay off the accelerator (pinned host memory
+when the parameters are on CUDA, so copies to and from the device are DMA). Reads and writes
+go through `torch.no_grad` copies, so any device and dtype works and the fp32 outer step is
+the same bit-exact host computation on every replica.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diloco.errors import UserError
+
+from .lanes import Lanes
+from .transport import shard_bounds
+
+CHUNK = 1 << 22  # elements per broadcast piece (16 MB in fp32)
+
+
+def host_empty(numel: int, like: torch.Tensor | None = None) -> torch.Tensor:
+    """An fp32 host buffer, pinned when the model lives on CUDA."""
+    pin = like is not None and like.device.type == "cuda"
+    return torch.empty(numel, dtype=torch.float32, pin_memory=pin)
+
+
+class ModelView:
+    """The lane's parameters as a flat range: `read` into a host vector, `write` back."""
+
+    def __init__(self, params: list[torch.Tensor], start: int, stop: int):
+        self.params = params
+        self.start, self.stop = start, stop
+        self.numel = stop - start
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The storage this process reads and writes: the parameters themselves."""
+        return self.params
+
+    def read(self) -> torch.Tensor:
+        """This lane's parameters as a new fp32 host vector."""
+        out = host_empty(self.numel, self.tensors[0] if self.tensors else None)
+        for t, a, b, off in self._pieces(self.start, self.stop):
+            out[off - self.start: off - self.start + (b - a)].copy_(t.detach().reshape(-1)[a:b])
+        return out
+
+    def write(self, theta: torch.Tensor) -> None:
+        """Put this lane's θ into the model (and, where replicated, every other lane's too)."""
+        self._write_range(self.start, theta)
+
+    def _write_range(self, start: int, values: torch.Tensor) -> None:
+        with torch.no_grad():
+            for t, a, b, off in self._pieces(start, start + values.numel()):
+                t.view(-1)[a:b].copy_(values[off - start: off - start + (b - a)], non_blocking=False)
+
+    def _pieces(self, start: int, stop: int):
+        """(tensor, from, to, flat offset) for each tensor overlapping [start, stop)."""
+        offset = 0
+        for t in self.tensors:
+            n = t.numel()
+            a, b = max(start, offset), min(stop, offset + n)
+            if a < b:
+                yield t, a - offset, b - offset, a
+            offset += n
+            if offset >= stop:
+                break
+
+
+class ReplicatedView(ModelView):
+    """Lane k of L over parameters every process holds whole (DDP)."""
+
+    def __init__(self, params: list[torch.Tensor], lanes: Lanes):
+        total = sum(p.numel() for p in params)
+        self.bounds = shard_bounds(total, lanes.count)
+        super().__init__(params, *self.bounds[lanes.index])
+        self.lanes = lanes
+        self.total = total
+
+    def write(self, theta: torch.Tensor) -> None:
+        if self.lanes.count == 1:
+            return self._write_range(self.start, theta)
+        import torch.distributed as dist
+
+        device = self.tensors[0].device if self.tensors else torch.device("cpu")
+        on_gpu = device.type == "cuda" and dist.get_backend() == "nccl"
+        group = None if on_gpu else self.lanes.group  # NCCL over the replica's GPUs, else diloco's gloo group
+        for k, (a, b) in enumerate(self.bounds):
+            for lo in range(a, b, CHUNK):
+                hi = min(b, lo + CHUNK)
+                if k == self.lanes.index:
+                    piece = theta[lo - a: hi - a].to(device if on_gpu else "cpu", non_blocking=False)
+                else:
+                    piece = torch.empty(hi - lo, dtype=torch.float32, device=device if on_gpu else "cpu")
+                dist.broadcast(piece, src=k, group=group)
+                self._write_range(lo, piece)
+
+
+class ShardedView(ModelView):
+    """The shards of FSDP2 parameters this process holds: its lane is exactly those."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        super().__init__(params, 0, sum(p.to_local().numel() for p in params))
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [p.to_local() for p in self.params]  # asked each time: FSDP may re-register its shards
+
+
+def _is_sharded(p: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(p, DTensor)
+
+
+def model_view(model: torch.nn.Module, lanes: Lanes) -> ModelView:
+    """The view of `model` this process syncs: FSDP2 shards, or lane k of replicated parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise UserError("the model has no trainable parameters for DiLoCo to sync")
+    sharded = [_is_sharded(p) for p in params]
+    if any(sharded):
+        if not all(sharded):
+            raise UserError("some trainable parameters are FSDP-sharded (DTensor) and some are not; shard the whole "
+                            "model with fully_shard, or none of it")
+        return ShardedView(params)
+    return ReplicatedView(params, lanes)

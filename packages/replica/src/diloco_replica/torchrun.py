@@ -1,0 +1,94 @@
+"""`python -m diloco_replica.torchrun <torchrun arguments>`: torch's launcher, with the exit code kept.
+
+A multi-process replica is started by torch's own elastic launcher (`torch.distributed.run`,
+torchrun): it owns the in-replica rendezvous, signal forwarding (SIGTERM reaches every
+process) and group teardown (one process dies → the others are stopped). This module parses
+torchrun's own arguments with torchrun's own parser and calls its `run`, unchanged; the command
+every backend uses is built by `diloco.procgroup.replica_command`.
+
+What it adds is what the supervisor needs from one replica and torchrun does not give:
+- the exit code of the process that failed first (torchrun exits 1 for any failure): 78 for a
+  spec or store mistake, so the run stops instead of relaunching; 128+N for signal N;
+- one result for the replica (`DILOCO_RESULT_PATH`), built from its processes' results: process
+  0's on success, else the first failure's (its cause line first, as with one process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+from diloco import envvars
+from diloco.runner import lane_result_path, write_text_atomic
+
+
+def _read(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _exit_code(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def finish(result_path: str | None, lanes: int, failed_lane: int | None, code: int, *,
+           rank: int, attempt: int) -> int:
+    """Write the replica's result from its processes' results; return the replica's exit code."""
+    parts = {k: _read(lane_result_path(result_path, k)) for k in range(lanes)} if result_path else {}
+    if failed_lane is None:
+        result = parts.get(0) or {"rank": rank, "attempt": attempt, "status": "succeeded", "exit_code": 0}
+        exit_code = 0
+    else:
+        mine = parts.get(failed_lane)
+        if mine and mine.get("status") == "failed":
+            result, exit_code = dict(mine), int(mine.get("exit_code") or _exit_code(code))
+            result["error"] = f"{mine.get('error') or ''}\n(process {failed_lane} of {lanes})".lstrip()
+        else:
+            how = f"killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+            exit_code = _exit_code(code)
+            result = {"rank": rank, "attempt": attempt, "status": "failed", "exit_code": exit_code,
+                      "error": f"process {failed_lane} of {lanes} {how}; torchrun stopped the replica's other processes"}
+    if result_path:
+        write_text_atomic(result_path, json.dumps(result))
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.max_restarts:
+        print("diloco_replica.torchrun: --max-restarts must be 0 (diloco's supervisor owns restarts)", file=sys.stderr)
+        return 2
+    lanes = int(str(args.nproc_per_node))
+    result_path = os.environ.get(envvars.ENV_RESULT_PATH)
+    rank, attempt = int(os.environ.get(envvars.ENV_RANK, "0")), int(os.environ.get(envvars.ENV_ATTEMPT, "0"))
+    for k in range(lanes):  # results of an earlier attempt with the same stem must not be read as this one's
+        if result_path and os.path.exists(lane_result_path(result_path, k)):
+            os.unlink(lane_result_path(result_path, k))
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        global_rank, failure = exc.get_first_failure()
+        return finish(result_path, lanes, failure.local_rank, failure.exitcode, rank=rank, attempt=attempt)
+    except SignalException as exc:  # SIGTERM/SIGINT: cancelled; torchrun has stopped the processes
+        return 128 + int(exc.sigval)
+    return finish(result_path, lanes, None, 0, rank=rank, attempt=attempt)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
