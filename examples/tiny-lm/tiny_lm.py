@@ -7,6 +7,11 @@ seeded by (seed, rank, global step), so a replica that restarts continues its da
 `train` is the entrypoint (`diloco run examples/tiny-lm/diloco.toml`). Rank 0 ends the run by
 evaluating the global model on the held-out split and writing a summary and a loss-curve PNG to
 the store's artifacts/, which `diloco run` copies next to the run's records.
+
+With `processes_per_replica = L` (diloco-ddp.toml) each replica is L processes started by
+torchrun: the usual `init_process_group()`, the model wrapped in DDP (or sharded with FSDP2's
+`fully_shard`, `parallel = "fsdp"`), each process training on its 1/L of the replica's batch,
+and the same `DiLoCo(model, opt, ctx)` call.
 """
 
 from __future__ import annotations
@@ -115,14 +120,37 @@ def build(seed: int, context: int, dim: int, layers: int) -> TinyLM:
 
 # -- the entrypoint ---------------------------------------------------------------------------
 
+def parallelize(model: TinyLM, parallel: str) -> nn.Module:
+    """Inside a replica of several processes: DDP (replicated) or FSDP2 (sharded) over torchrun's group."""
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        model = model.cuda()
+    dist.init_process_group("nccl" if cuda else "gloo")  # RANK, WORLD_SIZE, MASTER_* come from torchrun
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        return fully_shard(model)
+    if parallel == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    raise ValueError(f"parallel must be 'ddp' or 'fsdp', got {parallel!r}")
+
+
 def train(ctx: ReplicaContext, steps: int = 600, batch_size: int = 16, context: int = 64, dim: int = 128,
           layers: int = 2, lr: float = 2e-3, warmup: int = 50, seed: int = 0, threads: int = 1,
-          max_bytes: int = 3_000_000) -> dict:
+          max_bytes: int = 3_000_000, parallel: str = "ddp") -> dict:
     from diloco_replica import DiLoCo, inner_optimizer
 
     torch.set_num_threads(threads)
     train_data, eval_data = load_corpus(max_bytes)
     model = build(seed, context, dim, layers)
+    if ctx.lanes > 1:
+        model = parallelize(model, parallel)
+    device = next(model.parameters()).device
     opt = inner_optimizer(model.parameters(), lr=lr)
     diloco = DiLoCo(model, opt, ctx)
     ctx.log.info("model %d parameters, %d train / %d eval bytes; starting at step %d (round %d)",
@@ -133,23 +161,24 @@ def train(ctx: ReplicaContext, steps: int = 600, batch_size: int = 16, context: 
         gen = torch.Generator().manual_seed(hash((seed, ctx.rank, step)) & 0x7FFF_FFFF)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
-        loss = loss_of(model, *batch(train_data, batch_size, context, gen))
+        x, y = batch(train_data, batch_size, context, gen)  # the replica's batch; this process's 1/L of it
+        loss = loss_of(model, x[ctx.lane::ctx.lanes].to(device), y[ctx.lane::ctx.lanes].to(device))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        info = diloco.step(loss=loss.item(), tokens=batch_size * context)
+        info = diloco.step(loss=loss.item(), tokens=batch_size * context // ctx.lanes)
         if info is not None:
             ctx.log.info("round %d: loss %.4f members %s%s sync %.2fs", info.round, info.loss or float("nan"),
                          info.members, "" if info.member else " (not a member)", info.sync_s)
-    eval_loss = evaluate(model, eval_data, context)
+    eval_loss = evaluate(model, eval_data.to(device), context)
     diloco.close()
     result = {"rank": ctx.rank, "rounds": diloco.round, "eval_loss": eval_loss,
               "wall_s": time.monotonic() - started, "theta_crc32": zlib.crc32(diloco.state.theta.numpy().tobytes())}
     ctx.log.info("done: %s", json.dumps(result))
-    if ctx.rank == 0:
+    if ctx.rank == 0 and ctx.lane == 0:
         from diloco_replica.report import write_run_report
 
-        write_run_report(ctx, diloco, eval_loss=eval_loss, steps=steps, n_params=diloco.state.theta.numel())
+        write_run_report(ctx, diloco, eval_loss=eval_loss, steps=steps, n_params=sum(p.numel() for p in model.parameters()))
     return result
 
 

@@ -143,13 +143,16 @@ class DiLoCo:
         if not result.member:
             self.state.catch_up()  # others may be rounds ahead: adopt every completed round
         self.view.write(self.state.theta)
-        traffic = self.lanes.total({"bytes_up": result.traffic.bytes_up, "bytes_down": result.traffic.bytes_down,
-                                    **result.traffic.requests()})
+        # the replica's row: every lane's bytes, requests and tokens; the mean loss over its processes
+        sums = self.lanes.total({"bytes_up": result.traffic.bytes_up, "bytes_down": result.traffic.bytes_down,
+                                 **result.traffic.requests(), "tokens": self._tokens,
+                                 "loss_sum": sum(self._losses), "loss_n": len(self._losses)})
+        loss_sum, loss_n = sums.pop("loss_sum"), sums.pop("loss_n")
         info = RoundMetrics(
             round=result.round, rank=self.ctx.rank, attempt=self.ctx.attempt, members=result.members,
-            member=result.member, loss=sum(self._losses) / len(self._losses) if self._losses else None,
-            tokens=self._tokens, bytes_up=traffic.pop("bytes_up"), bytes_down=traffic.pop("bytes_down"),
-            compute_s=compute_s, sync_s=time.monotonic() - t0, requests=traffic,
+            member=result.member, loss=loss_sum / loss_n if loss_n else None, tokens=int(sums.pop("tokens")),
+            bytes_up=int(sums.pop("bytes_up")), bytes_down=int(sums.pop("bytes_down")),
+            compute_s=compute_s, sync_s=time.monotonic() - t0, requests={k: int(v) for k, v in sums.items()},
             takeovers=result.takeovers, incidents=result.incidents, t=time.time())
         self._warn_if_alone(info)
         self.history.append(info)

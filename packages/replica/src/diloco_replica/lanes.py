@@ -126,10 +126,12 @@ class Lanes:
     def largest(self, x: int) -> int:
         return max(self.exchange(x))
 
-    def total(self, counts: dict[str, int]) -> dict[str, int]:
-        """Key-wise sum over lanes (bytes and requests of the replica, from each lane's own)."""
+    def total(self, counts: dict[str, float]) -> dict[str, float]:
+        """Key-wise sum over lanes (the replica's bytes, requests, tokens, from each lane's own)."""
+        if self.count == 1:
+            return dict(counts)
         rows = self.exchange(counts)
-        return {k: sum(int(r.get(k, 0)) for r in rows) for k in counts}
+        return {k: sum(r.get(k, 0) for r in rows) for k in counts}
 
     def close(self) -> None:
         if self.group is not None:
