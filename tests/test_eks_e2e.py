@@ -61,6 +61,22 @@ def test_tiny_lm_main_job_through_eks(tmp_path, cluster, s3):
     assert "testing" not in dry.replace("ghcr.io/example/tiny-lm", "")  # credentials never shown
 
 
+def test_two_processes_per_pod_through_eks(tmp_path, cluster, s3):
+    """processes_per_replica = 2: each pod runs torchrun over two DDP processes (gloo on CPU pods)."""
+    state = tmp_path / "state"
+    spec = eks_spec(tmp_path, cluster, s3, steps=40, sync_every=20, replicas=2)
+    spec.write_text(spec.read_text().replace("replicas = 2\n", "replicas = 2\nprocesses_per_replica = 2\n"))
+    dry = run_cli(state, "dryrun", str(spec))
+    assert dry.returncode == 0, dry.stderr
+    assert "diloco_replica.torchrun" in dry.stdout and "- --nproc-per-node\n" in dry.stdout and "/dev/shm" in dry.stdout
+    proc = run_cli(state, "run", str(spec))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "round 2  members [0, 1]" in proc.stdout
+    run_id = proc.stdout.split()[1].rstrip(":")
+    logs = run_cli(state, "logs", run_id, "--rank", "1").stdout
+    assert "[rank 1 process 1 attempt 0]" in logs and "[rank 1 process 0 attempt 0]" in logs
+
+
 def test_eks_refuses_a_rendezvous_on_the_launchers_disk(tmp_path, cluster, s3):
     spec = eks_spec(tmp_path, cluster, s3)
     spec.write_text(spec.read_text().replace(s3["uri"], (tmp_path / "store").as_uri()))

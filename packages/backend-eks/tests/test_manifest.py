@@ -164,3 +164,31 @@ def test_job_names_are_valid_dns_labels(run_id):
 def test_missing_image_is_a_clear_error():
     with pytest.raises(UserError, match="needs \\[backend\\] image"):
         EksExecutor().dryrun(2, "train:main")
+
+
+def test_a_replica_of_several_processes_runs_torchrun_on_its_gpus():
+    ex = EksExecutor(image="example.com/img:1")
+    (job,) = ex.dryrun(2, "train:main", {}, run_id="r-1", rendezvous="s3://b/runs", gpu="H100:8",
+                       processes_per_replica=8).request
+    pod = job["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["command"][:3] == ["python", "-m", "diloco_replica.torchrun"]
+    assert container["command"][container["command"].index("--nproc-per-node") + 1] == "8"
+    assert container["command"][container["command"].index("--max-restarts") + 1] == "0"  # the supervisor restarts
+    assert container["command"][-2:] == ["-m", "diloco.runner"]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "8"}
+    assert container["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+    assert pod["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    env = env_of(job)
+    assert env["DILOCO_REPLICAS"]["value"] == "2" and "WORLD_SIZE" not in env  # torchrun sets torch's own
+    (single,) = ex.dryrun(2, "train:main", {}, run_id="r-1", rendezvous="s3://b/runs", gpu="H100:8").request
+    assert env_of(single)["WORLD_SIZE"]["value"] == "2" and "volumes" not in single["spec"]["template"]["spec"]
+
+
+def test_more_processes_than_gpus_or_a_custom_command_is_a_clear_error():
+    ex = EksExecutor(image="example.com/img:1")
+    with pytest.raises(UserError, match='needs a GPU per process.*gpu = "A10G:4"'):
+        ex.dryrun(2, "train:main", {}, run_id="r-1", rendezvous="s3://b/runs", gpu="A10G:2", processes_per_replica=4)
+    with pytest.raises(UserError, match="command replaces the replica's launcher"):
+        EksExecutor(image="x:1", command=["my-launcher"]).dryrun(2, "train:main", {}, run_id="r-1",
+                                                                 rendezvous="s3://b/runs", processes_per_replica=2)

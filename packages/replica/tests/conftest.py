@@ -32,11 +32,11 @@ class Replicas:
         self.handles = []
 
     def launch(self, fn: str, n: int, *, rendezvous: str, settings: dict | None = None, args: dict | None = None,
-               ranks=None, attempt: int = 0, env: dict | None = None, timeout: float = 300):
+               ranks=None, attempt: int = 0, env: dict | None = None, timeout: float = 300, processes: int = 1):
         extra = {"DILOCO_SETTINGS": json.dumps(settings or {}), **(env or {})}
         handles = self.executor.launch_replicas(n, f"replica_jobs:{fn}", args or {}, run_id=self.run_id,
                                                 rendezvous=rendezvous, ranks=ranks, attempt=attempt, env=extra,
-                                                timeout=timeout)
+                                                timeout=timeout, processes_per_replica=processes)
         self.handles += handles
         return handles
 

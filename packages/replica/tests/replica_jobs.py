@@ -101,3 +101,41 @@ def mlp_rounds(ctx: ReplicaContext, steps: int = 12, dim: int = 64, delay_rank: 
            "numel": diloco.state.theta.numel()}
     print(json.dumps(out), flush=True)
     return out
+
+
+def plain_lanes(ctx: ReplicaContext, steps: int = 8, dim: int = 16, fail_lane: int = -1, fail_kind: str = "",
+                fail_step: int = -1) -> dict:
+    """A plain module (no DDP) in each of a replica's processes: DiLoCo starts the group itself.
+
+    Returns the whole model's hash after every round, per process (each process's own copy must
+    hold θ_global after the lanes' broadcast). `fail_lane` raises at `fail_step`: a UserError
+    ("config") or a ValueError ("bug"), to check what the replica as a whole reports.
+    """
+    from diloco.errors import UserError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.Tanh(), torch.nn.Linear(4 * dim, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    diloco = DiLoCo(model, opt, ctx)
+    hashes = {}
+    for step in diloco.steps(steps):
+        if ctx.lane == fail_lane and step == fail_step:
+            if fail_kind == "config":
+                raise UserError("dataset path 'gs://nowhere' does not exist; fix `args.data`")
+            raise ValueError("loss is NaN")
+        g = torch.Generator().manual_seed(1000 * ctx.rank + 10 * ctx.lane + step)
+        x = torch.randn(8, dim, generator=g)
+        loss = (model(x).squeeze(-1) - x.sum(-1)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        info = diloco.step(loss=loss.item())
+        if info is not None:
+            crc = 0
+            for p in model.parameters():
+                crc = zlib.crc32(p.detach().numpy().tobytes(), crc)
+            hashes[info.round] = crc
+    diloco.close()
+    out = {"rank": ctx.rank, "lane": ctx.lane, "hashes": hashes, "numel": diloco.view.numel}
+    os.write(1, ("LANE-RESULT " + json.dumps(out) + "\n").encode())  # one write: the replica's processes share a log
+    return out

@@ -61,7 +61,7 @@ class DiLoCo:
                          **{k: v for k, v in settings.items() if v is not None}}
         s = self.settings
         self.model, self.inner_opt = model, inner_opt
-        self.lanes = Lanes.join(self.ctx.lanes, self.ctx.lane)
+        self.lanes = Lanes.join(self.ctx.lanes, self.ctx.lane, self._log)
         self.view = model_view(model, self.lanes)  # what this process syncs: its lane of the model
         self.H = int(s["sync_every"])
         self.store = store if store is not None else self.ctx.store

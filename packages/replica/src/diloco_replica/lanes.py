@@ -17,6 +17,7 @@ plain call and nothing is exchanged.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -36,16 +37,24 @@ _KINDS: dict[str, type[Exception]] = {"FellBehind": FellBehind, "RoundFailed": R
                                       "UserError": UserError}
 
 
+# A process whose peer died sees its next exchange fail; torchrun notices the death within its
+# monitor interval and stops the rest with SIGTERM. Waiting for that (instead of failing with a
+# second, misleading error) leaves the first failure as the replica's only one.
+PEER_LOST_WAIT_S = 60.0
+
+
 class Lanes:
-    def __init__(self, index: int = 0, count: int = 1, group: Any = None):
+    def __init__(self, index: int = 0, count: int = 1, group: Any = None,
+                 log: Callable[[str], None] | None = None):
         self.index, self.count, self.group = index, count, group
+        self.log = log or (lambda msg: None)
 
     @property
     def leader(self) -> bool:
         return self.index == 0
 
     @classmethod
-    def join(cls, lanes: int, lane: int) -> Lanes:
+    def join(cls, lanes: int, lane: int, log: Callable[[str], None] | None = None) -> Lanes:
         """The lanes of this process's replica (torchrun's group), or a single lane."""
         if lanes <= 1:
             return cls()
@@ -57,7 +66,7 @@ class Lanes:
             raise UserError(f"torch.distributed's group has {dist.get_world_size()} processes (this is rank "
                             f"{dist.get_rank()}) but the replica has {lanes} (this is process {lane}); DiLoCo "
                             f"syncs the group torchrun started: call init_process_group() without a world size")
-        return cls(lane, lanes, dist.new_group(backend="gloo"))
+        return cls(lane, lanes, dist.new_group(backend="gloo"), log)
 
     # -- exchanges ---------------------------------------------------------------------------
 
@@ -69,14 +78,23 @@ class Lanes:
         import torch.distributed as dist
 
         data = json.dumps(obj).encode()
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.count)]
-        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group)
-        longest = max(int(s) for s in sizes)
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.count)]
-        dist.all_gather(out, mine, group=self.group)
+        try:
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.count)]
+            dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group)
+            longest = max(int(s) for s in sizes)
+            mine = torch.zeros(longest, dtype=torch.uint8)
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.count)]
+            dist.all_gather(out, mine, group=self.group)
+        except RuntimeError as exc:  # gloo: a peer closed its connection (it died)
+            self.peer_lost(exc)
         return [json.loads(bytes(t[:int(s)].tolist())) for t, s in zip(out, sizes)]
+
+    def peer_lost(self, exc: BaseException) -> None:
+        """A collective failed because another process of the replica died: wait to be stopped."""
+        self.log("another process of this replica stopped; waiting for torchrun to stop this one")
+        time.sleep(PEER_LOST_WAIT_S)
+        raise RoundFailed(f"another process of this replica stopped: {str(exc).splitlines()[0]}") from None
 
     def agree(self, fn: Callable[[], T]) -> T:
         """Every lane runs `fn`; if any lane failed, every lane raises (its own error, or the first one's kind)."""

@@ -100,7 +100,10 @@ class ReplicatedView(ModelView):
                     piece = theta[lo - a: hi - a].to(device if on_gpu else "cpu", non_blocking=False)
                 else:
                     piece = torch.empty(hi - lo, dtype=torch.float32, device=device if on_gpu else "cpu")
-                dist.broadcast(piece, src=k, group=group)
+                try:
+                    dist.broadcast(piece, src=k, group=group)
+                except RuntimeError as exc:  # a process of the replica died mid-broadcast
+                    self.lanes.peer_lost(exc)
                 self._write_range(lo, piece)
 
 

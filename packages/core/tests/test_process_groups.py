@@ -1,0 +1,112 @@
+"""processes_per_replica: the spec, the one command builder, the rank contract, and backends that
+cannot honour it (no torch here: the launcher side only; the replica side is tested in
+diloco-replica and tests/test_process_groups.py)."""
+
+from __future__ import annotations
+
+import json
+from importlib.util import find_spec
+
+import pytest
+
+from conftest import write_spec
+
+from diloco.context import ReplicaContext
+from diloco.errors import SpecError
+from diloco.launchenv import parse_entrypoint, replica_env
+from diloco.procgroup import gpu_count, replica_command, resolve_processes
+from diloco.spec import parse_spec
+
+OLD_PLUGIN = '''
+from diloco import hookimpl
+from diloco.local import LocalProcessExecutor
+
+class OldExecutor(LocalProcessExecutor):
+    """A third-party executor written before processes_per_replica existed."""
+    backend_name = "old"
+    def launch_replicas(self, n_replicas, entrypoint, entrypoint_args=None, *, gpu=None, timeout=3600, run_id=None,
+                        rendezvous=None, ranks=None, attempt=0, env=None, secret_env=None):
+        return super().launch_replicas(n_replicas, entrypoint, entrypoint_args, gpu=gpu, timeout=timeout,
+                                       run_id=run_id, rendezvous=rendezvous, ranks=ranks, attempt=attempt, env=env,
+                                       secret_env=secret_env)
+    def dryrun(self, n_replicas, entrypoint, entrypoint_args=None, *, gpu=None, timeout=3600, run_id=None,
+               rendezvous=None, ranks=None, attempt=0, env=None, secret_env=None):
+        return super().dryrun(n_replicas, entrypoint, entrypoint_args, gpu=gpu, timeout=timeout, run_id=run_id,
+                              rendezvous=rendezvous, ranks=ranks, attempt=attempt, env=env, secret_env=secret_env)
+
+@hookimpl
+def diloco_register_executors():
+    return [OldExecutor]
+'''
+
+
+def spec_of(**top):
+    return parse_spec({"backend": "local", "replicas": 2, "entrypoint": "job:main", **top})
+
+
+def test_processes_default_to_the_gpu_count_and_are_validated():
+    assert spec_of().processes_per_replica == 1
+    assert spec_of(gpu="H100").processes_per_replica == 1
+    assert spec_of(gpu="H100:8").processes_per_replica == 8
+    assert spec_of(gpu="H100:8", processes_per_replica=2).processes_per_replica == 2
+    assert gpu_count("A10G:4") == 4 and gpu_count("A10G") is None and gpu_count("A10G:x") is None
+    for bad in (0, 65, "2"):
+        with pytest.raises(SpecError, match="processes_per_replica"):
+            spec_of(processes_per_replica=bad)
+    with pytest.raises(SpecError):
+        resolve_processes(True, None)
+
+
+def test_one_command_starts_a_replica_on_every_backend():
+    assert replica_command(1) == ["python", "-m", "diloco.runner"]
+    cmd = replica_command(4, python="/venv/bin/python")
+    assert cmd[:3] == ["/venv/bin/python", "-m", "diloco_replica.torchrun"]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "4" and cmd[cmd.index("--max-restarts") + 1] == "0"
+    assert "--standalone" in cmd and cmd[-2:] == ["-m", "diloco.runner"]
+
+
+def test_the_rank_contract_for_one_and_for_several_processes():
+    common = dict(rank=1, n_replicas=4, run_id="r", attempt=0, entrypoint=parse_entrypoint("job:main"),
+                  entrypoint_args={}, rendezvous="s3://b/p", timeout=None)
+    one = replica_env(**common)
+    assert one["REPLICA_RANK"] == "1" and one["WORLD_SIZE"] == "4" and one["DILOCO_REPLICAS"] == "4"
+    many = replica_env(**common, processes=8)
+    assert many["REPLICA_RANK"] == "1" and many["DILOCO_REPLICAS"] == "4" and "WORLD_SIZE" not in many
+    # inside: torchrun's variables describe the replica's group; diloco's say which replica it is
+    ctx = ReplicaContext.from_env({**many, "WORLD_SIZE": "8", "RANK": "3", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8"})
+    assert (ctx.rank, ctx.world_size, ctx.lane, ctx.lanes) == (1, 4, 3, 8)
+    old = ReplicaContext.from_env({"REPLICA_RANK": "2", "WORLD_SIZE": "3"})  # the original contract still reads
+    assert (old.rank, old.world_size, old.lane, old.lanes) == (2, 3, 0, 1)
+
+
+def test_local_dryrun_shows_torchrun_and_the_devices_each_replica_gets(cli, project):
+    spec = write_spec(project, 'backend = { name = "local", devices = [0, 1, 2, 3] }\nreplicas = 2\n'
+                               'processes_per_replica = 2\nentrypoint = "job:main"\n')
+    proc = cli("dryrun", str(spec))
+    if find_spec("torch") is None or find_spec("diloco_replica") is None:  # diloco-core alone: say what is missing
+        assert proc.returncode == 2 and "pip install diloco-replica" in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+        return
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    first, second = plan["processes"]
+    assert first["argv"][1:3] == ["-m", "diloco_replica.torchrun"]
+    assert first["argv"][first["argv"].index("--nproc-per-node") + 1] == "2"
+    assert first["env"]["CUDA_VISIBLE_DEVICES"] == "0,1" and second["env"]["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert first["env"]["DILOCO_REPLICAS"] == "2" and "WORLD_SIZE" not in first["env"]
+
+
+def test_a_backend_that_cannot_start_several_processes_says_so_at_dryrun(cli, project, state_dir):
+    (project / "old_plugin.py").write_text(OLD_PLUGIN)
+    env = {"DILOCO_PLUGINS": "old_plugin", "PYTHONPATH": str(project)}
+    spec = write_spec(project, 'backend = "old"\nreplicas = 2\nentrypoint = "job:main"\n'
+                               'rendezvous = "s3://bucket/runs"\nprocesses_per_replica = 2\n')
+    for cmd in ("dryrun", "run"):
+        proc = cli(cmd, str(spec), env=env)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "backend 'old' cannot start several processes per replica" in lines[0]
+    assert not (state_dir / "runs").exists() or not any((state_dir / "runs").iterdir())
+    single = write_spec(project, 'backend = "old"\nreplicas = 2\nentrypoint = "job:main"\n'
+                                 'rendezvous = "s3://bucket/runs"\n')
+    assert cli("dryrun", str(single), env=env).returncode == 0  # L = 1 needs nothing new from a backend
