@@ -246,7 +246,7 @@ class StoreAllReduce:
             used.append(m)
         if not used:
             raise RoundFailed(f"round {r}: no usable contribution to shard {j}")
-        mean = total / len(used)
+        mean = total.div_(len(used))  # in place: one shard-sized buffer (same rounding as total / n)
         ident = Identity(self.run_id, r, "reduced", self.sid(j), -1)
         blob = pack(ident, encode_tensor(mean, self.codec), codec=self.codec, numel=b - a,
                     meta={"members": used, "left_out": left_out, "reducer": self.rank, "takeover": takeover})

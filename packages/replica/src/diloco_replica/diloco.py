@@ -77,7 +77,7 @@ class DiLoCo:
                                  momentum=float(s["outer_momentum"]), nesterov=bool(s["nesterov"]),
                                  checkpoint_every=int(s["checkpoint_every"]), log=self._log, pin=on_cuda)
         self.recorder = Recorder(self.allreduce, self._log)
-        self.state.bootstrap(self.view.read())  # θ_0 from this replica if the run is new
+        self.state.bootstrap(self.view.read)  # θ_0 from this replica's model if the run is new
         self.view.write(self.state.theta)
         self.local_steps = 0          # inner steps since the last sync
         self._losses: list[float] = []

@@ -38,11 +38,13 @@ class GlobalState:
 
     # -- start -------------------------------------------------------------------------------
 
-    def bootstrap(self, initial: torch.Tensor | None, *, below: int | None = None) -> int:
-        """Adopt the run's global state (creating round 0 from `initial` if the run is new).
+    def bootstrap(self, initial: Callable[[], torch.Tensor] | None, *, below: int | None = None) -> int:
+        """Adopt the run's global state (creating round 0 from `initial()` if the run is new).
 
         `below`: only checkpoints older than this round are trusted (after a divergence).
-        `initial` is None once this replica has joined: round 0 then exists or was collected.
+        `initial` reads θ_0 from the model, only if round 0 must be written (so joining a running
+        run never holds a copy of the model it is about to replace); None once this replica has
+        joined: round 0 then exists or was collected.
         With several lanes, lane 0 picks the checkpoint, every lane loads its part of it, and
         they replay to the same round (`catch_up`); a lane that sees the store change under it
         sends the whole replica round the loop again.
@@ -99,18 +101,18 @@ class GlobalState:
             lanes.agree(lambda: replay(target))
         return self.round - start
 
-    def _write_initial(self, initial: torch.Tensor | None) -> None:
+    def _write_initial(self, read_initial: Callable[[], torch.Tensor] | None) -> None:
         """Round 0: shard i from this replica; after a wait, any missing shard from here too.
 
         Create-only puts, so each shard has exactly one writer and everyone loads the same θ_0
         (replicas should seed their model init identically; if they did not, θ_0 is still one
         consistent state that all of them adopt). Only the shards still missing are written.
         """
-        if initial is None:
+        if read_initial is None:
             raise RoundFailed("round 0's checkpoint is missing although this replica joined the run before")
-        zeros = torch.zeros_like(initial)
+        initial = read_initial()
         if self.ar.rank not in self.history.present(0):
-            self.history.put_shard(0, self.ar.rank, initial, zeros)
+            self.history.put_shard(0, self.ar.rank, initial, None)
         deadline = time.monotonic() + self.ar.round_timeout
         backoff = Backoff(self.ar.poll_interval, self.ar.poll_max)
         present = self.history.present(0)
@@ -118,7 +120,7 @@ class GlobalState:
             present = self.history.present(0)
         for j in range(self.ar.n):
             if j not in present:  # its owner never came: write it from here (create-only)
-                self.history.put_shard(0, j, initial, zeros)
+                self.history.put_shard(0, j, initial, None)
 
     # -- each round --------------------------------------------------------------------------
 
@@ -140,7 +142,7 @@ class GlobalState:
     def digest(self) -> str:
         return state_digest(self.theta, self.buf)
 
-    def repair_divergence(self, since: int, initial: torch.Tensor) -> int:
+    def repair_divergence(self, since: int, initial: Callable[[], torch.Tensor] | None) -> int:
         """This replica's state left the others' at round `since`: void the checkpoints it wrote
         from then on, and reload from an older one (the others' state, replayed)."""
         tainted = sorted(c for c in self.written if c >= since)

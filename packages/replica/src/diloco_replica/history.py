@@ -26,6 +26,7 @@ from .transport import CountingStore, RunKeys, shard_bounds
 from .wire import CorruptObject, Identity, encode_tensor, pack, unpack
 
 VOID = "void"
+LOAD_WINDOW_BYTES = 64 << 20  # checkpoint shards up to this size are fetched four at a time
 
 
 class History:
@@ -49,11 +50,14 @@ class History:
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def put_shard(self, r: int, j: int, theta: torch.Tensor, buf: torch.Tensor, *, digest: str | None = None) -> None:
+    def put_shard(self, r: int, j: int, theta: torch.Tensor, buf: torch.Tensor | None, *,
+                  digest: str | None = None) -> None:
+        """Shard j of [θ ; momentum] (momentum None: zeros, as at round 0)."""
         a, b = shard_bounds(theta.numel(), self.n)[j]
-        part = torch.cat([theta[a:b], buf[a:b]])
-        blob = pack(Identity(self.keys.run, r, "ckpt", self.base + j, -1), encode_tensor(part, "fp32"), codec="fp32",
-                    numel=part.numel(), meta={"numel": theta.numel(), "writer_digest": digest})
+        parts = encode_tensor(theta[a:b], "fp32") + encode_tensor(buf[a:b] if buf is not None else torch.zeros(b - a),
+                                                                  "fp32")  # written as two buffers, never joined
+        blob = pack(Identity(self.keys.run, r, "ckpt", self.base + j, -1), parts, codec="fp32",
+                    numel=2 * (b - a), meta={"numel": theta.numel(), "writer_digest": digest})
         try:
             self.store.put(self.keys.checkpoint(r, self.base + j), blob, create_only=True)
         except ObjectExists:
@@ -90,9 +94,15 @@ class History:
         """This lane's θ and momentum of checkpoint r; None if a shard vanished (GC raced us) or is corrupt."""
         bounds = shard_bounds(numel, self.n)
         keys = [self.keys.checkpoint(r, self.base + j) for j in range(self.n)]
-        blobs = list(self.pool.map(self.store.get, keys))
         theta, buf = torch.empty(numel, pin_memory=pin), torch.empty(numel, pin_memory=pin)
-        for j, (key, blob) in enumerate(zip(keys, blobs)):
+        # Shards in flight are copied out and dropped as they come, so loading holds a few shards
+        # beyond θ and the momentum, not the whole checkpoint twice: four small ones, or one large.
+        depth = 4 if 8 * numel // self.n <= LOAD_WINDOW_BYTES else 1
+        window = [self.pool.submit(self.store.get, k) for k in keys[:depth]]
+        for j, key in enumerate(keys):
+            blob = window.pop(0).result()
+            if j + depth < len(keys):
+                window.append(self.pool.submit(self.store.get, keys[j + depth]))
             if blob is None:
                 self.log(f"checkpoint shard {key} vanished while loading; trying the next checkpoint")
                 return None

@@ -16,19 +16,27 @@ import zlib
 import torch
 
 
+# Elements per step of the update: its one temporary stays 4 MB, not a model-sized buffer (host
+# memory per replica is θ, momentum and the round's Δ/mean buffer). Chunking changes no result:
+# every operation is elementwise and rounded on its own.
+CHUNK = 1 << 20
+
+
 def outer_step(theta: torch.Tensor, momentum_buf: torch.Tensor, grad: torch.Tensor, *, lr: float,
                momentum: float, nesterov: bool) -> None:
     """SGD with (Nesterov) momentum, in place: torch.optim.SGD's update with dampening 0.
 
         buf ← momentum·buf + g;  u ← g + momentum·buf (Nesterov) or buf;  θ ← θ − lr·u
     """
-    if momentum:
-        momentum_buf.mul_(momentum)
-        momentum_buf.add_(grad)
-        update = torch.mul(momentum_buf, momentum).add_(grad) if nesterov else momentum_buf.clone()
-    else:
-        update = grad.clone()
-    theta.sub_(update.mul_(lr))  # one temporary; every operation rounded on its own
+    for a in range(0, theta.numel(), CHUNK):
+        t, b, g = theta[a:a + CHUNK], momentum_buf[a:a + CHUNK], grad[a:a + CHUNK]
+        if momentum:
+            b.mul_(momentum)
+            b.add_(g)
+            update = torch.mul(b, momentum).add_(g) if nesterov else b.clone()
+        else:
+            update = g.clone()
+        t.sub_(update.mul_(lr))  # every operation rounded on its own
 
 
 def state_digest(theta: torch.Tensor, momentum_buf: torch.Tensor) -> str:
