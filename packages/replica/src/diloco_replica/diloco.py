@@ -191,7 +191,7 @@ class DiLoCo:
         self.allreduce.phase("compute", self.state.round + 1)
 
     def _warn_if_alone(self, info: RoundMetrics) -> None:
-        if not self._alone_since_start:
+        if not self._alone_since_start or not self.lanes.leader:  # one warning per replica
             return
         if len(info.members) > 1:
             self._alone_since_start = False
