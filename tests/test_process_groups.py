@@ -145,7 +145,11 @@ backoff = 0.2
     assert killed is not None, out
     assert proc.returncode == 0, out
     assert "failed attempt=0 rank=1" in out and "killed by SIGKILL" in out and "process 1 of 2" in out
-    assert "relaunch" in out
+    assert out.count("relaunch_scheduled") == 1  # one process died: one failure seen, one relaunch
+    run_id = out.split()[1].rstrip(":")
+    record = json.loads(subprocess.run([sys.executable, "-m", "diloco", "status", run_id, "--json"],
+                                       capture_output=True, text=True).stdout)["record"]
+    assert record["restarts_used"] == 1 and [r["restarts"] for r in record["ranks"]] == [0, 1]
     traces = [json.loads(p.read_text()) for p in trace.glob("*.json")]
     finals = {(t["rank"], t["lane"]): t for t in traces}
     assert set(finals) == {(0, 0), (0, 1), (1, 0), (1, 1)}
