@@ -13,7 +13,9 @@ the lanes are broadcast inside the replica. Per (store, L), in the same run:
 - host memory: per replica, the peak RSS of its processes above what they held before DiLoCo
   started (the model itself is the user's), summed, against the fp32 model size (target ≤ 3×).
 
-Stores: file:// and s3:// on a moto server (a real S3 API over HTTP on 127.0.0.1).
+Stores: file:// and s3:// on a moto server (a real S3 API over HTTP on 127.0.0.1). Workers of
+L > 1 get the environment a launcher gives such replicas (`GROUP_ENV_DEFAULTS`);
+BENCH_MALLOC=glibc measures without it.
     python bench/lanes.py                 # S = 100 MB
     BENCH_MB=20 BENCH_LANES=1,2 BENCH_STORES=file python bench/lanes.py
 Prints JSON.
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import socket
 import sys
 import tempfile
@@ -42,6 +43,17 @@ N = 2
 def rss_kb() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def peak_rss_kb() -> int:
+    """This process's peak RSS since its exec (VmHWM). Not getrusage's ru_maxrss: Linux carries
+    that across fork and exec, so a worker would inherit the launching process's size (here the
+    parent holds moto's objects) as its own peak."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def raw_round(store, run: str, rank: int, lane: int, lanes: int, numel: int, barrier) -> float:
@@ -71,7 +83,7 @@ def raw_round(store, run: str, rank: int, lane: int, lanes: int, numel: int, bar
 
 
 def worker(index: int, lanes: int, uri: str, env: dict, ports: list[int], barrier, queue) -> None:
-    os.environ.update(env)
+    os.environ.update(env)  # (the malloc default a launcher sets for L > 1 is given by `one`, before exec)
     rank, lane = divmod(index, lanes)
     import torch.distributed as dist
 
@@ -103,7 +115,7 @@ def worker(index: int, lanes: int, uri: str, env: dict, ports: list[int], barrie
         rows.append(info)
         lane_round = diloco.allreduce.store.traffic.since(lane_before)
     diloco.close()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = peak_rss_kb()
     raw = raw_round(open_store(uri), run, rank, lane, lanes, diloco.view.numel, barrier)
     queue.put({"rank": rank, "lane": lane, "round_s": times[-1], "raw_s": raw,
                "replica_bytes_up": rows[-1].bytes_up, "replica_bytes_down": rows[-1].bytes_down,
@@ -123,6 +135,13 @@ def free_port() -> int:
 def one(uri: str, env: dict, lanes: int) -> dict:
     ctx = mp.get_context("spawn")
     queue, barrier = ctx.Queue(), ctx.Barrier(N * lanes)
+    if lanes > 1 and os.environ.get("BENCH_MALLOC", "launcher") == "launcher":  # as replica_env sets it
+        from diloco.launchenv import GROUP_ENV_DEFAULTS
+
+        os.environ.update(GROUP_ENV_DEFAULTS)  # glibc reads it at exec: the spawned workers see it
+    else:
+        for k in ("MALLOC_MMAP_THRESHOLD_",):
+            os.environ.pop(k, None)
     ports = [free_port() for _ in range(N)]
     procs = [ctx.Process(target=worker, args=(i, lanes, uri, env, ports, barrier, queue)) for i in range(N * lanes)]
     for p in procs:

@@ -28,6 +28,12 @@ RESERVED_ENV = {"PATH", "HOME", "USER", "SHELL", "PWD", "TMPDIR", "LANG", "TERM"
                 "PYTHONUNBUFFERED", "PYTHONSTARTUP", "PYTHONSAFEPATH", "REPLICA_RANK", "WORLD_SIZE", "RANK",
                 "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"}
 RESERVED_ENV_PREFIXES = ("LD_", "DILOCO_", "AWS_", "TORCHELASTIC_", "KUBERNETES_")
+# Defaults for a replica of several processes. glibc keeps freed blocks under its dynamic mmap
+# threshold (up to 32 MB) in each process's heap; a lane's shards and broadcast chunks are that
+# size, so each of the L processes held on to what it freed and peak host memory per replica
+# grew with L (bench/lanes.py, 100 MB model: 7.7× → 5.1× at L = 2, 9.8× → 6.3× at L = 4). Blocks of
+# 8 MB and more are mapped and returned at once instead; the spec's [env] can override it.
+GROUP_ENV_DEFAULTS = {"MALLOC_MMAP_THRESHOLD_": str(8 << 20)}
 _FUNCTION_REF = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")
 
 
@@ -145,6 +151,8 @@ def replica_env(*, rank: int, n_replicas: int, run_id: str, attempt: int,
         name = exported_arg_name(key, value)
         if name:
             out[name] = str(value).lower() if isinstance(value, bool) else str(value)
+    if processes > 1:
+        out.update(GROUP_ENV_DEFAULTS)  # the spec's [env] below may override them
     out.update(dict(env or {}))
     out.update({
         rank_env: str(rank),
