@@ -113,3 +113,53 @@ def test_a_single_lane_is_plain_calls():
     assert lanes.agree(lambda: 3) == 3 and lanes.on_leader(lambda: 4) == 4 and lanes.exchange("x") == ["x"]
     with pytest.raises(FellBehind):
         lanes.agree(lambda: (_ for _ in ()).throw(FellBehind("gone")))
+
+
+# -- stopping a replica stops all of its processes --------------------------------------------
+
+def processes_of(run_id: str) -> list[int]:
+    """Pids of live processes started for `run_id` (their environment names it)."""
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if f"DILOCO_RUN_ID={run_id}".encode() in env.split(b"\0") and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+def wait_for(cond, timeout: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.1)
+    return cond()
+
+
+@pytest.mark.parametrize("how", ["cancel", "sigkill"])
+def test_stopping_a_replica_stops_every_process_in_it(replicas, store_uri, how):
+    """cancel (SIGTERM to the group) and a SIGKILL of torchrun itself both leave no process behind:
+    none keeps training into the store after its replica was stopped or relaunched."""
+    import os
+    import signal
+
+    handles = replicas.launch("plain_lanes", 1, rendezvous=store_uri, processes=2,
+                              settings={"sync_every": 1000}, args={"steps": 10**9, "dim": 16})
+    run_id = replicas.run_id
+    assert wait_for(lambda: len(processes_of(run_id)) >= 3, 60), "torchrun and its 2 processes never started"
+    if how == "cancel":
+        replicas.executor.cancel(handles[0])
+        assert replicas.executor.poll(handles[0]) == "cancelled"
+    else:
+        os.kill(handles[0].metadata["pid"], signal.SIGKILL)
+    assert wait_for(lambda: not processes_of(run_id), 20), processes_of(run_id)
