@@ -43,7 +43,7 @@ from .faults import CorruptionInjector, PhaseMarker
 from .history import History
 from .lanes import Lanes
 from .membership import FellBehind, Membership, RoundFailed
-from .transport import Backoff, CountingStore, RunKeys, Traffic, reducer_of, shard_bounds
+from .transport import Backoff, CountingStore, LaneShards, RunKeys, Traffic, reducer_of, shard_bounds
 from .wire import CorruptObject, Identity, decode_tensor, encode_tensor, pack, unpack
 
 __all__ = ["FellBehind", "RoundFailed", "RoundResult", "StoreAllReduce"]
@@ -75,7 +75,8 @@ class StoreAllReduce:
         self.keys = RunKeys(run_id)
         self.run_id, self.rank, self.n = run_id, rank, world_size
         self.lanes = lanes or Lanes()
-        self.base = self.lanes.index * world_size  # this lane's shards are base..base+N-1 in the store
+        self.shards = LaneShards(self.lanes.index, world_size, self.lanes.count)
+        self.sid = self.shards.sid  # shard j of this lane, as the store names it
         self.codec = codec
         self.round_timeout = round_timeout
         self.poll_interval, self.poll_max = poll_interval, poll_max
@@ -83,8 +84,7 @@ class StoreAllReduce:
         self.log = log or (lambda msg: None)
         self.phase = PhaseMarker(rank, self.lanes.index)
         self.corrupt = CorruptionInjector()
-        self.history = History(self.store, self.keys, world_size, self.pool, self.log,
-                               lane=self.lanes.index, lanes=self.lanes.count)
+        self.history = History(self.store, self.keys, self.shards, self.pool, self.log)
         self.membership = Membership(self.store, self.keys, rank, world_size, self.history,
                                      round_timeout=round_timeout, min_members=min_members,
                                      poll_interval=poll_interval, poll_max=poll_max, log=self.log)
@@ -169,17 +169,9 @@ class StoreAllReduce:
         """Whether every reduced shard of this lane for round `r` is in the store (one LIST request)."""
         return len(self._present(self.keys.reduced(r))) >= self.n
 
-    def sid(self, j: int) -> int:
-        """Shard j of this lane as the store names it (lane k's shards are kN..kN+N−1; L = 1: j)."""
-        return self.base + j
-
     def _present(self, prefix: str) -> set[int]:
-        """This lane's shard indices among the objects under `prefix`."""
-        out = set()
-        for x in self.store.list_names(prefix):
-            if x.isdigit() and self.base <= int(x) < self.base + self.n:
-                out.add(int(x) - self.base)
-        return out
+        """This lane's shard indices among the objects under `prefix` (one LIST)."""
+        return self.shards.mine(self.store.list_names(prefix))
 
     # -- steps -------------------------------------------------------------------------------
 

@@ -90,15 +90,22 @@ class GlobalState:
         lanes = self.ar.lanes
         start = self.round
 
-        def replay(until: int | None) -> None:
-            while (self.round < until) if until is not None else self.ar.round_complete(self.round + 1):
-                res = self.ar.fetch(self.round + 1, self.theta.numel())
-                self.apply(res.round, res.mean, res.members)
+        def apply_next() -> None:
+            res = self.ar.fetch(self.round + 1, self.theta.numel())
+            self.apply(res.round, res.mean, res.members)
 
-        lanes.agree(lambda: replay(None))
+        def replay_complete() -> None:
+            while self.ar.round_complete(self.round + 1):
+                apply_next()
+
+        def replay_to(target: int) -> None:
+            while self.round < target:
+                apply_next()
+
+        lanes.agree(replay_complete)
         if lanes.count > 1:
             target = lanes.largest(self.round)
-            lanes.agree(lambda: replay(target))
+            lanes.agree(lambda: replay_to(target))
         return self.round - start
 
     def _write_initial(self, read_initial: Callable[[], torch.Tensor] | None) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from diloco.store import ObjectExists
 
-from .transport import CountingStore, RunKeys, shard_bounds
+from .transport import CountingStore, LaneShards, RunKeys, shard_bounds
 from .wire import CorruptObject, Identity, encode_tensor, pack, unpack
 
 VOID = "void"
@@ -30,10 +30,9 @@ LOAD_WINDOW_BYTES = 64 << 20  # checkpoint shards up to this size are fetched fo
 
 
 class History:
-    def __init__(self, store: CountingStore, keys: RunKeys, n: int, pool, log: Callable[[str], None], *,
-                 lane: int = 0, lanes: int = 1):
-        self.store, self.keys, self.n, self.pool, self.log = store, keys, n, pool, log
-        self.base, self.lanes = lane * n, lanes  # this lane's shards are base..base+N-1; a checkpoint has N·L
+    def __init__(self, store: CountingStore, keys: RunKeys, shards: LaneShards, pool, log: Callable[[str], None]):
+        self.store, self.keys, self.shards, self.pool, self.log = store, keys, shards, pool, log
+        self.n = shards.n
 
     # -- low-water mark ----------------------------------------------------------------------
 
@@ -56,10 +55,10 @@ class History:
         a, b = shard_bounds(theta.numel(), self.n)[j]
         parts = encode_tensor(theta[a:b], "fp32") + encode_tensor(buf[a:b] if buf is not None else torch.zeros(b - a),
                                                                   "fp32")  # written as two buffers, never joined
-        blob = pack(Identity(self.keys.run, r, "ckpt", self.base + j, -1), parts, codec="fp32",
+        blob = pack(Identity(self.keys.run, r, "ckpt", self.shards.sid(j), -1), parts, codec="fp32",
                     numel=2 * (b - a), meta={"numel": theta.numel(), "writer_digest": digest})
         try:
-            self.store.put(self.keys.checkpoint(r, self.base + j), blob, create_only=True)
+            self.store.put(self.keys.checkpoint(r, self.shards.sid(j)), blob, create_only=True)
         except ObjectExists:
             pass
 
@@ -75,12 +74,11 @@ class History:
                 void.add(int(head[1:]))
             elif leaf.isdigit():
                 counts[int(head[1:])] = counts.get(int(head[1:]), 0) + 1
-        return sorted(r for r, c in counts.items() if c >= self.n * self.lanes and r not in void)
+        return sorted(r for r, c in counts.items() if c >= self.n * self.shards.lanes and r not in void)
 
     def present(self, r: int) -> set[int]:
         """This lane's shards of checkpoint r already in the store (one LIST)."""
-        names = self.store.list_names(self.keys.checkpoint(r))
-        return {int(x) - self.base for x in names if x.isdigit() and self.base <= int(x) < self.base + self.n}
+        return self.shards.mine(self.store.list_names(self.keys.checkpoint(r)))
 
     def void(self, rounds: list[int], why: str) -> None:
         """Mark checkpoints unusable (written from a diverged θ); create-only, idempotent."""
@@ -93,7 +91,7 @@ class History:
     def load(self, r: int, numel: int, *, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This lane's θ and momentum of checkpoint r; None if a shard vanished (GC raced us) or is corrupt."""
         bounds = shard_bounds(numel, self.n)
-        keys = [self.keys.checkpoint(r, self.base + j) for j in range(self.n)]
+        keys = [self.keys.checkpoint(r, self.shards.sid(j)) for j in range(self.n)]
         theta, buf = torch.empty(numel, pin_memory=pin), torch.empty(numel, pin_memory=pin)
         # Shards in flight are copied out and dropped as they come, so loading holds a few shards
         # beyond θ and the momentum, not the whole checkpoint twice: four small ones, or one large.
@@ -107,7 +105,7 @@ class History:
                 self.log(f"checkpoint shard {key} vanished while loading; trying the next checkpoint")
                 return None
             try:
-                got = unpack(blob, Identity(self.keys.run, r, "ckpt", self.base + j, -1), key)
+                got = unpack(blob, Identity(self.keys.run, r, "ckpt", self.shards.sid(j), -1), key)
             except CorruptObject as exc:
                 self.log(f"{exc}; voiding checkpoint {r} and trying an older one")
                 self.void([r], f"corrupt shard: {exc}")

@@ -103,6 +103,29 @@ def shard_bounds(numel: int, n: int) -> list[tuple[int, int]]:
     return bounds
 
 
+@dataclass(frozen=True)
+class LaneShards:
+    """How one lane's N shards are named in the store: lane k's shard j is k·N + j (one lane: j).
+
+    A replica of L processes syncs L lanes side by side; each lane's scatter, reduced, claim,
+    repair and checkpoint objects carry these names, so lanes never collide and a checkpoint is
+    complete with N·L shards.
+    """
+
+    lane: int
+    n: int
+    lanes: int = 1
+
+    def sid(self, j: int) -> int:
+        """Shard j of this lane as the store names it."""
+        return self.lane * self.n + j
+
+    def mine(self, names: list[str]) -> set[int]:
+        """This lane's shard indices (0..N−1) among object names."""
+        base = self.lane * self.n
+        return {int(x) - base for x in names if x.isdigit() and base <= int(x) < base + self.n}
+
+
 def reducer_of(shard: int, members: list[int]) -> int:
     """Who reduces shard j in a round: its owner if a member, else a member chosen by j."""
     return shard if shard in members else members[shard % len(members)]
