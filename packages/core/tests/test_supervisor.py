@@ -178,3 +178,39 @@ def test_a_quiet_run_keeps_its_heartbeat_fresh(cli, project, state_dir):
         assert refused.returncode == 2 and "still supervised by process" in refused.stderr
     finally:
         launcher.wait(timeout=30)
+
+
+PREEMPTED = '''
+import os, signal, time
+
+def main(ctx, preempt_attempts: int = 2):
+    """Rank 1's platform preempts it (its notice signal) on its first `preempt_attempts` attempts."""
+    if ctx.rank == 1 and ctx.attempt < preempt_attempts:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)
+    return {"rank": ctx.rank, "attempt": ctx.attempt}
+'''
+
+
+@pytest.mark.parametrize("max_preemptions", [5, 1])
+def test_a_preempted_replica_is_relaunched_without_spending_the_restart_budget(cli, project, max_preemptions):
+    """Exit 75 (the runner's answer to the platform's preemption notice) is not a failure: a budget
+    of zero code-failure restarts still lets the preempted rank come back, up to max_preemptions."""
+    (project / "preempted.py").write_text(PREEMPTED)
+    spec = write_spec(project, 'backend = "local"\nreplicas = 3\nentrypoint = "preempted:main"\n'
+                               '[env]\nDILOCO_PREEMPTION_SIGNAL = "SIGINT"\n'
+                               f'[restart]\nmonitor_interval = 0.05\nbackoff = 0.05\nmax_restarts_per_rank = 0\n'
+                               f'max_preemptions = {max_preemptions}\nmin_replicas = 2\n')
+    proc = cli("run", str(spec), check_rc=0)
+    data = _record(cli, proc.stdout.split()[1].rstrip(":"))
+    ranks = data["record"]["ranks"]
+    preempted = [e for e in data["events"] if e["event"] == "preempted"]
+    assert all(e["rank"] == 1 and "preempted: the platform sent SIGINT" in e["error"] for e in preempted)
+    assert not [e for e in data["events"] if e["event"] == "failed"]
+    assert [r["restarts"] for r in ranks] == [0, 0, 0]
+    if max_preemptions == 5:
+        assert len(preempted) == 2 and ranks[1]["preemptions"] == 2 and ranks[1]["status"] == "succeeded"
+        assert ranks[1]["result"] == {"rank": 1, "attempt": 2}
+    else:
+        assert ranks[1]["preemptions"] == 1 and ranks[1]["given_up"]
+        assert any(e["event"] == "give_up" and "max_preemptions (1) reached" in e["reason"] for e in data["events"])

@@ -18,7 +18,7 @@ from .state import RunRecord
 
 _EVENT_STYLE = {"diverged": "bold red", "training_alone": "bold red", "incident": "yellow", "failed": "red", "run_failed": "bold red", "give_up": "red", "run_succeeded": "bold green",
                 "succeeded": "green", "relaunch_scheduled": "yellow", "gang_restart": "yellow",
-                "run_cancelled": "yellow", "cancelled": "yellow", "resumed": "cyan", "detached": "cyan"}
+                "run_cancelled": "yellow", "preempted": "yellow", "cancelled": "yellow", "resumed": "cyan", "detached": "cyan"}
 
 
 def _clock(t: float) -> str:
@@ -28,7 +28,7 @@ def _clock(t: float) -> str:
 def format_event(e: dict[str, Any]) -> str:
     kind = e.get("event", "?")
     fields = {k: v for k, v in e.items() if k not in ("t", "event")}
-    if kind == "failed" and fields.get("error"):
+    if kind in ("failed", "preempted") and fields.get("error"):
         fields["error"] = cause(str(fields.pop("error")))
     if kind == "run_failed":
         fields.pop("errors", None)
@@ -73,7 +73,7 @@ def format_round(rnd: dict[str, Any]) -> str:
 
 def status_table(record: RunRecord, live: dict[int, str] | None) -> Table:
     table = Table(title=f"run {record.run_id}  [{record.data.get('state', '?')}]", title_justify="left")
-    for col in ("rank", "attempt", "status", "restarts", "last error"):
+    for col in ("rank", "attempt", "status", "restarts", "preempted", "last error"):
         table.add_column(col)
     for r in record.data.get("ranks", []):
         handle = r.get("handle") or {}
@@ -83,7 +83,8 @@ def status_table(record: RunRecord, live: dict[int, str] | None) -> Table:
             status += " (relaunch pending)"
         if r.get("given_up"):
             status += " (given up)"
-        table.add_row(str(r["rank"]), str(attempt), status, str(r.get("restarts", 0)), cause(r.get("last_error"))[:80])
+        table.add_row(str(r["rank"]), str(attempt), status, str(r.get("restarts", 0)),
+                      str(r.get("preemptions", 0)), cause(r.get("last_error"))[:80])
     return table
 
 

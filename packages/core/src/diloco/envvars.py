@@ -18,4 +18,6 @@ ENV_SETTINGS = "DILOCO_SETTINGS"
 ENV_TIMEOUT = "DILOCO_TIMEOUT"
 ENV_RESULT_PATH = "DILOCO_RESULT_PATH"
 ENV_STARTED_PATH = "DILOCO_STARTED_PATH"
+ENV_PREEMPTION_SIGNAL = "DILOCO_PREEMPTION_SIGNAL"  # set by a backend whose platform announces preemption
+# with a signal (Modal: SIGINT); the replica then exits 75 (preempted) instead of failing
 ENV_CONFIG = "DILOCO_CONFIG"  # the launcher's user config file (default: <user config dir>/config.toml)

@@ -10,6 +10,10 @@ from __future__ import annotations
 # The exit status of a replica that stopped on a `UserError` (sysexits.h EX_CONFIG): the same
 # spec would fail the same way again, so the supervisor fails the run instead of relaunching.
 EXIT_CONFIG = 78
+# The exit status of a replica the platform took away (sysexits.h EX_TEMPFAIL: try again): a
+# preempted Modal container, a reclaimed spot instance. The supervisor relaunches it without
+# spending the restart budget that code failures use (see `[restart] max_preemptions`).
+EXIT_PREEMPTED = 75
 
 
 class DilocoError(Exception):

@@ -7,7 +7,7 @@ run` and `diloco status` show the first line, and shortening keeps the head as w
 
 from __future__ import annotations
 
-from .errors import EXIT_CONFIG
+from .errors import EXIT_CONFIG, EXIT_PREEMPTED
 
 STEP_MARK = " (at global step "
 
@@ -23,6 +23,11 @@ def cause(error: str | None) -> str:
 def is_config_error(exit_code: int | None) -> bool:
     """A replica that stopped on a spec or store mistake: relaunching fails the same way."""
     return exit_code == EXIT_CONFIG
+
+
+def is_preemption(exit_code: int | None) -> bool:
+    """A replica the platform took away (exit 75): relaunch it, do not count it as a failure."""
+    return exit_code == EXIT_PREEMPTED
 
 
 def code_failure_signature(error: str | None) -> str | None:

@@ -95,6 +95,8 @@ class _Outcome:
             write_text_atomic(self.path, _result_json({
                 "rank": self.rank, "attempt": self.attempt, "status": status, "exit_code": exit_code,
                 "error": error, "result": result, "ended_at": time.time()}))
+        elif status == "succeeded" and result is not None:  # no shared disk: the result travels in the logs
+            print(f"{RESULT_PREFIX}{_result_json({'result': result})}", flush=True)
         return True
 
 
@@ -124,6 +126,20 @@ def _run_command(cmd: list[str], outcome: _Outcome) -> int:
 
 
 CAUSE_PREFIX = "diloco: replica failed: "
+RESULT_PREFIX = "diloco: replica result: "
+
+
+def result_from_log(tail: str) -> object:
+    """The entrypoint's return value a replica without a result file printed last (JSON, never pickle)."""
+    import json
+
+    for line in reversed(tail.splitlines()):
+        if line.startswith(RESULT_PREFIX):
+            try:
+                return json.loads(line[len(RESULT_PREFIX):]).get("result")
+            except (ValueError, AttributeError):
+                return None
+    return None
 USER_ERROR_PREFIX = "diloco: error: "
 
 
@@ -142,6 +158,32 @@ def lane_result_path(path: str, lane: int) -> str:
     """Where process `lane` of a multi-process replica writes its result; `diloco_replica.torchrun`
     turns the lanes' results into the replica's one result at `path`."""
     return f"{path}.lane-{lane}"
+
+
+PREEMPTED_CAUSE = "preempted: the platform sent {signal} to take the replica's machine away"
+
+
+def preemption_signal() -> signal.Signals | None:
+    """The signal this replica's platform announces a preemption with (DILOCO_PREEMPTION_SIGNAL), if any."""
+    name = os.environ.get(v.ENV_PREEMPTION_SIGNAL)
+    try:
+        return signal.Signals[name] if name else None
+    except KeyError:
+        return None
+
+
+def _exit_on_preemption(sig: signal.Signals, outcome: _Outcome) -> None:
+    """Turn the platform's preemption notice into exit 75 with a cause that says so, so the
+    supervisor relaunches the replica without counting a failure."""
+    from .errors import EXIT_PREEMPTED
+
+    def handler(*_: object) -> None:
+        cause = PREEMPTED_CAUSE.format(signal=sig.name)
+        if outcome.write("failed", EXIT_PREEMPTED, cause):
+            print(f"{CAUSE_PREFIX}{cause}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_PREEMPTED)
+
+    signal.signal(sig, handler)
 
 
 def _die_with_parent() -> None:
@@ -170,6 +212,9 @@ def main() -> int:
         _start_watchdog(timeout, outcome)
     # SIGTERM (cancel) becomes a clean exit so `finally` blocks in user code run.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    preempt = preemption_signal()
+    if preempt is not None and ctx.lanes <= 1:  # with several processes torchrun receives it
+        _exit_on_preemption(preempt, outcome)
     started = os.environ.get(v.ENV_STARTED_PATH)
     if started and ctx.lane == 0:
         write_text_atomic(started, f'{{"pid": {os.getpid()}, "started_at": {time.time()!r}}}')

@@ -139,6 +139,8 @@ RESTART = {
     "backoff_max": Field("float", default=60.0, min=0),
     "min_replicas": Field("int", min=1, help="ranks that must stay alive and succeed (default: all)"),
     "monitor_interval": Field("float", default=1.0, min=0.01),
+    "max_preemptions": Field("int", default=50, min=0,
+                             help="relaunches after the platform took a replica's machine away (exit 75)"),
     "fail_fast_seconds": Field("float", default=900.0, min=0,
                                help="the same error at the same step on every rank this soon after start: stop"),
 }

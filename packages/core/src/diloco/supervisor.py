@@ -23,6 +23,12 @@ store mistake (exit 78, `diloco.errors.EXIT_CONFIG`), and the same exception at 
 step on every rank, each within ``fail_fast_seconds`` of its start. Signals, OOM kills,
 preemptions and lost nodes are always relaunched.
 
+A preempted replica (exit 75, `diloco.errors.EXIT_PREEMPTED`: the platform took its machine
+away) is not a failure of the run's code: it becomes a ``preempted`` event and is relaunched
+per the policy without spending ``max_restarts`` or ``max_restarts_per_rank``; preemptions have
+their own run-wide budget, ``max_preemptions``, so a platform that keeps taking machines away
+cannot bill forever.
+
 Each completed round's summary (`diloco.metrics.RoundSummary`, from the store) becomes a
 ``round`` event; a summary whose replicas disagree on θ becomes ``diverged``, a corrupt object a
 replica met becomes ``incident``, and a run whose rounds all had a single member although it has
@@ -42,7 +48,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from .failures import code_failure_signature, is_config_error, shorten
+from .failures import code_failure_signature, is_config_error, is_preemption, shorten
 from .protocol import ReplicaHandle, ReplicaResult, ReplicaStatus, ServerlessExecutor
 from .state import RunRecord, process_start_ticks
 
@@ -89,13 +95,16 @@ class RankState:
     launched_at: float | None = None     # when the current attempt was launched
     failure_signature: str | None = None  # the latest failure's cause, if training code raised it
     failed_soon: bool = False            # whether that failure came within fail_fast_seconds of launch
+    preemptions: int = 0                 # times the platform took this rank's machine away
+    preempted: bool = False              # the scheduled relaunch replaces a preempted attempt
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "handle": self.handle.to_dict() if self.handle else None,
                 "status": self.status, "restarts": self.restarts, "given_up": self.given_up,
                 "relaunch_at": self.relaunch_at, "last_error": self.last_error, "result": self.result,
                 "history": self.history, "launched_at": self.launched_at,
-                "failure_signature": self.failure_signature, "failed_soon": self.failed_soon}
+                "failure_signature": self.failure_signature, "failed_soon": self.failed_soon,
+                "preemptions": self.preemptions, "preempted": self.preempted}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RankState:
@@ -105,7 +114,8 @@ class RankState:
                    relaunch_at=data.get("relaunch_at"), last_error=data.get("last_error"),
                    result=data.get("result"), history=list(data.get("history", [])),
                    launched_at=data.get("launched_at"), failure_signature=data.get("failure_signature"),
-                   failed_soon=data.get("failed_soon", False))
+                   failed_soon=data.get("failed_soon", False), preemptions=data.get("preemptions", 0),
+                   preempted=data.get("preempted", False))
 
 
 @dataclass
@@ -146,6 +156,7 @@ class Supervisor:
         self.min_replicas = int(restart.get("min_replicas") or launch.n_replicas)
         self.interval = float(restart.get("monitor_interval", 1.0))
         self.fail_fast_seconds = float(restart.get("fail_fast_seconds", 900.0))
+        self.max_preemptions = int(restart.get("max_preemptions", 50))
         self.secret_env = dict(secret_env or {})
         self.on_tick = on_tick
         self.clock = clock
@@ -153,6 +164,7 @@ class Supervisor:
         self.ranks = ([RankState.from_dict(r) for r in saved] if saved
                       else [RankState(r) for r in range(launch.n_replicas)])
         self.restarts_used = int(record.data.get("restarts_used", 0))
+        self.preemptions_used = int(record.data.get("preemptions_used", 0))
         self.state = GroupState(record.data.get("state", GroupState.INIT.value))
         self.last_round = int(record.data.get("last_round", 0))
         self.health: dict[str, Any] = dict(record.data.get("health") or {})
@@ -165,7 +177,7 @@ class Supervisor:
     def save(self) -> None:
         self.record.data.update({
             "state": self.state.value, "ranks": [r.to_dict() for r in self.ranks],
-            "restarts_used": self.restarts_used, "policy": self.policy, "last_round": self.last_round,
+            "restarts_used": self.restarts_used, "preemptions_used": self.preemptions_used, "policy": self.policy, "last_round": self.last_round,
             "health": self.health,
             "launcher": {"pid": os.getpid(), "host": socket.gethostname(), "heartbeat": self.clock(),
                          "start_ticks": process_start_ticks(os.getpid())},
@@ -293,6 +305,12 @@ class Supervisor:
             elif status is ReplicaStatus.FAILED:
                 res = self._rank_result(st)
                 st.last_error = res.error
+                if is_preemption(res.exit_code):
+                    self._preempted(st, now)
+                    if self.policy == "gang" and st.relaunch_at is not None:
+                        self._gang_restart(now, failed=st, preempted=True)
+                        break
+                    continue
                 st.failure_signature = code_failure_signature(res.error)
                 st.failed_soon = st.launched_at is None or now - st.launched_at <= self.fail_fast_seconds
                 self._event("failed", rank=st.rank, attempt=st.handle.attempt, error=shorten(st.last_error))
@@ -313,6 +331,9 @@ class Supervisor:
         due = [st for st in self.ranks if st.relaunch_at is not None and st.relaunch_at <= now]
         if due:
             for st in due:
+                if st.preempted:  # a preemption's relaunch is paid from max_preemptions, already counted
+                    st.preempted = False
+                    continue
                 st.restarts += 1
                 if self.policy != "gang":
                     self.restarts_used += 1
@@ -338,6 +359,23 @@ class Supervisor:
             self.save()
         return self.state
 
+    def _preempted(self, st: RankState, now: float) -> None:
+        """The platform took the rank's machine away: relaunch without spending the failure budgets."""
+        self._event("preempted", rank=st.rank, attempt=st.handle.attempt, error=shorten(st.last_error))
+        if self.policy == "never" or self.preemptions_used >= self.max_preemptions:
+            st.given_up = True
+            self._event("give_up", rank=st.rank, restarts=st.restarts, reason=(
+                "restart policy is never" if self.policy == "never" else
+                f"max_preemptions ({self.max_preemptions}) reached"))
+            return
+        self.preemptions_used += 1
+        st.preemptions += 1
+        st.preempted = True
+        delay = min(self.backoff, self.backoff_max)
+        st.relaunch_at = now + delay
+        self._event("relaunch_scheduled", rank=st.rank, delay=round(delay, 3), attempt=st.handle.attempt + 1,
+                    reason="preempted")
+
     def _same_code_failure_everywhere(self) -> str | None:
         """The shared cause if every rank's latest failure is the same exception at the same step, soon after start."""
         sigs = {st.failure_signature if st.failed_soon else None for st in self.ranks}
@@ -345,8 +383,8 @@ class Supervisor:
             return sigs.pop()
         return None
 
-    def _gang_restart(self, now: float, failed: RankState) -> None:
-        if self.restarts_used >= self.max_restarts:
+    def _gang_restart(self, now: float, failed: RankState, *, preempted: bool = False) -> None:
+        if not preempted and self.restarts_used >= self.max_restarts:
             for st in self.ranks:
                 st.given_up = st.given_up or st.status == "failed"
             self._event("give_up", rank=failed.rank, restarts=self.restarts_used, reason="gang restart budget spent")
@@ -356,8 +394,9 @@ class Supervisor:
         self._stop_all()
         delay = min(self.backoff * (2 ** self.restarts_used), self.backoff_max)
         for st in self.ranks:
-            st.status, st.relaunch_at = "failed", now + delay
-        self.restarts_used += 1  # a gang restart costs the run one restart, not one per rank
+            st.status, st.relaunch_at, st.preempted = "failed", now + delay, preempted
+        if not preempted:
+            self.restarts_used += 1  # a gang restart costs the run one restart, not one per rank
 
     def _stop_all(self) -> None:
         for st in self.ranks:

@@ -21,7 +21,8 @@ import signal
 import sys
 
 from diloco import envvars
-from diloco.runner import lane_result_path, write_text_atomic
+from diloco.errors import EXIT_PREEMPTED
+from diloco.runner import CAUSE_PREFIX, PREEMPTED_CAUSE, lane_result_path, preemption_signal, write_text_atomic
 
 
 def _read(path: str) -> dict | None:
@@ -85,8 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     except ChildFailedError as exc:
         global_rank, failure = exc.get_first_failure()
         return finish(result_path, lanes, failure.local_rank, failure.exitcode, rank=rank, attempt=attempt)
-    except SignalException as exc:  # SIGTERM/SIGINT: cancelled; torchrun has stopped the processes
-        return 128 + int(exc.sigval)
+    except SignalException as exc:  # torchrun has stopped the processes
+        if exc.sigval == preemption_signal():  # the platform's preemption notice, not a cancel
+            cause = PREEMPTED_CAUSE.format(signal=exc.sigval.name)
+            print(f"{CAUSE_PREFIX}{cause}", file=sys.stderr, flush=True)
+            if result_path:
+                write_text_atomic(result_path, json.dumps({"rank": rank, "attempt": attempt, "status": "failed",
+                                                           "exit_code": EXIT_PREEMPTED, "error": cause}))
+            return EXIT_PREEMPTED
+        return 128 + int(exc.sigval)  # SIGTERM/SIGINT: cancelled
     return finish(result_path, lanes, None, 0, rank=rank, attempt=attempt)
 
 

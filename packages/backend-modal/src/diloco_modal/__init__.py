@@ -1,0 +1,19 @@
+"""diloco's Modal backend: `backend = "modal"` in a spec, or `ModalExecutor` from Python.
+
+Importing this package does not import modal (the SDK loads on first use), so `diloco backends`
+stays fast and works where modal is not configured.
+"""
+
+from __future__ import annotations
+
+from .replica import run_replica
+
+__all__ = ["ModalExecutor", "run_replica"]
+
+
+def __getattr__(name: str):
+    if name == "ModalExecutor":
+        from .executor import ModalExecutor
+
+        return ModalExecutor
+    raise AttributeError(name)

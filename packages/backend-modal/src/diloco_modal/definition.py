@@ -1,0 +1,164 @@
+"""What a spec-built replica is on Modal, as plain data first and modal objects second.
+
+`SandboxOptions` holds the [backend] table's settings; `image_definition` and
+`sandbox_request` turn them (with the launch arguments) into JSON-able dicts, which is what
+`diloco dryrun` prints and what the tests check; `build_image` / `build_mounts` turn those
+dicts into modal objects only when launching. Nothing here talks to Modal's servers.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from diloco.errors import UserError
+from diloco.launchenv import REDACTED
+
+CODE_DIR = "/root/diloco-workdir"  # where the spec's workdir lands inside every container
+MAX_TIMEOUT = 24 * 3600  # Modal's longest sandbox lifetime
+MAX_GPUS = 8
+# Modal's GPU names (https://modal.com/docs/guide/gpu); `[backend] gpu_types` adds newer ones.
+GPU_TYPES = ("T4", "L4", "A10", "A10G", "L40S", "A100", "A100-40GB", "A100-80GB", "H100", "H100!", "H200",
+             "B200", "B200+")
+# Ignored when the workdir is shipped: never upload a virtualenv, git history or caches.
+WORKDIR_IGNORE = [".git", ".venv", "venv", "__pycache__", "*.pyc", ".mypy_cache", ".pytest_cache", "node_modules"]
+CANCEL_TAG = "diloco-cancelled"
+
+
+@dataclass
+class SandboxOptions:
+    app_name: str = "diloco"
+    environment: str | None = None
+    image: str | None = None
+    python_version: str | None = None
+    pip: list[str] = field(default_factory=list)
+    requirements: str | None = None
+    include_workdir: bool = True
+    secrets: list[str] = field(default_factory=list)
+    volumes: dict[str, str] = field(default_factory=dict)
+    bucket_mounts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    cpu: float | None = None
+    memory: int | None = None
+    region: str | list[str] | None = None
+    cloud: str | None = None
+    gpu_types: list[str] = field(default_factory=list)
+
+
+def modal_gpu(gpu: str | None, extra_types: list[str] | tuple[str, ...] = ()) -> str | None:
+    """The spec's logical GPU ("H100:8", "a10g") as Modal spells it, or a one-line error."""
+    if not gpu:
+        return None
+    name, _, count = gpu.partition(":")
+    known = {t.upper(): t for t in (*GPU_TYPES, *extra_types)}
+    kind = known.get(name.strip().upper())
+    if kind is None:
+        raise UserError(f"unknown GPU type {name!r} for Modal; use one of {', '.join(GPU_TYPES)} "
+                        f"(or add it to [backend] gpu_types if Modal has added it since)")
+    if count:
+        if not count.strip().isdigit() or not 1 <= int(count) <= MAX_GPUS:
+            raise UserError(f"GPU count in {gpu!r} must be a whole number from 1 to {MAX_GPUS} (Modal's largest "
+                            f"container has {MAX_GPUS} GPUs)")
+        return f"{kind}:{int(count)}"
+    return kind
+
+
+def modal_timeout(timeout: float) -> int:
+    if timeout > MAX_TIMEOUT:
+        raise UserError(f"timeout {timeout:g}s exceeds Modal's longest sandbox lifetime ({MAX_TIMEOUT}s = 24 h); "
+                        f"lower `timeout`: a replica that ends is relaunched and rejoins from the store")
+    return max(int(timeout), 1)
+
+
+def _pinned(dist: str) -> str:
+    """`dist==<installed version>` so containers run what the launcher runs; unpinned if absent here."""
+    try:
+        return f"{dist}=={metadata.version(dist)}"
+    except metadata.PackageNotFoundError:
+        return dist
+
+
+def image_definition(opts: SandboxOptions, workdir: str | None) -> dict[str, Any]:
+    """The container image, as data: a registry image (which must hold diloco-replica), or
+    debian_slim with diloco and the user's packages; then the workdir's code at CODE_DIR."""
+    if opts.image:
+        base: dict[str, Any] = {"registry": opts.image}
+        pip = list(opts.pip)
+    else:
+        version = opts.python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
+        base = {"debian_slim": {"python_version": version}}
+        pip = [_pinned("diloco-core"), _pinned("diloco-replica"), *opts.pip]
+    out: dict[str, Any] = {"base": base, "pip": pip}
+    if opts.requirements:
+        path = (Path(workdir or ".") / opts.requirements).resolve()
+        if not path.is_file():
+            raise UserError(f"[backend] requirements {opts.requirements!r}: no such file {str(path)!r}")
+        out["requirements"] = str(path)
+    if opts.include_workdir and workdir:
+        out["workdir"] = {"local": str(Path(workdir).resolve()), "remote": CODE_DIR, "ignore": WORKDIR_IGNORE}
+    return out
+
+
+def sandbox_request(*, opts: SandboxOptions, command: list[str], name: str, tags: dict[str, str],
+                    gpu: str | None, timeout: float, env: dict[str, str], secret_names: list[str],
+                    workdir_shipped: bool) -> dict[str, Any]:
+    """The keyword arguments of one `modal.Sandbox.create` call, as data (secret values left out:
+    `secret_names` lists the forwarded ones, which travel as one `Secret.from_dict`)."""
+    req: dict[str, Any] = {
+        "command": command, "name": name, "tags": tags, "gpu": modal_gpu(gpu, opts.gpu_types),
+        "timeout": modal_timeout(timeout), "env": env,
+        "secrets": {"forwarded": {k: REDACTED for k in secret_names}, "named": list(opts.secrets)},
+        "volumes": dict(opts.volumes), "bucket_mounts": {k: dict(v) for k, v in opts.bucket_mounts.items()},
+    }
+    if workdir_shipped:
+        req["workdir"] = CODE_DIR
+    for key in ("cpu", "memory", "region", "cloud"):
+        if getattr(opts, key) is not None:
+            req[key] = getattr(opts, key)
+    return req
+
+
+def sandbox_name(run_id: str, rank: int, attempt: int) -> str:
+    """Unique within the app, one per rank and attempt; Modal allows 64 characters."""
+    suffix = f"-r{rank}-a{attempt}"
+    return run_id[: 64 - len(suffix)].rstrip("-.") + suffix
+
+
+# -- modal objects (only when launching) -------------------------------------------------------
+
+
+def build_image(modal: Any, definition: dict[str, Any]) -> Any:
+    base = definition["base"]
+    if "registry" in base:
+        image = modal.Image.from_registry(base["registry"])
+    else:
+        image = modal.Image.debian_slim(python_version=base["debian_slim"]["python_version"])
+    if definition.get("pip"):
+        image = image.pip_install(*definition["pip"])
+    if definition.get("requirements"):
+        image = image.pip_install_from_requirements(definition["requirements"])
+    shipped = definition.get("workdir")
+    if shipped:  # last: Modal adds local files at container start, after every build step
+        image = image.add_local_dir(shipped["local"], shipped["remote"], ignore=shipped["ignore"])
+    return image
+
+
+def build_mounts(modal: Any, request: dict[str, Any], environment: str | None) -> dict[str, Any]:
+    mounts: dict[str, Any] = {}
+    for path, volume in request["volumes"].items():
+        mounts[path] = modal.Volume.from_name(volume, environment_name=environment)
+    for path, spec in request["bucket_mounts"].items():
+        spec = dict(spec)
+        secret = spec.pop("secret", None)
+        bucket = spec.pop("bucket", None)
+        if not bucket:
+            raise UserError(f"[backend] bucket_mounts.{path!r} needs `bucket`")
+        if secret:
+            spec["secret"] = modal.Secret.from_name(secret, environment_name=environment)
+        try:
+            mounts[path] = modal.CloudBucketMount(bucket, **spec)
+        except TypeError as exc:
+            raise UserError(f"[backend] bucket_mounts.{path!r}: {exc}") from None
+    return mounts

@@ -1,0 +1,55 @@
+"""The core conformance kit, against both modes of the Modal backend through the Modal double."""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco.testing import ExecutorConformance
+from diloco_modal.executor import ModalExecutor
+
+
+class TestSandboxModeConformance(ExecutorConformance):
+    wait_timeout = 90.0
+
+    @pytest.fixture(autouse=True)
+    def _cloud(self, fake_modal):
+        self.fake = fake_modal
+
+    def make_executor(self):
+        return ModalExecutor(app_name="diloco-conformance")
+
+
+class TestFunctionModeConformance(ExecutorConformance):
+    wait_timeout = 90.0
+
+    @pytest.fixture(autouse=True)
+    def _cloud(self, fake_modal, tmp_path, monkeypatch):
+        import sys
+
+        app_dir = tmp_path / "app"
+        app_dir.mkdir()
+        (app_dir / "replica_app.py").write_text(FUNCTION_APP)
+        fake_modal.config["pythonpath"] = [str(app_dir)]
+        from diloco_modal.testing import _write_json
+
+        _write_json(fake_modal.root / "config.json", fake_modal.config)
+        monkeypatch.syspath_prepend(str(app_dir))
+        sys.modules.pop("replica_app", None)
+        self.app_dir = app_dir
+
+    def make_executor(self):
+        return ModalExecutor(function="replica_app:replica", deploy=True, workdir=str(self.app_dir))
+
+
+FUNCTION_APP = '''
+import modal
+
+import diloco_modal
+
+app = modal.App("diloco-conformance-fn")
+
+
+@app.function(timeout=600)
+def replica(rank: int, **launch):
+    return diloco_modal.run_replica(rank, **launch)
+'''

@@ -1,0 +1,122 @@
+"""What a spec becomes on Modal (dry runs: no cloud, no token) and the one-line errors around it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from diloco.errors import UserError
+from diloco_modal.definition import CODE_DIR, build_image, build_mounts, modal_gpu
+from diloco_modal.executor import ModalExecutor
+
+EP = "diloco.testing.entrypoints:report"
+
+
+def spec_file(tmp_path, backend: str = "", top: str = "") -> str:
+    (tmp_path / "train.py").write_text("def main():\n    return 1\n")
+    (tmp_path / "requirements.txt").write_text("transformers\n")
+    path = tmp_path / "diloco.toml"
+    path.write_text(f'replicas = 2\nentrypoint = "train:main"\nrendezvous = "s3://bucket/runs"\n{top}'
+                    f'secrets = ["HF_TOKEN"]\n[backend]\nname = "modal"\n{backend}')
+    return str(path)
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_TOKEN": "hf_secret_value_123", **(env or {})})
+
+
+def test_dryrun_shows_the_whole_sandbox_definition_without_secrets(tmp_path):
+    proc = cli("dryrun", spec_file(tmp_path, 'requirements = "requirements.txt"\npip = ["datasets"]\n'
+                                             'volumes = {"/data" = "corpus"}\nregion = "us-east"\n'
+                                             'bucket_mounts = {"/ckpt" = {bucket = "ckpts", secret = "aws"}}\n',
+                                   top='gpu = "h100:8"\n'))
+    assert proc.returncode == 0, proc.stderr
+    assert "hf_secret_value_123" not in proc.stdout
+    plan = json.loads(proc.stdout)
+    image = plan["image"]
+    assert image["base"]["debian_slim"]["python_version"] == f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert any(p.startswith("diloco-replica") for p in image["pip"]) and "datasets" in image["pip"]
+    assert image["requirements"].endswith("requirements.txt")
+    assert image["workdir"] == {"local": str(tmp_path.resolve()), "remote": CODE_DIR,
+                                "ignore": image["workdir"]["ignore"]} and ".venv" in image["workdir"]["ignore"]
+    sb = plan["sandboxes"][1]
+    assert sb["gpu"] == "H100:8" and sb["region"] == "us-east" and sb["workdir"] == CODE_DIR
+    assert sb["command"][:3] == ["python", "-m", "diloco_replica.torchrun"] and "8" in sb["command"]  # 8 GPUs, 8 processes
+    assert sb["tags"] == {"diloco-run": sb["tags"]["diloco-run"], "diloco-rank": "1", "diloco-attempt": "0"}
+    assert sb["name"].endswith("-r1-a0") and len(sb["name"]) <= 64
+    env = sb["env"]
+    assert env["REPLICA_RANK"] == "1" and env["DILOCO_REPLICAS"] == "2" and "WORLD_SIZE" not in env
+    assert env["DILOCO_PREEMPTION_SIGNAL"] == "SIGINT" and env["PYTHONPATH"] == CODE_DIR
+    assert sb["secrets"] == {"forwarded": {"HF_TOKEN": "REDACTED"}, "named": []}
+    assert sb["volumes"] == {"/data": "corpus"} and sb["bucket_mounts"]["/ckpt"]["bucket"] == "ckpts"
+
+
+@pytest.mark.parametrize("top,backend,message", [
+    ('gpu = "Z100"\n', "", "unknown GPU type 'Z100' for Modal; use one of T4,"),
+    ('gpu = "H100:16"\n', "", "GPU count in 'H100:16' must be a whole number from 1 to 8"),
+    ("timeout = 100000\n", "", "timeout 100000s exceeds Modal's longest sandbox lifetime"),
+    ("", 'requirements = "missing.txt"\n', "[backend] requirements 'missing.txt': no such file"),
+    ("", 'function = "train:main"\n', "`secrets`"),
+    ("", 'colour = "blue"\n', "unknown key `backend.colour` for backend 'modal'"),
+])
+def test_bad_input_is_one_line(tmp_path, top, backend, message):
+    path = spec_file(tmp_path, backend, top=top)
+    if "function" in backend:  # function mode with a spec gpu: the decorator owns the GPU
+        text = open(path).read().replace('secrets = ["HF_TOKEN"]\n', 'gpu = "A100"\n')
+        open(path, "w").write(text)
+        message = "function mode: the GPU is set by your @app.function(gpu=...)"
+    proc = cli("dryrun", path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("uri", ["file:///tmp/store", "memory://store"])
+def test_a_rendezvous_modal_containers_cannot_see_is_refused(tmp_path, uri):
+    path = spec_file(tmp_path)
+    text = open(path).read().replace("s3://bucket/runs", uri)
+    open(path, "w").write(text)
+    proc = cli("dryrun", path)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "modal" in proc.stderr and "s3://" in proc.stderr
+
+
+def test_gpu_names_follow_modal():
+    assert modal_gpu("a10g:4") == "A10G:4" and modal_gpu("H100!") == "H100!" and modal_gpu(None) is None
+    assert modal_gpu("MI300X", ["MI300X"]) == "MI300X"
+    with pytest.raises(UserError):
+        modal_gpu("H100:0")
+
+
+def test_the_definition_builds_real_modal_objects_without_a_token(tmp_path, monkeypatch):
+    import modal
+
+    monkeypatch.delenv("MODAL_TOKEN_ID", raising=False)
+    plan = ModalExecutor(workdir=str(tmp_path), volumes={"/data": "corpus"},
+                         bucket_mounts={"/b": {"bucket": "ckpts", "read_only": True}}).dryrun(2, EP, run_id="r1").request
+    image = build_image(modal, plan["image"])
+    mounts = build_mounts(modal, plan["sandboxes"][0], None)
+    assert isinstance(image, modal.Image)
+    assert isinstance(mounts["/data"], modal.Volume) and isinstance(mounts["/b"], modal.CloudBucketMount)
+    registry = ModalExecutor(image="ghcr.io/me/train:1").dryrun(1, EP, run_id="r1").request["image"]
+    assert registry["base"] == {"registry": "ghcr.io/me/train:1"} and registry["pip"] == []
+    assert isinstance(build_image(modal, registry), modal.Image)
+
+
+def test_listing_backends_does_not_import_modal():
+    code = ("import sys; from diloco.plugins import backends; names = list(backends()); "
+            "print('modal' in names, 'modal' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr
+
+
+@pytest.mark.skipif(not os.environ.get("DILOCO_ISOLATED_ENV"), reason="needs the isolated modal environment")
+@pytest.mark.parametrize("module", ["torch", "numpy", "diloco_replica", "kubernetes"])
+def test_installing_core_and_this_backend_pulls_no_torch(module):
+    import importlib.util
+
+    assert importlib.util.find_spec(module) is None

@@ -1,0 +1,83 @@
+"""Function mode: your own `@app.function`, spawned once per replica (through the Modal double)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from diloco.errors import UserError
+from diloco_modal.executor import ModalExecutor
+
+EP = "diloco.testing.entrypoints:report"
+APP = '''
+import modal
+
+import diloco_modal
+
+app = modal.App("{name}")
+
+
+@app.function(timeout=600, secrets=[modal.Secret.from_name("hf")])
+def replica(rank: int, **launch):
+    return diloco_modal.run_replica(rank, **launch)
+
+
+def not_a_function():
+    pass
+'''
+
+
+@pytest.fixture
+def app_module(fake_modal, tmp_path, monkeypatch):
+    from diloco_modal.testing import _write_json
+
+    name = f"fn_app_{tmp_path.name[-8:].replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(APP.format(name=name))
+    fake_modal.config["pythonpath"] = [str(tmp_path)]
+    _write_json(fake_modal.root / "config.json", fake_modal.config)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_a_function_whose_app_is_not_deployed_is_one_clear_error(fake_modal, app_module):
+    executor = ModalExecutor(function=f"{app_module}:replica")
+    with pytest.raises(UserError, match=r"is not deployed \(its app is not running\): run `modal deploy`"):
+        executor.launch_replicas(2, EP, run_id="r1")
+    assert fake_modal.objects() == []
+
+
+def test_the_functions_own_secrets_reach_the_replica_and_spawns_carry_the_rank(fake_modal, app_module):
+    fake_modal.add_secret("hf", {"HF_TOKEN": "hf_from_a_modal_secret"})
+    executor = ModalExecutor(function=f"{app_module}:replica", deploy=True)
+    handles = executor.launch_replicas(2, "os:getenv", {"key": "HF_TOKEN"}, run_id="r1")
+    results = executor.collect(handles, timeout=60)
+    assert [r.status for r in results] == ["succeeded", "succeeded"]
+    assert [r.result for r in results] == ["hf_from_a_modal_secret"] * 2  # read back as JSON from the logs
+    by_name = ModalExecutor(function=f"{app_module}/replica")  # a deployed function, found by name
+    (again,) = by_name.launch_replicas(2, EP, run_id="r2", ranks=[1], attempt=3)
+    (res,) = by_name.collect([again], timeout=60)
+    assert res.result["rank"] == 1 and res.result["attempt"] == 3
+
+
+def test_not_a_modal_function_is_refused(fake_modal, app_module):
+    with pytest.raises(UserError, match="is a function, not a Modal function: decorate it"):
+        ModalExecutor(function=f"{app_module}:not_a_function").launch_replicas(1, EP, run_id="r1")
+
+
+def test_a_preempted_call_is_restarted_by_modal_on_the_same_input(fake_modal, app_module):
+    """Modal retries a preempted function input itself: the call goes on, the replica restarts."""
+    import time
+
+    executor = ModalExecutor(function=f"{app_module}:replica", deploy=True)
+    fake_modal.add_secret("hf", {})
+    (handle,) = executor.launch_replicas(1, "diloco.testing.entrypoints:sleep", {"seconds": 3}, run_id="r1")
+    deadline = time.monotonic() + 30
+    while executor.poll(handle) != "running" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    assert fake_modal.preempt(handle.metadata["id"])
+    (result,) = executor.collect([handle], timeout=60)
+    assert result.status == "succeeded"
+    assert "input restarted" in executor.stream_logs(handle)

@@ -1,0 +1,177 @@
+"""The tiny-LM DiLoCo main job through `backend = "modal"`, end to end without Modal's cloud.
+
+The real modal SDK defines the app, image and secrets; the calls that need Modal's cloud go
+through the double in diloco_modal.testing (each sandbox a detached local process that sees
+only what a Modal container would). Every CLI call is another process (`python -m
+diloco_modal.testing ...` is the diloco CLI with the double installed), so durable handles are
+exercised for real. Remote means remote: replicas meet in an s3:// rendezvous on a moto server;
+AWS credentials reach them only as the spec's forwarded secrets (a Modal secret).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, on_s3, tiny_spec
+
+pytest.importorskip("diloco_modal")
+
+TOKEN = {"MODAL_TOKEN_ID": "ak-test", "MODAL_TOKEN_SECRET": "as-test"}
+
+
+@pytest.fixture
+def cloud(tmp_path):
+    from diloco_modal.definition import CODE_DIR
+    from diloco_modal.testing import FakeModal
+
+    fake = FakeModal(tmp_path / "modal-cloud", image_paths={CODE_DIR: str(ROOT / "examples" / "tiny-lm")},
+                     grace_seconds=3.0)
+    yield fake
+    deadline = time.monotonic() + 15
+    while fake.live_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    leftover = fake.live_processes()
+    with fake:  # terminate anything a failed test left, then report it
+        pass
+    assert not leftover, f"processes still running in Modal containers: {leftover}"
+
+
+def modal_spec(tmp_path, s3, **kw):
+    spec = on_s3(tiny_spec(tmp_path, **kw), s3)
+    text = spec.read_text().replace('backend = "local"\n', "")
+    text = text.replace("round_timeout = 120", "round_timeout = 10\ncheckpoint_every = 2")
+    text += '\n[backend]\nname = "modal"\napp_name = "tiny-lm"\n'
+    spec.write_text(text)
+    return spec
+
+
+def cli_env(cloud, state, token=True):
+    from diloco_modal.testing import ROOT_ENV
+
+    env = {**os.environ, "DILOCO_STATE_DIR": str(state), ROOT_ENV: str(cloud.root)}
+    if token:
+        env.update(TOKEN)
+    else:
+        for k in TOKEN:
+            env.pop(k, None)
+        env["MODAL_CONFIG_PATH"] = str(state / "no-modal.toml")
+    return env
+
+
+def modal_cli(cloud, state, *args, timeout=600, token=True):
+    return subprocess.run([sys.executable, "-m", "diloco_modal.testing", *args], capture_output=True, text=True,
+                          timeout=timeout, env=cli_env(cloud, state, token))
+
+
+def start(cloud, state, *args):
+    proc = subprocess.Popen([sys.executable, "-m", "diloco_modal.testing", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=cli_env(cloud, state))
+    return proc, proc.stdout.readline().split()[1].rstrip(":")
+
+
+def record_of(state, run_id):
+    return json.loads((state / "runs" / run_id / "run.json").read_text())
+
+
+def events_of(state, run_id):
+    path = state / "runs" / run_id / "events.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def wait_for_round(state, run_id, n, timeout=300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(e.get("event") == "round" and e["round"] >= n for e in events_of(state, run_id)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"round {n} never completed: {events_of(state, run_id)[-5:]}")
+
+
+def one_global_model(record):
+    """Every rank succeeded and holds the same global θ (the CRC the entrypoint returns, read back
+    from each sandbox's logs: the result travels as JSON, nothing is unpickled)."""
+    ranks = record["ranks"]
+    assert all(r["status"] == "succeeded" for r in ranks), [(r["rank"], r["status"], r["last_error"]) for r in ranks]
+    crcs = {r["result"]["theta_crc32"] for r in ranks}
+    assert len(crcs) == 1, f"replicas disagree on the global model: {crcs}"
+
+
+def test_tiny_lm_through_modal_survives_a_kill_and_a_preemption(tmp_path, cloud, s3):
+    state = tmp_path / "state"
+    spec = modal_spec(tmp_path, s3, steps=200, sync_every=25, restart="backoff = 0.2\nmax_restarts_per_rank = 3")
+    dry = modal_cli(cloud, state, "dryrun", str(spec))
+    assert dry.returncode == 0, dry.stderr
+    plan = json.loads(dry.stdout[dry.stdout.index("{"):])
+    assert plan["mode"] == "sandbox" and len(plan["sandboxes"]) == 4
+    assert "testing" not in dry.stdout.replace("diloco_modal.testing", "")  # moto's credentials never shown
+    assert plan["sandboxes"][0]["secrets"]["forwarded"] == {"AWS_ACCESS_KEY_ID": "REDACTED",
+                                                             "AWS_SECRET_ACCESS_KEY": "REDACTED"}
+    launcher, run_id = start(cloud, state, "run", str(spec))
+    wait_for_round(state, run_id, 2)
+    ids = {r["rank"]: r["handle"]["metadata"]["id"] for r in record_of(state, run_id)["ranks"]}
+    assert cloud.kill(ids[2], signal.SIGKILL)  # a crashed container
+    assert cloud.preempt(ids[1])  # Modal takes a GPU sandbox's machine away
+    out, _ = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, out
+    record = record_of(state, run_id)
+    one_global_model(record)
+    ranks = record["ranks"]
+    assert ranks[2]["restarts"] == 1 and ranks[2]["handle"]["metadata"]["attempt"] == 1
+    assert ranks[1]["restarts"] == 0 and ranks[1]["preemptions"] == 1  # not a failure: no budget spent
+    kinds = [(e["event"], e.get("rank")) for e in events_of(state, run_id)]
+    assert ("preempted", 1) in kinds and ("failed", 2) in kinds and ("failed", 1) not in kinds
+    preempted = next(e for e in events_of(state, run_id) if e["event"] == "preempted")
+    assert "preempted: the platform sent SIGINT" in preempted["error"]
+    for rank in (1, 2):  # the relaunched replicas rejoined from the store, not from scratch
+        logs = modal_cli(cloud, state, "logs", run_id, "--rank", str(rank), "--attempt", "1").stdout
+        joined = [line for line in logs.splitlines() if "joined at round" in line]
+        assert joined and int(joined[0].split("joined at round ")[1].split()[0]) >= 2, logs[-2000:]
+    keys = [o["Key"] for o in s3["client"].list_objects_v2(Bucket=s3["bucket"], Prefix=f"runs/{run_id}/")["Contents"]]
+    assert any("/reduced/" in k for k in keys)  # they met in S3
+
+
+def test_a_killed_launcher_is_resumed_from_another_process(tmp_path, cloud, s3):
+    state = tmp_path / "state"
+    spec = modal_spec(tmp_path, s3, steps=150, sync_every=25)
+    launcher, run_id = start(cloud, state, "run", str(spec))
+    wait_for_round(state, run_id, 1)
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    status = modal_cli(cloud, state, "status", run_id, "--json")  # another shell, through the durable ids
+    assert status.returncode == 0, status.stderr
+    assert set(json.loads(status.stdout)["live"].values()) <= {"running", "succeeded"}
+    resumed = modal_cli(cloud, state, "resume", run_id)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    record = record_of(state, run_id)
+    one_global_model(record)
+    assert all(r["restarts"] == 0 for r in record["ranks"])  # reattached, nothing relaunched
+
+
+def test_cancel_from_another_shell_leaves_nothing_running(tmp_path, cloud, s3):
+    state = tmp_path / "state"
+    spec = modal_spec(tmp_path, s3, steps=2000, sync_every=25)
+    launcher, run_id = start(cloud, state, "run", str(spec))
+    wait_for_round(state, run_id, 1)
+    cancel = modal_cli(cloud, state, "cancel", run_id)
+    assert cancel.returncode == 0, cancel.stderr
+    launcher.communicate(timeout=120)
+    deadline = time.monotonic() + 20
+    while cloud.live_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert cloud.live_processes() == []
+    status = json.loads(modal_cli(cloud, state, "status", run_id, "--json").stdout)
+    assert set(status["live"].values()) == {"cancelled"}
+
+
+def test_no_modal_token_is_one_line(tmp_path, cloud, s3):
+    proc = modal_cli(cloud, tmp_path / "state", "run", str(modal_spec(tmp_path, s3)), token=False)
+    assert proc.returncode == 2 and "no Modal token configured: run `modal token new`" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert cloud.objects() == []  # nothing launched
