@@ -260,3 +260,49 @@ def test_a_store_that_ignores_create_only_is_refused_at_replica_start(replicas, 
         assert "ignores create-only writes" in r.error and "\n" not in r.error.strip()
     log = replicas.executor.stream_logs(handles[0])
     assert "Traceback" not in log and "diloco: error: rendezvous 's3://diloco-test/runs'" in log
+
+
+def test_a_reducer_that_moved_on_still_repairs_the_shard_a_slow_reader_found_corrupt():
+    """Rank 1's reduced shard of round 1 is corrupt at rest; rank 0 reads it late, after rank 1 has
+    started round 2. Round 2 cannot form without rank 0, so rank 1 must keep answering round 1's
+    repair requests while it waits (it used to stop at once, and rank 0's round failed)."""
+    store = open_store(f"memory://{uuid.uuid4().hex}")
+    run, n, timeout = "run-repair-late", 2, 3.0
+    deltas = {r: [torch.randn(2000, generator=torch.Generator().manual_seed(10 * r + i)) for i in range(n)]
+              for r in (1, 2)}
+    results: dict[tuple[int, int], object] = {}
+    errors: list[BaseException] = []
+
+    class Scenario(StoreAllReduce):
+        def _reduce_shard(self, r, j, *a, **kw):
+            mean = super()._reduce_shard(r, j, *a, **kw)
+            if r == 1 and self.rank == 1:  # damaged at rest after it was published
+                key = self.keys.reduced(r, self.sid(j))
+                blob = bytearray(store.get(key))
+                blob[-1] ^= 0xFF
+                store.put(key, bytes(blob))
+            return mean
+
+        def _gather(self, r, *a, **kw):
+            if r == 1 and self.rank == 0:
+                time.sleep(1.0)  # the reader is slow: rank 1 is already in round 2 when it looks
+            return super()._gather(r, *a, **kw)
+
+    def go(i):
+        ar = Scenario(store, run, i, n, round_timeout=timeout, poll_interval=0.005, poll_max=0.05)
+        try:
+            for r in (1, 2):
+                results[(i, r)] = ar.run_round(r, deltas[r][i])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            ar.close()
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors, errors
+    for r in (1, 2):
+        assert results[(0, r)].members == results[(1, r)].members == [0, 1]
+        assert torch.equal(results[(0, r)].mean, results[(1, r)].mean)
+    assert any("re-published by its reducer" in i["action"] for i in results[(0, 1)].incidents)

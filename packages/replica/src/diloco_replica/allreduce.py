@@ -102,9 +102,6 @@ class StoreAllReduce:
         shard j's mean is known), so a round holds one model-sized buffer, not two.
         """
         t0, before = time.monotonic(), self.store.traffic.snapshot()
-        self._stop_watching()
-        self._serve_repairs_once()  # late requests for the previous round (e.g. from a replaying rejoiner)
-        self._published.clear()
         delta = delta.detach().to("cpu", torch.float32).reshape(-1)
         bounds = shard_bounds(delta.numel(), self.n)
         members = self.lanes.on_leader(lambda: self._decided_or_open(r))
@@ -119,6 +116,11 @@ class StoreAllReduce:
             self.lanes.agree(upload)  # "ready" means every lane's shards are in the store
             self.phase("membership", r)
             members = self.lanes.on_leader(lambda: self._ready_and_decide(r))
+        # The previous round's reduced shards stay servable until this round is formed: a reader
+        # that found one corrupt is still finishing that round, and this round waits for it.
+        self._stop_watching()
+        self._serve_repairs_once()  # late requests (e.g. from a replaying rejoiner)
+        self._published.clear()
         member = self.rank in members
         if not member:
             self.log(f"round {r}: not a member (members {members}); this replica's update is left out")
@@ -369,7 +371,7 @@ class StoreAllReduce:
         return not self._published
 
     def _watch_repairs(self, r: int) -> None:
-        """Until the next round starts (or the timeout), answer repair requests for round r."""
+        """Until the next round is formed (or the timeout), answer repair requests for round r."""
         self._watch_stop = threading.Event()
         stop = self._watch_stop
 
