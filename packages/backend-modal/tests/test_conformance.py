@@ -53,3 +53,17 @@ app = modal.App("diloco-conformance-fn")
 def replica(rank: int, **launch):
     return diloco_modal.run_replica(rank, **launch)
 '''
+
+
+def test_a_failed_create_at_rank_k_cancels_the_ranks_already_started(fake_modal):
+    from diloco.errors import BackendError
+
+    fake_modal.fail_creates_after(1)
+    with pytest.raises(BackendError, match=r"launching rank 1 on Modal failed: .*no GPU capacity.*the 1 replica\(s\) "
+                                           r"already started were cancelled"):
+        ModalExecutor().launch_replicas(3, "diloco.testing.entrypoints:sleep", {"seconds": 60}, run_id="r1")
+    (started,) = fake_modal.objects("sb-")
+    from diloco_modal.testing import FakeSandbox
+
+    sb = FakeSandbox(fake_modal, started)
+    assert sb.poll() == 137 and sb.get_tags()["diloco-cancelled"] == "1"

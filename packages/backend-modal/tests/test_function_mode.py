@@ -81,3 +81,16 @@ def test_a_preempted_call_is_restarted_by_modal_on_the_same_input(fake_modal, ap
     (result,) = executor.collect([handle], timeout=60)
     assert result.status == "succeeded"
     assert "input restarted" in executor.stream_logs(handle)
+
+
+def test_a_function_object_from_python_is_spawned_and_a_non_function_is_a_type_error(fake_modal, app_module):
+    import importlib
+
+    module = importlib.import_module(app_module)
+    fake_modal.add_secret("hf", {})
+    fake_modal.deploy(module.app)
+    (handle,) = ModalExecutor(function=module.replica).launch_replicas(1, EP, run_id="r1")
+    (result,) = ModalExecutor().collect([handle], timeout=60)  # another instance: the id is enough
+    assert result.status == "succeeded" and result.result["rank"] == 0
+    with pytest.raises(TypeError, match="must be a Modal function .* got function"):
+        ModalExecutor(function=module.not_a_function)

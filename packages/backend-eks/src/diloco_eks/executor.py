@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from diloco.errors import BackendError, UserError
-from diloco.failures import cause_from_log
+from diloco.failures import cause_from_log, signal_cause
 from diloco.launchenv import check_ranks, is_secret_name, parse_entrypoint, replica_env
 from diloco.protocol import ENV_RANK, LaunchPlan, ReplicaHandle, ReplicaResult, ReplicaStatus
 from diloco.state import new_run_id
@@ -325,13 +325,9 @@ def _exit_cause(code: int | None, reason: str | None) -> str:
     """The cause first (the rule in `diloco.failures`): OOM kill, signal, or exit code."""
     if reason == "OOMKilled":
         return f"OOM-killed (exit code {code})"
-    if code is not None and code > 128:
-        import signal
-
-        try:
-            return f"killed by {signal.Signals(code - 128).name} (exit code {code})"
-        except ValueError:
-            pass
+    killed = signal_cause(code)
+    if killed:
+        return killed
     return f"pod exited with code {code}" if code is not None else f"pod failed{f' ({reason})' if reason else ''}"
 
 

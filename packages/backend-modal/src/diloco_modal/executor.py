@@ -34,7 +34,7 @@ from typing import Any
 
 from diloco.envvars import ENV_PREEMPTION_SIGNAL
 from diloco.errors import BackendError, UserError
-from diloco.failures import cause_from_log
+from diloco.failures import cause_from_log, signal_cause
 from diloco.launchenv import REDACTED, check_ranks, is_secret_name, parse_entrypoint, redact_env, replica_env
 from diloco.procgroup import replica_command
 from diloco.protocol import LaunchPlan, ReplicaHandle, ReplicaResult, ReplicaStatus
@@ -65,14 +65,15 @@ class ModalExecutor:
     (a registry image holding diloco-replica; default debian_slim + pip), python_version, pip,
     requirements, include_workdir, secrets (named Modal secrets), volumes ({path = volume name}),
     bucket_mounts ({path = {bucket, bucket_endpoint_url, key_prefix, secret, read_only}}), cpu,
-    memory (MiB), region, cloud, gpu_types. Function mode: function, deploy."""
+    memory (MiB), region, cloud, gpu_types. Function mode: function ('module:fn', 'app/fn', or from
+    Python the decorated function itself), deploy."""
 
     backend_name = "modal"
     supports_inter_replica_network = False
     supports_rank_relaunch = True
     shares_launcher_filesystem = False  # containers have their own disks: the rendezvous must be an object store
 
-    def __init__(self, *, workdir: str | None = None, function: str | None = None, deploy: bool = False,
+    def __init__(self, *, workdir: str | None = None, function: Any = None, deploy: bool = False,
                  app_name: str = "diloco", environment: str | None = None, image: str | None = None,
                  python_version: str | None = None, pip: list[str] | None = None, requirements: str | None = None,
                  include_workdir: bool = True, secrets: list[str] | None = None,
@@ -80,6 +81,13 @@ class ModalExecutor:
                  cpu: float | None = None, memory: int | None = None, region: str | list[str] | None = None,
                  cloud: str | None = None, gpu_types: list[str] | None = None):
         self.workdir = workdir
+        self._function_obj = None
+        if function is not None and not isinstance(function, str):  # from Python: the decorated function itself
+            if not (hasattr(function, "spawn") and hasattr(function, "remote")):
+                raise TypeError(f"function must be a Modal function (decorated with @app.function, so it has spawn "
+                                f"and remote), got {type(function).__name__}")
+            self._function_obj = function
+            function = f"{getattr(function, '__module__', '?')}:{getattr(function, '__qualname__', repr(function))}"
         self.function_ref = function
         self.deploy = deploy
         self.opts = d.SandboxOptions(
@@ -87,7 +95,7 @@ class ModalExecutor:
             pip=list(pip or []), requirements=requirements, include_workdir=include_workdir,
             secrets=list(secrets or []), volumes=dict(volumes or {}), bucket_mounts=dict(bucket_mounts or {}),
             cpu=cpu, memory=memory, region=region, cloud=cloud, gpu_types=list(gpu_types or []))
-        if function is not None and ("/" not in function and ":" not in function):
+        if self._function_obj is None and function is not None and ("/" not in function and ":" not in function):
             raise ValueError(f"function {function!r} must be 'module:function' or 'app-name/function-name'")
         self._objects: dict[str, Any] = {}
 
@@ -235,6 +243,11 @@ class ModalExecutor:
 
     def _function(self) -> Any:
         modal = _sdk()
+        if self._function_obj is not None:
+            if self.deploy:
+                raise UserError("deploy = true needs `function` as 'module:function' (its module's app is deployed); "
+                                "with a function object, deploy its app yourself (app.deploy())")
+            return self._function_obj
         ref = self.function_ref or ""
         if "/" in ref and ":" not in ref:
             app_name, _, name = ref.partition("/")
@@ -360,11 +373,7 @@ def _exit_cause(code: int | None, object_id: str) -> str:
     """The cause first (the rule in `diloco.failures`) when the replica printed none."""
     if code == 124:
         return f"{object_id} timed out (exit code 124)"
-    if code is not None and code > 128:
-        import signal
-
-        try:
-            return f"killed by {signal.Signals(code - 128).name} (exit code {code})"
-        except ValueError:
-            pass
+    killed = signal_cause(code)
+    if killed:
+        return killed
     return f"{object_id} exited with code {code}" if code is not None else f"{object_id} failed"

@@ -39,6 +39,18 @@ def code_failure_signature(error: str | None) -> str | None:
     return first if STEP_MARK in first else None
 
 
+def signal_cause(exit_code: int | None) -> str | None:
+    """"killed by SIGKILL (exit code 137)" for a container's 128+N exit code, else None."""
+    if exit_code is None or exit_code <= 128:
+        return None
+    import signal
+
+    try:
+        return f"killed by {signal.Signals(exit_code - 128).name} (exit code {exit_code})"
+    except ValueError:
+        return None
+
+
 def shorten(text: str | None, limit: int = 2000) -> str | None:
     """At most `limit` characters: the cause line and the end of what follows it."""
     if text is None or len(text) <= limit:

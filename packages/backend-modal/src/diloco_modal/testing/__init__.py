@@ -287,12 +287,26 @@ class FakeModal:
                 out.update(s.values)
         return out
 
+    def fail_creates_after(self, n: int, message: str = "ResourceExhausted: no GPU capacity in region") -> None:
+        """The next sandbox creations succeed `n` times, then fail (a quota or capacity error)."""
+        _write_json(self.root / "fail-creates.json", {"left": n, "message": message})
+
+    def _injected_create_failure(self) -> None:
+        plan = _read_json(self.root / "fail-creates.json")
+        if plan is None:
+            return
+        if plan["left"] <= 0:
+            raise _modal().exception.ResourceExhaustedError(plan["message"])
+        _write_json(self.root / "fail-creates.json", {**plan, "left": plan["left"] - 1})
+
     def sandbox_create(self, *args: str, app: Any = None, name: str | None = None, tags: dict | None = None,
                        image: Any = None, env: dict | None = None, secrets: list | None = None,
                        volumes: dict | None = None, timeout: int | None = 300, workdir: str | None = None,
                        gpu: str | None = None, **kwargs: Any) -> FakeSandbox:
         if app is None:
             raise _modal().exception.InvalidError("App is required when creating a Sandbox outside a container")
+        _check_token()
+        self._injected_create_failure()
         for path, vol in (volumes or {}).items():
             if isinstance(vol, FakeVolume) and vol.name not in self.volumes():
                 raise _modal().exception.NotFoundError(f"Volume '{vol.name}' not found")
