@@ -36,6 +36,10 @@ GOOD = 'backend = "local"\nreplicas = 2\nentrypoint = "job:main"\n'
     ('replicas = 2\nentrypoint = "job:main"\n[backend]\nname = "local"\ngrace_period = -1\n', "grace_period"),
 ])
 def test_bad_spec_is_one_line_exit_2(cli, project, state_dir, text, expected):
+    import importlib.util
+
+    if "pip install diloco-backend-" in expected and importlib.util.find_spec("diloco_sagemaker"):
+        pytest.skip("the backend is installed here (a development venv); the isolated core env checks the hint")
     spec = write_spec(project, text)
     proc = cli("run", str(spec))
     assert proc.returncode == 2, proc.stdout + proc.stderr

@@ -214,3 +214,40 @@ def test_a_preempted_replica_is_relaunched_without_spending_the_restart_budget(c
     else:
         assert ranks[1]["preemptions"] == 1 and ranks[1]["given_up"]
         assert any(e["event"] == "give_up" and "max_preemptions (1) reached" in e["reason"] for e in data["events"])
+
+
+def test_a_replica_the_platform_retries_itself_is_pending_not_failed(tmp_path):
+    """SageMaker keeps a spot-interrupted job InProgress and restarts it: the replica reads running →
+    pending → running. The supervisor records why (the executor's optional `status_detail`), and
+    neither relaunches it nor spends a restart."""
+    from diloco.local import LocalProcessExecutor
+    from diloco.protocol import ReplicaStatus
+    from diloco.state import RunRecord
+    from diloco.supervisor import GroupState, LaunchArgs, Supervisor
+
+    class SpotLike(LocalProcessExecutor):
+        polls_pending = 0
+
+        def poll(self, handle):
+            status = super().poll(handle)
+            if handle.rank == 0 and status is ReplicaStatus.RUNNING and self.polls_pending < 5:
+                self.seen_running = getattr(self, "seen_running", 0) + 1
+                if self.seen_running > 1:  # after it was seen running once: interrupted for 5 polls
+                    self.polls_pending += 1
+                    return ReplicaStatus.PENDING
+            return status
+
+        def status_detail(self, handle):
+            return "Interrupted: spot capacity was reclaimed (spot interruptions so far: 1)"
+
+    args = LaunchArgs(2, "diloco.testing.entrypoints:sleep", {"seconds": 2.0}, None, 60, "spot-like", None, {})
+    record = RunRecord.create("spot-like", {})
+    sup = Supervisor(SpotLike(), record, args, {"policy": "per-rank", "monitor_interval": 0.05, "max_restarts": 0})
+    assert sup.run() is GroupState.SUCCEEDED
+    events = [json.loads(x) for x in (record.dir / "events.jsonl").read_text().splitlines()]
+    pending = [e for e in events if e["event"] == "pending"]
+    assert [(e["rank"], e["reason"]) for e in pending] == [
+        (0, "Interrupted: spot capacity was reclaimed (spot interruptions so far: 1)")]
+    kinds = [e["event"] for e in events]
+    assert "failed" not in kinds and "relaunch_scheduled" not in kinds
+    assert [r.restarts for r in sup.ranks] == [0, 0] and kinds.count("running") == 3

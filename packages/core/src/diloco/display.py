@@ -18,7 +18,7 @@ from .state import RunRecord
 
 _EVENT_STYLE = {"diverged": "bold red", "training_alone": "bold red", "incident": "yellow", "failed": "red", "run_failed": "bold red", "give_up": "red", "run_succeeded": "bold green",
                 "succeeded": "green", "relaunch_scheduled": "yellow", "gang_restart": "yellow",
-                "run_cancelled": "yellow", "preempted": "yellow", "cancelled": "yellow", "resumed": "cyan", "detached": "cyan"}
+                "run_cancelled": "yellow", "preempted": "yellow", "pending": "yellow", "cancelled": "yellow", "resumed": "cyan", "detached": "cyan"}
 
 
 def _clock(t: float) -> str:

@@ -53,7 +53,7 @@ def launch_args(spec: RunSpec, run_id: str, executor: ServerlessExecutor) -> Lau
     if spec.processes_per_replica > 1 and not accepts_processes(executor):
         raise SpecError(f"{spec.source}: backend {spec.backend!r} cannot start several processes per replica "
                         f"(processes_per_replica = {spec.processes_per_replica}); use processes_per_replica = 1 "
-                        f"or a backend that supports it (local, eks, modal)")
+                        f"or a backend that supports it (local, eks, modal, sagemaker)")
     return LaunchArgs(n_replicas=spec.replicas, entrypoint=spec.entrypoint, entrypoint_args=dict(spec.args),
                       gpu=spec.gpu, timeout=spec.timeout, run_id=run_id, rendezvous=rendezvous, env=env,
                       processes_per_replica=spec.processes_per_replica)

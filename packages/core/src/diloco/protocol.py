@@ -133,6 +133,12 @@ class ServerlessExecutor(Protocol):
         local backend). Executors that leave it out are treated as remote, and `diloco run`
         refuses a file:// rendezvous for them (see `diloco.rendezvous`).
 
+    Optional method (not part of the structural check):
+      status_detail(handle) -> str | None: why a replica is pending right now, in words. When a
+        running replica goes back to pending (a spot interruption the platform retries on its
+        own), the supervisor records a `pending` event carrying it; such a replica never failed,
+        so nothing is relaunched and no restart budget is spent.
+
     Keyword arguments beyond the original contract:
       run_id: the run these replicas belong to (the launcher makes one if None).
       rendezvous: the object-store URI replicas meet at, exported as DILOCO_RENDEZVOUS.

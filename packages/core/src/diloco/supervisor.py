@@ -294,8 +294,10 @@ class Supervisor:
             if status.value == st.status:
                 continue
             changed = True
-            st.status = status.value
-            if status is ReplicaStatus.RUNNING:
+            was, st.status = st.status, status.value
+            if status is ReplicaStatus.PENDING and was == "running":  # e.g. a spot interruption the platform retries
+                self._event("pending", rank=st.rank, attempt=st.handle.attempt, reason=self._why_waiting(st))
+            elif status is ReplicaStatus.RUNNING:
                 self._event("running", rank=st.rank, attempt=st.handle.attempt)
             elif status is ReplicaStatus.SUCCEEDED:
                 st.result = self.executor.collect([st.handle], timeout=0)[0].result
@@ -358,6 +360,15 @@ class Supervisor:
         if changed:
             self.save()
         return self.state
+
+    def _why_waiting(self, st: RankState) -> str | None:
+        """The executor's words for why a replica is waiting again, if it has an optional
+        `status_detail(handle)` (SageMaker: "Interrupted: spot capacity was reclaimed; …")."""
+        detail = getattr(self.executor, "status_detail", None)
+        try:
+            return detail(st.handle) if detail else None
+        except Exception as exc:  # noqa: BLE001 - a reason is decoration; never stop supervising for it
+            return f"(no detail: {type(exc).__name__})"
 
     def _preempted(self, st: RankState, now: float) -> None:
         """The platform took the rank's machine away: relaunch without spending the failure budgets."""

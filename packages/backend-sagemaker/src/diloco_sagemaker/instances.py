@@ -1,0 +1,61 @@
+"""From the spec's logical GPU ("H100", "A10G:4") to a SageMaker training instance type.
+
+One replica is one instance (InstanceCount 1), so the GPU count picks the instance size: a
+bare name picks the smallest training instance with that GPU, a count picks the instance with
+exactly that many. `[backend] instance_type` overrides the mapping (a new instance family, a
+CPU instance, a bigger host for the same GPUs).
+"""
+
+from __future__ import annotations
+
+import re
+
+from diloco.errors import UserError
+
+# GPU → {GPUs per instance: training instance type}. SageMaker's training instance list:
+# https://aws.amazon.com/sagemaker/pricing/ (the "Training" tab); checked 2026-11.
+INSTANCES: dict[str, dict[int, str]] = {
+    "H100": {8: "ml.p5.48xlarge"},
+    "H200": {8: "ml.p5en.48xlarge"},
+    "A100": {8: "ml.p4d.24xlarge"},
+    "A100-80GB": {8: "ml.p4de.24xlarge"},
+    "A10G": {1: "ml.g5.xlarge", 4: "ml.g5.12xlarge", 8: "ml.g5.48xlarge"},
+    "L4": {1: "ml.g6.xlarge", 4: "ml.g6.12xlarge", 8: "ml.g6.48xlarge"},
+    "L40S": {1: "ml.g6e.xlarge", 4: "ml.g6e.12xlarge", 8: "ml.g6e.48xlarge"},
+    "T4": {1: "ml.g4dn.xlarge", 4: "ml.g4dn.12xlarge"},
+    "V100": {1: "ml.p3.2xlarge", 4: "ml.p3.8xlarge", 8: "ml.p3.16xlarge"},
+}
+CPU_INSTANCE = "ml.m5.xlarge"  # a replica with no `gpu` (small models, smoke tests)
+_INSTANCE_TYPE = re.compile(r"^ml\.[a-z0-9-]+\.[a-z0-9-]+$")
+
+
+def instance_type(gpu: str | None, override: str | None = None) -> str:
+    """The training instance for one replica, or a one-line error naming the choices."""
+    if override:
+        if not _INSTANCE_TYPE.match(override):
+            raise UserError(f"[backend] instance_type {override!r} is not a SageMaker instance type "
+                            f"(like 'ml.p5.48xlarge')")
+        return override
+    if not gpu:
+        return CPU_INSTANCE
+    name, _, count_text = gpu.partition(":")
+    sizes = INSTANCES.get(name.strip().upper()) or INSTANCES.get(name.strip())
+    if sizes is None:
+        raise UserError(f"unknown GPU type {name!r} for SageMaker; use one of {', '.join(INSTANCES)}, or set "
+                        f"[backend] instance_type (e.g. 'ml.p5.48xlarge')")
+    if not count_text:
+        return sizes[min(sizes)]
+    if not count_text.strip().isdigit() or int(count_text) not in sizes:
+        counts = ", ".join(f"{name.strip().upper()}:{n} ({t})" for n, t in sorted(sizes.items()))
+        raise UserError(f"no SageMaker training instance has {count_text.strip()} × {name.strip().upper()}; "
+                        f"choose {counts}, or set [backend] instance_type")
+    return sizes[int(count_text)]
+
+
+def gpus_on(instance: str) -> int | None:
+    """How many GPUs an instance type from the table has (None if it is not in the table)."""
+    for sizes in INSTANCES.values():
+        for n, t in sizes.items():
+            if t == instance:
+                return n
+    return None

@@ -1,0 +1,219 @@
+"""The CreateTrainingJob request and the DescribeTrainingJob reading, as data (no AWS)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+
+from conftest import ROLE
+from diloco.errors import UserError
+from diloco.protocol import ReplicaStatus
+from diloco_sagemaker import status as st
+from diloco_sagemaker.executor import SageMakerExecutor
+from diloco_sagemaker.instances import instance_type
+from diloco_sagemaker.request import job_name
+
+IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/diloco:1"
+RDV = "s3://bucket/runs"
+
+
+def plan(monkeypatch, n=2, **kw):
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    launch = {k: kw.pop(k) for k in ("gpu", "timeout", "env", "secret_env", "processes_per_replica", "ranks",
+                                      "attempt") if k in kw}
+    ex = SageMakerExecutor(**{"role": ROLE, "image": IMAGE, **kw})
+    return ex.dryrun(n, "train:main", {"lr": 0.1}, run_id="tiny-lm-20261122-101010-ab12", rendezvous=RDV,
+                     **launch).request
+
+
+@pytest.mark.parametrize("gpu,expected", [
+    ("H100", "ml.p5.48xlarge"), ("H100:8", "ml.p5.48xlarge"), ("A100", "ml.p4d.24xlarge"),
+    ("a10g", "ml.g5.xlarge"), ("A10G:4", "ml.g5.12xlarge"), ("T4", "ml.g4dn.xlarge"), (None, "ml.m5.xlarge")])
+def test_the_gpu_picks_the_instance(gpu, expected):
+    assert instance_type(gpu) == expected
+
+
+@pytest.mark.parametrize("gpu,words", [("H100:2", "choose H100:8 (ml.p5.48xlarge)"), ("B9000", "unknown GPU type"),
+                                       ("A10G:3", "A10G:1 (ml.g5.xlarge), A10G:4")])
+def test_a_gpu_with_no_instance_is_one_line_naming_the_choices(gpu, words):
+    with pytest.raises(UserError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        instance_type(gpu)
+    assert instance_type(gpu, "ml.p5e.48xlarge") == "ml.p5e.48xlarge"  # the override always wins
+
+
+def test_job_names_are_valid_unique_and_say_rank_and_attempt():
+    assert job_name("tiny-lm-20261122-101010-ab12", 3, 1) == "tiny-lm-20261122-101010-ab12-r3-a1"
+    long_a, long_b = "a" * 30 + "-20261122-101010-ab12", "a" * 30 + "-20261122-101010-cd34"
+    a, b = job_name(long_a, 12, 3), job_name(long_b, 12, 3)
+    assert len(a) <= 63 and a.endswith("-r12-a3") and a != b
+
+
+def test_one_job_per_replica_with_everything_the_spec_says(monkeypatch):
+    req = plan(monkeypatch, gpu="H100:8", processes_per_replica=8, timeout=7200, spot=True, max_wait=10800,
+               subnets=["subnet-1"], security_groups=["sg-1"], tags={"team": "llm"}, volume_size_gb=500)
+    assert req["region"] == "eu-west-1" and len(req["jobs"]) == 2
+    job = req["jobs"][1]
+    assert job["TrainingJobName"] == "tiny-lm-20261122-101010-ab12-r1-a0" and job["RoleArn"] == ROLE
+    assert job["ResourceConfig"] == {"InstanceType": "ml.p5.48xlarge", "InstanceCount": 1, "VolumeSizeInGB": 500}
+    assert job["StoppingCondition"] == {"MaxRuntimeInSeconds": 7200, "MaxWaitTimeInSeconds": 10800}
+    assert job["EnableManagedSpotTraining"] is True
+    assert job["VpcConfig"] == {"Subnets": ["subnet-1"], "SecurityGroupIds": ["sg-1"]}
+    algo = job["AlgorithmSpecification"]
+    assert algo["TrainingImage"] == IMAGE
+    assert algo["ContainerEntrypoint"] == ["python", "/opt/ml/input/data/diloco/bootstrap.py"]
+    assert algo["ContainerArguments"][:3] == ["python", "-m", "diloco_replica.torchrun"]  # torchrun over 8 GPUs
+    assert "--nproc-per-node" in algo["ContainerArguments"] and "8" in algo["ContainerArguments"]
+    channel = job["InputDataConfig"][0]
+    assert channel["ChannelName"] == "diloco"
+    assert channel["DataSource"]["S3DataSource"]["S3Uri"] == \
+        "s3://bucket/diloco-sagemaker/tiny-lm-20261122-101010-ab12/code/"
+    assert job["OutputDataConfig"]["S3OutputPath"] == "s3://bucket/diloco-sagemaker/tiny-lm-20261122-101010-ab12/output"
+    tags = {t["Key"]: t["Value"] for t in job["Tags"]}
+    assert tags == {"team": "llm", "diloco-run": "tiny-lm-20261122-101010-ab12", "diloco-rank": "1",
+                    "diloco-attempt": "0"}
+    env = job["Environment"]
+    assert env["REPLICA_RANK"] == "1" and env["DILOCO_REPLICAS"] == "2" and env["DILOCO_RENDEZVOUS"] == RDV
+    assert env["AWS_REGION"] == "eu-west-1" and env["LR"] == "0.1" and "WORLD_SIZE" not in env  # torchrun's
+    assert "PYTHONPATH" not in env  # the launcher's paths mean nothing on the instance
+
+
+def test_warm_pools_and_single_process_replicas(monkeypatch):
+    job = plan(monkeypatch, n=1, gpu="A10G", keep_alive=1800)["jobs"][0]
+    assert job["ResourceConfig"]["KeepAlivePeriodInSeconds"] == 1800
+    assert job["AlgorithmSpecification"]["ContainerArguments"] == ["python", "-m", "diloco.runner"]
+    assert job["Environment"]["WORLD_SIZE"] == "1" and job["EnableManagedSpotTraining"] is False
+    assert "MaxWaitTimeInSeconds" not in job["StoppingCondition"]
+
+
+def test_secrets_never_reach_the_job_environment(monkeypatch):
+    req = plan(monkeypatch, env={"WANDB_API_KEY": "wandb-value-123", "PLAIN": "ok"},
+               secret_env={"HF_TOKEN": "hf-value-456"}, secret_refs={"DB_PASSWORD": "prod/db#password"})
+    text = json.dumps(req)
+    assert "wandb-value-123" not in text and "hf-value-456" not in text
+    env = req["jobs"][0]["Environment"]
+    assert "HF_TOKEN" not in env and "WANDB_API_KEY" not in env and env["PLAIN"] == "ok"
+    assert json.loads(env["DILOCO_SECRETS_MANAGER_REFS"]) == {
+        "HF_TOKEN": "diloco/tiny-lm-20261122-101010-ab12#HF_TOKEN",
+        "WANDB_API_KEY": "diloco/tiny-lm-20261122-101010-ab12#WANDB_API_KEY", "DB_PASSWORD": "prod/db#password"}
+    assert req["secrets_manager"] == {"secret": "diloco/tiny-lm-20261122-101010-ab12",
+                                      "forwarded": ["HF_TOKEN", "WANDB_API_KEY"],
+                                      "references": {"DB_PASSWORD": "prod/db#password"}}
+
+
+@pytest.mark.parametrize("kw,words", [
+    ({"role": "diloco-role"}, "not an IAM role ARN"),
+    ({"spot": True, "keep_alive": 60}, "does not work with spot"),
+    ({"keep_alive": 7200}, "keep_alive must be 0..3600"),
+    ({"subnets": ["subnet-1"]}, "needs both `subnets` and `security_groups`"),
+    ({"s3_prefix": "gs://b/p"}, "must be an s3:// URI"),
+    ({"image": IMAGE, "pytorch_version": "2.8"}, "not both"),
+])
+def test_bad_options_are_one_line_naming_the_key(kw, words):
+    with pytest.raises(UserError, match=words):
+        SageMakerExecutor(**{"role": ROLE, **kw})
+
+
+@pytest.mark.parametrize("kw,launch,words", [
+    ({"spot": True, "max_wait": 100}, {"timeout": 3600}, "max_wait .* must be at least the timeout"),
+    ({"max_wait": 100}, {}, "only applies with spot"),
+    ({}, {"timeout": 40 * 24 * 3600}, "outside SageMaker's MaxRuntimeInSeconds"),
+    ({}, {"env": {"BIG": "x" * 2000}}, "BIG has 2000"),
+])
+def test_bad_launches_are_one_line(monkeypatch, kw, launch, words):
+    with pytest.raises(UserError, match=words):
+        plan(monkeypatch, **kw, **launch)
+
+
+def test_no_region_is_one_line(monkeypatch, tmp_path):
+    for k in ("AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    with pytest.raises(UserError, match="no AWS region: set \\[backend\\] region"):
+        SageMakerExecutor(role=ROLE, image=IMAGE).dryrun(1, "train:main", rendezvous=RDV)
+
+
+def test_no_s3_prefix_without_an_s3_rendezvous(monkeypatch):
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    with pytest.raises(UserError, match="s3_prefix is needed"):
+        SageMakerExecutor(role=ROLE, image=IMAGE).dryrun(1, "train:main", rendezvous="gs://b/runs")
+
+
+def test_the_official_pytorch_image_through_the_images_extra(monkeypatch):
+    monkeypatch.setenv("AWS_REGION", "us-west-2")
+    ex = SageMakerExecutor(role=ROLE, pytorch_version="2.8", py_version="py312")
+    monkeypatch.setitem(sys.modules, "sagemaker.core.image_uris", None)  # the extra is not installed
+    monkeypatch.setitem(sys.modules, "sagemaker.core", None)
+    with pytest.raises(UserError, match=r"pip install 'diloco-backend-sagemaker\[images\]'"):
+        ex.dryrun(1, "train:main", rendezvous=RDV, gpu="H100")
+    calls = []
+    core = types.ModuleType("sagemaker.core")
+    core.image_uris = types.SimpleNamespace(retrieve=lambda *a, **k: calls.append((a, k)) or "763.dkr/pytorch:2.8")
+    monkeypatch.setitem(sys.modules, "sagemaker", types.ModuleType("sagemaker"))
+    monkeypatch.setitem(sys.modules, "sagemaker.core", core)
+    job = ex.dryrun(1, "train:main", rendezvous=RDV, gpu="H100").request["jobs"][0]
+    assert job["AlgorithmSpecification"]["TrainingImage"] == "763.dkr/pytorch:2.8"
+    assert calls == [(("pytorch", "us-west-2"), {"version": "2.8", "py_version": "py312",
+                                                  "instance_type": "ml.p5.48xlarge", "image_scope": "training"})]
+    installs = json.loads(job["Environment"]["DILOCO_PIP_INSTALL"])  # the official image has no diloco
+    assert [p.split("==")[0] for p in installs] == ["diloco-core", "diloco-replica"]
+
+
+def test_no_image_is_one_line(monkeypatch):
+    with pytest.raises(UserError, match="image is needed"):
+        plan(monkeypatch, image=None)
+
+
+def job(status, secondary, **kw):
+    return {"TrainingJobName": "j-r0-a0", "TrainingJobStatus": status, "SecondaryStatus": secondary, **kw}
+
+
+@pytest.mark.parametrize("status,secondary,expected", [
+    ("InProgress", "Starting", "pending"), ("InProgress", "LaunchingMLInstances", "pending"),
+    ("InProgress", "Downloading", "pending"), ("InProgress", "Interrupted", "pending"),
+    ("InProgress", "Restarting", "pending"), ("InProgress", "Pending", "pending"),
+    ("InProgress", "Training", "running"), ("InProgress", "Uploading", "running"),
+    ("Completed", "Completed", "succeeded"), ("Failed", "Failed", "failed"),
+    ("Stopping", "Stopping", "cancelled"), ("Stopped", "Stopped", "cancelled"),
+    ("Stopped", "MaxRuntimeExceeded", "failed"), ("Stopped", "MaxWaitTimeExceeded", "failed"),
+])
+def test_statuses_map_onto_the_protocol(status, secondary, expected):
+    assert st.replica_status(job(status, secondary)) == ReplicaStatus(expected)
+
+
+def test_a_spot_interruption_reads_as_waiting_with_the_reason():
+    j = job("InProgress", "Interrupted", SecondaryStatusTransitions=[{"Status": "Training"}, {"Status": "Interrupted"}])
+    assert st.detail(j).startswith("Interrupted: spot capacity was reclaimed")
+    assert "spot interruptions so far: 1" in st.detail(j)
+    assert st.detail(job("InProgress", "Training")) is None
+
+
+def test_failures_read_cause_first_with_the_replicas_exit_code():
+    own = job("Failed", "Failed", FailureReason="AlgorithmError: exit code 78: store s3://b/r ignores create-only puts")
+    assert st.exit_code(own) == 78 and st.failure_cause(own) == "store s3://b/r ignores create-only puts"
+    bare = job("Failed", "Failed", FailureReason="AlgorithmError: , exit code: 137")
+    assert st.exit_code(bare) == 137 and st.failure_cause(bare) == "killed by SIGKILL (exit code 137) in j-r0-a0"
+    late = job("Stopped", "MaxRuntimeExceeded")
+    assert st.exit_code(late) == 124 and "ran past the spec's timeout" in st.failure_cause(late)
+    other = job("Failed", "Failed", FailureReason="CapacityError: Unable to provision requested ML compute capacity.")
+    assert st.exit_code(other) is None and st.failure_cause(other).startswith("CapacityError")
+
+
+def test_listing_backends_does_not_import_boto3():
+    import subprocess
+
+    code = ("import sys; from diloco.plugins import backends; names = list(backends()); "
+            "print('sagemaker' in names, 'boto3' in sys.modules, 'botocore' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["True", "False", "False"], out.stdout + out.stderr
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("DILOCO_ISOLATED_ENV"),
+                    reason="needs the isolated sagemaker environment")
+@pytest.mark.parametrize("module", ["torch", "numpy", "diloco_replica", "kubernetes", "modal", "sagemaker"])
+def test_installing_core_and_this_backend_pulls_no_torch(module):
+    import importlib.util
+
+    assert importlib.util.find_spec(module) is None

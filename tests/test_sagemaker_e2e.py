@@ -1,0 +1,181 @@
+"""The tiny-LM DiLoCo main job through `backend = "sagemaker"`, end to end without AWS's cloud.
+
+The real boto3 clients talk HTTP to a moto server (S3 for the rendezvous and the code, CloudWatch
+Logs, IAM, Secrets Manager) and, through AWS_ENDPOINT_URL_SAGEMAKER, to the training-job control
+plane in diloco_sagemaker.testing, whose instances run each job as local processes with the
+/opt/ml layout, the job's Environment and the role's credentials. Every CLI call is its own
+process, so durable handles (job names) are exercised for real. The spec's forwarded AWS keys
+reach the replicas through Secrets Manager, never the job's Environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import on_s3, tiny_spec
+
+pytest.importorskip("diloco_sagemaker")
+
+ROLE = "arn:aws:iam::123456789012:role/diloco-sagemaker"
+TRUST = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
+                                                 "Principal": {"Service": "sagemaker.amazonaws.com"}}]}
+
+
+@pytest.fixture
+def plane(tmp_path, s3):
+    import boto3
+
+    from diloco_sagemaker.testing import FakeSageMaker
+
+    iam = boto3.client("iam", endpoint_url=s3["env"]["AWS_ENDPOINT_URL"], region_name="us-east-1")
+    try:
+        iam.create_role(RoleName="diloco-sagemaker", AssumeRolePolicyDocument=json.dumps(TRUST))
+    except iam.exceptions.EntityAlreadyExistsException:
+        pass
+    with FakeSageMaker(tmp_path / "sagemaker", aws_endpoint=s3["env"]["AWS_ENDPOINT_URL"], grace_seconds=3.0,
+                       spot_wait_seconds=3.0) as fake:
+        yield fake
+        deadline = time.monotonic() + 20
+        while fake.live_processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        leftover = fake.live_processes()
+    assert not leftover, f"processes still running on SageMaker test instances: {leftover}"
+
+
+def sm_spec(tmp_path, s3, **kw):
+    spec = on_s3(tiny_spec(tmp_path, **kw), s3)
+    text = spec.read_text().replace('backend = "local"\n', "")
+    text = text.replace("round_timeout = 120", "round_timeout = 15\ncheckpoint_every = 2")
+    text += (f'\n[backend]\nname = "sagemaker"\nrole = "{ROLE}"\nspot = true\n'
+             f'image = "123456789012.dkr.ecr.us-east-1.amazonaws.com/diloco-replica:test"\n')
+    spec.write_text(text)
+    return spec
+
+
+def cli_env(plane, state):
+    return {**os.environ, "DILOCO_STATE_DIR": str(state), **plane.env}
+
+
+def sm_cli(plane, state, *args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True, timeout=timeout,
+                          env=cli_env(plane, state))
+
+
+def start(plane, state, *args):
+    proc = subprocess.Popen([sys.executable, "-m", "diloco", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=cli_env(plane, state))
+    return proc, proc.stdout.readline().split()[1].rstrip(":")
+
+
+def record_of(state, run_id):
+    return json.loads((state / "runs" / run_id / "run.json").read_text())
+
+
+def events_of(state, run_id):
+    path = state / "runs" / run_id / "events.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def wait_for_round(state, run_id, n, timeout=300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(e.get("event") == "round" and e["round"] >= n for e in events_of(state, run_id)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"round {n} never completed: {events_of(state, run_id)[-5:]}")
+
+
+def one_global_model(record):
+    """Every rank succeeded holding the same global θ (the CRC each entrypoint returned, read back from
+    its CloudWatch log as JSON)."""
+    ranks = record["ranks"]
+    assert all(r["status"] == "succeeded" for r in ranks), [(r["rank"], r["status"], r["last_error"]) for r in ranks]
+    crcs = {r["result"]["theta_crc32"] for r in ranks}
+    assert len(crcs) == 1, f"replicas disagree on the global model: {crcs}"
+
+
+def test_tiny_lm_on_sagemaker_survives_a_failed_job_and_a_spot_interruption(tmp_path, plane, s3):
+    import boto3
+
+    state = tmp_path / "state"
+    spec = sm_spec(tmp_path, s3, steps=200, sync_every=25, restart="backoff = 0.2\nmax_restarts_per_rank = 3")
+    dry = sm_cli(plane, state, "dryrun", str(spec))
+    assert dry.returncode == 0, dry.stderr
+    request = json.loads(dry.stdout[dry.stdout.index("{"):])
+    assert len(request["jobs"]) == 4 and request["secrets_manager"]["forwarded"] == ["AWS_ACCESS_KEY_ID",
+                                                                                    "AWS_SECRET_ACCESS_KEY"]
+    assert "testing" not in dry.stdout.replace("diloco_sagemaker.testing", "")  # no credential value shown
+    launcher, run_id = start(plane, state, "run", str(spec))
+    wait_for_round(state, run_id, 2)
+    jobs = {r["rank"]: r["handle"]["metadata"]["job"] for r in record_of(state, run_id)["ranks"]}
+    assert plane.kill(jobs[2], signal.SIGKILL)  # the job fails (an OOM kill, a bad node)
+    assert plane.interrupt(jobs[1])  # spot capacity reclaimed: SageMaker retries the job itself
+    out, _ = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, out
+    record = record_of(state, run_id)
+    one_global_model(record)
+    ranks = record["ranks"]
+    assert ranks[2]["restarts"] == 1 and ranks[2]["handle"]["metadata"]["job"] == jobs[2].replace("-a0", "-a1")
+    assert ranks[1]["restarts"] == 0 and ranks[1]["handle"]["metadata"]["job"] == jobs[1]  # same job, no budget
+    events = events_of(state, run_id)
+    kinds = [(e["event"], e.get("rank")) for e in events]
+    assert ("failed", 2) in kinds and ("failed", 1) not in kinds
+    pending = [e for e in events if e["event"] == "pending" and e["rank"] == 1]
+    assert pending and "spot interruptions so far: 1" in pending[0]["reason"], pending
+    for rank, attempt in ((1, 0), (2, 1)):  # both came back from the store, not from scratch
+        logs = sm_cli(plane, state, "logs", run_id, "--rank", str(rank), "--attempt", str(attempt), "-n", "2000").stdout
+        joined = [line for line in logs.splitlines() if "joined at round" in line]
+        assert joined and int(joined[-1].split("joined at round ")[1].split()[0]) >= 2, logs[-2000:]
+    described = boto3.client("sagemaker", endpoint_url=plane.endpoint).describe_training_job(TrainingJobName=jobs[0])
+    assert "testing" not in json.dumps(described["Environment"])  # the forwarded keys went to Secrets Manager
+    keys = [o["Key"] for o in s3["client"].list_objects_v2(Bucket=s3["bucket"], Prefix=f"runs/{run_id}/")["Contents"]]
+    assert any("/reduced/" in k for k in keys)  # they met in S3
+
+
+def test_a_killed_launcher_is_reattached_from_another_process(tmp_path, plane, s3):
+    state = tmp_path / "state"
+    spec = sm_spec(tmp_path, s3, steps=150, sync_every=25)
+    launcher, run_id = start(plane, state, "run", str(spec))
+    wait_for_round(state, run_id, 1)
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    status = sm_cli(plane, state, "status", run_id, "--json")  # another shell, through the job names
+    assert status.returncode == 0, status.stderr
+    assert set(json.loads(status.stdout)["live"].values()) <= {"running", "succeeded"}
+    follow = sm_cli(plane, state, "logs", run_id, "--rank", "0", "--follow")
+    assert follow.returncode == 0 and "diloco: replica result:" in follow.stdout
+    resumed = sm_cli(plane, state, "resume", run_id)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    record = record_of(state, run_id)
+    one_global_model(record)
+    assert all(r["restarts"] == 0 for r in record["ranks"])  # reattached, nothing relaunched
+
+
+def test_cancel_from_another_shell_stops_every_job(tmp_path, plane, s3):
+    state = tmp_path / "state"
+    launcher, run_id = start(plane, state, "run", str(sm_spec(tmp_path, s3, steps=2000, sync_every=25)))
+    wait_for_round(state, run_id, 1)
+    cancel = sm_cli(plane, state, "cancel", run_id)
+    assert cancel.returncode == 0, cancel.stderr
+    launcher.communicate(timeout=120)
+    deadline = time.monotonic() + 30
+    while plane.live_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert plane.live_processes() == []
+    jobs = [r["handle"]["metadata"]["job"] for r in record_of(state, run_id)["ranks"]]
+    assert {plane.job(j)["TrainingJobStatus"] for j in jobs} == {"Stopped"}
+
+
+def test_a_file_rendezvous_is_refused_in_one_line(tmp_path, plane, s3):
+    spec = sm_spec(tmp_path, s3)
+    spec.write_text(spec.read_text().replace(f'rendezvous = "{s3["uri"]}"', 'rendezvous = "file:///tmp/shared"'))
+    proc = sm_cli(plane, tmp_path / "state", "run", str(spec))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "file://" in proc.stderr and "s3://" in proc.stderr
