@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, on_s3, tiny_spec
+from conftest import ROOT, events_of, on_s3, one_global_model, record_of, tiny_spec, wait_for_round
 
 pytest.importorskip("diloco_modal")
 
@@ -74,33 +74,6 @@ def start(cloud, state, *args):
     proc = subprocess.Popen([sys.executable, "-m", "diloco_modal.testing", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=cli_env(cloud, state))
     return proc, proc.stdout.readline().split()[1].rstrip(":")
-
-
-def record_of(state, run_id):
-    return json.loads((state / "runs" / run_id / "run.json").read_text())
-
-
-def events_of(state, run_id):
-    path = state / "runs" / run_id / "events.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-
-
-def wait_for_round(state, run_id, n, timeout=300):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(e.get("event") == "round" and e["round"] >= n for e in events_of(state, run_id)):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"round {n} never completed: {events_of(state, run_id)[-5:]}")
-
-
-def one_global_model(record):
-    """Every rank succeeded and holds the same global θ (the CRC the entrypoint returns, read back
-    from each sandbox's logs: the result travels as JSON, nothing is unpickled)."""
-    ranks = record["ranks"]
-    assert all(r["status"] == "succeeded" for r in ranks), [(r["rank"], r["status"], r["last_error"]) for r in ranks]
-    crcs = {r["result"]["theta_crc32"] for r in ranks}
-    assert len(crcs) == 1, f"replicas disagree on the global model: {crcs}"
 
 
 def test_tiny_lm_through_modal_survives_a_kill_and_a_preemption(tmp_path, cloud, s3):

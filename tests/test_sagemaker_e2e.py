@@ -19,26 +19,18 @@ import time
 
 import pytest
 
-from conftest import on_s3, tiny_spec
+from conftest import events_of, on_s3, one_global_model, record_of, tiny_spec, wait_for_round
 
 pytest.importorskip("diloco_sagemaker")
 
 ROLE = "arn:aws:iam::123456789012:role/diloco-sagemaker"
-TRUST = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
-                                                 "Principal": {"Service": "sagemaker.amazonaws.com"}}]}
 
 
 @pytest.fixture
 def plane(tmp_path, s3):
-    import boto3
+    from diloco_sagemaker.testing import FakeSageMaker, create_execution_role
 
-    from diloco_sagemaker.testing import FakeSageMaker
-
-    iam = boto3.client("iam", endpoint_url=s3["env"]["AWS_ENDPOINT_URL"], region_name="us-east-1")
-    try:
-        iam.create_role(RoleName="diloco-sagemaker", AssumeRolePolicyDocument=json.dumps(TRUST))
-    except iam.exceptions.EntityAlreadyExistsException:
-        pass
+    assert create_execution_role(s3["env"]["AWS_ENDPOINT_URL"]) == ROLE
     with FakeSageMaker(tmp_path / "sagemaker", aws_endpoint=s3["env"]["AWS_ENDPOINT_URL"], grace_seconds=3.0,
                        spot_wait_seconds=3.0) as fake:
         yield fake
@@ -72,33 +64,6 @@ def start(plane, state, *args):
     proc = subprocess.Popen([sys.executable, "-m", "diloco", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=cli_env(plane, state))
     return proc, proc.stdout.readline().split()[1].rstrip(":")
-
-
-def record_of(state, run_id):
-    return json.loads((state / "runs" / run_id / "run.json").read_text())
-
-
-def events_of(state, run_id):
-    path = state / "runs" / run_id / "events.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-
-
-def wait_for_round(state, run_id, n, timeout=300):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(e.get("event") == "round" and e["round"] >= n for e in events_of(state, run_id)):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"round {n} never completed: {events_of(state, run_id)[-5:]}")
-
-
-def one_global_model(record):
-    """Every rank succeeded holding the same global θ (the CRC each entrypoint returned, read back from
-    its CloudWatch log as JSON)."""
-    ranks = record["ranks"]
-    assert all(r["status"] == "succeeded" for r in ranks), [(r["rank"], r["status"], r["last_error"]) for r in ranks]
-    crcs = {r["result"]["theta_crc32"] for r in ranks}
-    assert len(crcs) == 1, f"replicas disagree on the global model: {crcs}"
 
 
 def test_tiny_lm_on_sagemaker_survives_a_failed_job_and_a_spot_interruption(tmp_path, plane, s3):

@@ -3,33 +3,25 @@ over real HTTP) and the training-job control plane from diloco_sagemaker.testing
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 
 ROLE = "arn:aws:iam::123456789012:role/diloco-sagemaker"
-TRUST = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
-                                                 "Principal": {"Service": "sagemaker.amazonaws.com"}}]}
 
 
 @pytest.fixture
 def aws(monkeypatch):
-    """moto on 127.0.0.1 with a bucket and a SageMaker execution role; this shell's AWS_* point at it."""
-    import boto3
-
+    """moto on 127.0.0.1 with a bucket, a SageMaker execution role and a role SageMaker cannot assume;
+    this shell's AWS_* point at it."""
     from diloco.testing.s3server import moto_s3
+    from diloco_sagemaker.testing import create_execution_role
 
     with moto_s3(bucket="diloco-sm") as server:
         for k, v in server["env"].items():
             monkeypatch.setenv(k, v)
-        iam = boto3.client("iam", endpoint_url=server["env"]["AWS_ENDPOINT_URL"], region_name="us-east-1")
-        untrusted = {**TRUST, "Statement": [{**TRUST["Statement"][0], "Principal": {"Service": "ec2.amazonaws.com"}}]}
-        for name, trust in (("diloco-sagemaker", TRUST), ("no-trust", untrusted)):
-            try:  # moto keeps IAM across servers in one process
-                iam.create_role(RoleName=name, AssumeRolePolicyDocument=json.dumps(trust))
-            except iam.exceptions.EntityAlreadyExistsException:
-                pass
+        assert create_execution_role(server["env"]["AWS_ENDPOINT_URL"]) == ROLE
+        create_execution_role(server["env"]["AWS_ENDPOINT_URL"], "no-trust", principal="ec2.amazonaws.com")
         yield server
 
 

@@ -38,9 +38,8 @@ from diloco.failures import cause_from_log, signal_cause
 from diloco.launchenv import REDACTED, check_ranks, is_secret_name, parse_entrypoint, redact_env, replica_env
 from diloco.procgroup import replica_command
 from diloco.protocol import LaunchPlan, ReplicaHandle, ReplicaResult, ReplicaStatus
-from diloco.runner import result_from_log
 from diloco.state import new_run_id
-from diloco.waiting import poll_until_terminal
+from diloco.waiting import poll_until_terminal, unless_failed
 
 from . import definition as d
 
@@ -315,14 +314,10 @@ class ModalExecutor:
         return [self._result(h, s) for h, s in zip(handles, statuses)]
 
     def _result(self, handle: ReplicaHandle, status: ReplicaStatus) -> ReplicaResult:
+        done = unless_failed(handle, status, lambda n: self.stream_logs(handle, n_lines=n))
+        if done is not None:
+            return done
         md = dict(handle.metadata)
-        if status is ReplicaStatus.CANCELLED:
-            return ReplicaResult(handle.rank, status, None, "cancelled", None, handle.attempt)
-        if status is ReplicaStatus.SUCCEEDED:  # the runner printed the entrypoint's result (JSON) last
-            result = result_from_log(self.stream_logs(handle, n_lines=5))
-            return ReplicaResult(handle.rank, status, 0, None, result, handle.attempt)
-        if not status.is_terminal:
-            return ReplicaResult(handle.rank, status, None, None, None, handle.attempt)
         tail = self.stream_logs(handle, n_lines=20).strip()
         if md["mode"] == "sandbox":
             code = self._call(f"poll {md['id']}", self._object(md).poll)

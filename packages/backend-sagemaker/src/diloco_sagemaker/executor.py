@@ -24,9 +24,8 @@ from diloco.errors import BackendError, UserError
 from diloco.failures import cause_from_log
 from diloco.launchenv import check_ranks, is_secret_name, parse_entrypoint, redact_env, replica_env
 from diloco.protocol import LaunchPlan, ReplicaHandle, ReplicaResult, ReplicaStatus
-from diloco.runner import result_from_log
 from diloco.state import new_run_id
-from diloco.waiting import poll_until_terminal
+from diloco.waiting import poll_until_terminal, unless_failed
 
 from . import request as rq
 from . import source
@@ -130,9 +129,13 @@ class SageMakerExecutor:
                              f"sagemaker.amazonaws.com, and the identity running diloco needs iam:PassRole on it "
                              f"({message})")
         if code == "ResourceLimitExceeded":
+            import re
+
+            found = re.search(r"ml\.[a-z0-9-]+\.[a-z0-9-]+", f"{message} {what}")
+            instance = found.group(0) if found else "the instance type"
             usage = "spot training job usage" if self.opts.spot else "training job usage"
-            return UserError(f"SageMaker quota reached ({what}): {message}; request more in Service Quotas "
-                             f"('<instance type> for {usage}') or choose another instance type")
+            return UserError(f"SageMaker quota reached for {instance}: {message} Request more in Service Quotas "
+                             f"('{instance} for {usage}'), or choose another instance type")
         if code in ("ValidationException", "ResourceInUse"):
             return UserError(f"SageMaker rejected {action} ({what}): {message}")
         return BackendError(f"AWS {action} failed ({what}): {code}: {message}")
@@ -290,14 +293,10 @@ class SageMakerExecutor:
         return [self._result(h, s) for h, s in zip(handles, statuses)]
 
     def _result(self, handle: ReplicaHandle, status: ReplicaStatus) -> ReplicaResult:
+        done = unless_failed(handle, status, lambda n: self.stream_logs(handle, n_lines=n))
+        if done is not None:
+            return done
         md = dict(handle.metadata)
-        if status is ReplicaStatus.CANCELLED:
-            return ReplicaResult(handle.rank, status, None, "cancelled", None, handle.attempt)
-        if status is ReplicaStatus.SUCCEEDED:  # the runner printed the entrypoint's result (JSON) last
-            result = result_from_log(self.stream_logs(handle, n_lines=20))
-            return ReplicaResult(handle.rank, status, 0, None, result, handle.attempt)
-        if not status.is_terminal:
-            return ReplicaResult(handle.rank, status, None, None, None, handle.attempt)
         job = self._describe(md) or {"TrainingJobName": md["job"], "FailureReason": "the training job is gone"}
         tail = self.stream_logs(handle, n_lines=20).strip()
         code = st.exit_code(job)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from .protocol import ReplicaHandle, ReplicaStatus
+from .protocol import ReplicaHandle, ReplicaResult, ReplicaStatus
 
 
 def poll_until_terminal(executor, handles: Sequence[ReplicaHandle], *, timeout: float | None,
@@ -17,3 +17,18 @@ def poll_until_terminal(executor, handles: Sequence[ReplicaHandle], *, timeout: 
         if all(s.is_terminal for s in statuses) or (deadline is not None and time.monotonic() >= deadline):
             return statuses
         time.sleep(interval)
+
+
+def unless_failed(handle: ReplicaHandle, status: ReplicaStatus, read_log) -> ReplicaResult | None:
+    """The result of a replica that did not fail, the same on every backend that has only logs:
+    cancelled, succeeded (the entrypoint's return value from the runner's last log line, read with
+    `read_log(n_lines)`), or not ended yet. None for a failure, which the backend explains itself."""
+    from .runner import result_from_log
+
+    if status is ReplicaStatus.CANCELLED:
+        return ReplicaResult(handle.rank, status, None, "cancelled", None, handle.attempt)
+    if status is ReplicaStatus.SUCCEEDED:
+        return ReplicaResult(handle.rank, status, 0, None, result_from_log(read_log(20)), handle.attempt)
+    if not status.is_terminal:
+        return ReplicaResult(handle.rank, status, None, None, None, handle.attempt)
+    return None

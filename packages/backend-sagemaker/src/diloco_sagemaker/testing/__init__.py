@@ -70,6 +70,24 @@ def pid_alive(pid: int | None) -> bool:
         return False
 
 
+def create_execution_role(aws_endpoint: str, name: str = "diloco-sagemaker",
+                          principal: str = "sagemaker.amazonaws.com") -> str:
+    """An IAM role on the moto server whose trust policy names `principal` (a role SageMaker can
+    assume, or with another principal one it cannot); returns its ARN. Idempotent: moto keeps IAM
+    across servers in one process."""
+    import boto3
+
+    iam = boto3.client("iam", endpoint_url=aws_endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                       aws_secret_access_key="testing")
+    trust = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
+                                                     "Principal": {"Service": principal}}]}
+    try:
+        iam.create_role(RoleName=name, AssumeRolePolicyDocument=json.dumps(trust))
+    except iam.exceptions.EntityAlreadyExistsException:
+        pass
+    return f"arn:aws:iam::{ACCOUNT}:role/{name}"
+
+
 class ApiError(Exception):
     def __init__(self, code: str, message: str, status: int = 400):
         super().__init__(message)
