@@ -41,6 +41,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from diloco.testing import process_alive
+
 ACCOUNT = "123456789012"
 GRACE_SECONDS = 5.0
 SPOT_WAIT_SECONDS = 3.0
@@ -61,13 +63,7 @@ def read_json(path: Path, default: Any = None) -> Any:
 
 
 def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, IndexError):
-        return False
+    return bool(pid) and process_alive(pid)
 
 
 def create_execution_role(aws_endpoint: str, name: str = "diloco-sagemaker",
