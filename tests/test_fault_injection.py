@@ -155,6 +155,35 @@ def test_random_sigkills_never_break_the_run(tmp_path, reference, run_index):
     assert abs(delta) < 0.03
 
 
+# Every sync-hiding mode, with a SIGKILL aimed at the gather: with overlap that is the background
+# thread's round, while the main thread goes on with inner steps.
+SYNC_MODES = {
+    "overlap+fragments+int4": 'overlap = true\nfragments = 5\ntransport = "int4"',
+    "overlap+topk": 'overlap = true\ntransport = "topk"',
+    "fragments+topk": 'fragments = 5\ntransport = "topk"',
+}
+
+
+@pytest.mark.parametrize("mode", SYNC_MODES)
+def test_a_replica_killed_mid_round_rejoins_in_every_sync_mode(tmp_path, mode):
+    spec = spec_for(tmp_path)
+    spec.write_text(spec.read_text().replace('transport = "fp32"', SYNC_MODES[mode]))
+    state, phase_dir = tmp_path / "state", tmp_path / "phases"
+    phase_dir.mkdir()
+    env = {"DILOCO_FAULT_PHASE_FILE": str(phase_dir / "phase-{rank}"), "DILOCO_FAULT_PHASE_DELAY": "0.15"}
+    proc, run_id = start(spec, state, env)
+    try:
+        time.sleep(4.0)
+        hit = kill_in_phase(state, run_id, phase_dir, random.Random(7), "gather")
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        proc.kill()
+    assert hit == "gather"
+    record, events, results = recovered(proc, out, state, run_id)
+    assert any(e["event"] == "failed" for e in events) and sum(e["event"] == "launch" for e in events) >= 2
+    assert all(r["rounds"] == results[0]["rounds"] for r in results)  # the relaunched one caught up
+
+
 def test_launcher_killed_mid_run_then_resumed_reaches_the_same_state(tmp_path, reference):
     state = tmp_path / "state"
     proc, run_id = start(spec_for(tmp_path), state)

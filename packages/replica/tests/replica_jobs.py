@@ -86,7 +86,7 @@ def mlp_rounds(ctx: ReplicaContext, steps: int = 12, dim: int = 64, delay_rank: 
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if ctx.rank == delay_rank and diloco.local_steps + 1 == diloco.H and diloco.round + 1 == delay_before_round:
+        if ctx.rank == delay_rank and step + 1 == delay_before_round * diloco.stride:  # before round r starts
             time.sleep(delay_s)
         info = diloco.step(loss=loss.item())
         if info is not None and ctx.rank == perturb_rank and info.round == perturb_round and ctx.attempt == 0:
@@ -136,6 +136,10 @@ def plain_lanes(ctx: ReplicaContext, steps: int = 8, dim: int = 16, fail_lane: i
                 crc = zlib.crc32(p.detach().numpy().tobytes(), crc)
             hashes[info.round] = crc
     diloco.close()
-    out = {"rank": ctx.rank, "lane": ctx.lane, "hashes": hashes, "numel": diloco.view.numel}
+    final = 0  # after the loop the model is θ_global, in every process of every replica
+    for p in model.parameters():
+        final = zlib.crc32(p.detach().numpy().tobytes(), final)
+    out = {"rank": ctx.rank, "lane": ctx.lane, "hashes": hashes, "numel": diloco.view.numel, "final": final,
+           "rounds": diloco.round}
     os.write(1, ("LANE-RESULT " + json.dumps(out) + "\n").encode())  # one write: the replica's processes share a log
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from replica_jobs import linear_data
@@ -57,9 +58,12 @@ def test_bit_identical_global_state_every_round_and_bytes_at_the_bound(replicas,
             assert 2 * (n - 1) / n * S <= rnd["bytes_down"] <= 1.01 * 2 * (n - 1) / n * S, (rnd, S)
 
 
-def test_absent_replica_is_left_out_then_rejoins(replicas, store_uri):
+@pytest.mark.parametrize("mode", [{}, {"overlap": True, "fragments": 2},
+                                  {"overlap": True, "fragments": 2, "transport": "topk"}],
+                         ids=["sync", "overlap+fragments", "overlap+fragments+topk"])
+def test_absent_replica_is_left_out_then_rejoins(replicas, store_uri, mode):
     """Rank 3 misses round 2 (asleep past round_timeout): the others finish it with 3; it rejoins."""
-    settings = {"sync_every": 2, "round_timeout": 3.0}
+    settings = {"sync_every": 2, "round_timeout": 3.0, **mode}
     handles = replicas.launch("mlp_rounds", 4, rendezvous=store_uri, settings=settings,
                               args={"steps": 8, "dim": 32, "delay_rank": 3, "delay_before_round": 2, "delay_s": 6.0})
     results = replicas.results(handles)

@@ -140,3 +140,62 @@ def test_a_replica_behind_the_retained_history_is_told_to_rejoin():
     with pytest.raises(FellBehind, match="rounds ≤ 5 were garbage-collected"):
         ar.run_round(4, torch.zeros(8))
     assert not list(store.list("run-g/r00000004/"))  # nothing written for the dead round
+
+
+# -- the sync-hiding codecs ---------------------------------------------------------------------
+
+
+def test_int4_round_trip_and_size():
+    from diloco_replica.codecs import INT4_BLOCK
+
+    x = torch.randn(50_001)
+    got = unpack(blob_of(x, "int4"), ID, "k").tensor()
+    rows = torch.nn.functional.pad(x, (0, (-x.numel()) % INT4_BLOCK)).view(-1, INT4_BLOCK)
+    step = (rows.abs().amax(1) / 7).repeat_interleave(INT4_BLOCK)[:x.numel()]
+    assert ((got - x).abs() <= 0.5 * step * 1.002 + 1e-6).all()  # within half a quantization step
+    assert encoded_nbytes(x.numel(), "int4") <= x.numel() * (0.5 + 2 / INT4_BLOCK) + 2
+
+
+def test_topk_keeps_the_largest_of_each_block_and_sends_only_them():
+    from diloco_replica.codecs import TOPK_BLOCK, sparsify
+
+    x = torch.randn(3 * TOPK_BLOCK + 100)
+    kept = sparsify(x, 0.01)
+    per_block = [(kept[a:a + TOPK_BLOCK] != 0).sum().item() for a in range(0, x.numel(), TOPK_BLOCK)]
+    assert per_block == [41, 41, 41, 41]
+    block = x[:TOPK_BLOCK].abs()
+    assert kept[:TOPK_BLOCK].abs().min().item() == 0 and \
+        set(kept[:TOPK_BLOCK].nonzero().flatten().tolist()) == set(block.topk(41).indices.tolist())
+    got = unpack(blob_of(kept, "topk"), ID, "k").tensor()
+    assert torch.equal(got != 0, kept != 0)
+    assert (got - kept).abs().max() <= kept.abs().max() / 127
+    assert len(blob_of(kept, "topk")) < 3 * 4 * 41 + 6 * 4 + 300  # 3 bytes per kept value, plus header
+
+
+def test_a_topk_payload_with_inconsistent_counts_is_corrupt():
+    from diloco_replica.codecs import sparsify
+
+    parts = encode_tensor(sparsify(torch.randn(5000), 0.01), "topk")
+    counts = bytearray(parts[1])
+    counts[0] ^= 0x01  # a writer bug, not bit rot: the checksum is computed over the bad bytes
+    parts[1] = memoryview(bytes(counts))
+    with pytest.raises(CorruptObject, match="payload size does not match codec"):
+        unpack(joined(pack(ID, parts, codec="topk", numel=5000)), ID, "k")
+
+
+def test_topk_error_feedback_loses_nothing():
+    """Over rounds, what was sent plus what is still in the residual is everything there was to send."""
+    store = open_store(f"memory://{uuid.uuid4().hex}")
+    ar = StoreAllReduce(store, "run-ef", 0, 1, codec="topk", topk_density=0.01, round_timeout=5,
+                        poll_interval=0.001, poll_max=0.01)
+    residual = torch.zeros(20_000)
+    total_in, total_sent = torch.zeros(20_000), torch.zeros(20_000)
+    for r in range(1, 6):
+        delta = torch.randn(20_000, generator=torch.Generator().manual_seed(r))
+        total_in += delta
+        res = ar.run_round(r, delta.clone(), in_place=True, residual=residual)
+        assert (res.mean != 0).sum() <= 5 * 41 + 41  # one member: its sparse contribution is the mean
+        total_sent += res.mean
+    ar.close()
+    assert torch.allclose(total_sent + residual, total_in, atol=1e-4)
+    assert residual.abs().sum() > 0

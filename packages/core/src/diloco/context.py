@@ -82,12 +82,14 @@ class ReplicaContext:
 
     @cached_property
     def store(self):
-        """The run's object store (opened on first use; needs a rendezvous URI)."""
+        """The run's object store (opened on first use; needs a rendezvous URI), behind a
+        throttled link only when the environment asks for one (`diloco.throttle`)."""
         from .store import open_store
+        from .throttle import throttled_from_env
 
         if not self.rendezvous:
             raise RuntimeError(f"no rendezvous URI: set {v.ENV_RENDEZVOUS} or the spec's `rendezvous`")
-        return open_store(self.rendezvous)
+        return throttled_from_env(open_store(self.rendezvous))
 
 
 def _parse_json(text: str) -> dict[str, object]:

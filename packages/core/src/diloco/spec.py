@@ -150,7 +150,14 @@ DILOCO = {
     "outer_lr": Field("float", default=0.7, min=0),
     "outer_momentum": Field("float", default=0.9, min=0, max=1),
     "nesterov": Field("bool", default=True),
-    "transport": Field("str", default="fp32", choices=("fp32", "bf16", "fp16", "int8")),
+    "transport": Field("str", default="fp32", choices=("fp32", "bf16", "fp16", "int8", "int4", "topk"),
+                       help="the codec on the wire; accumulation is always fp32 (docs/sync-modes.md)"),
+    "topk_density": Field("float", default=0.01, min=0.0001, max=1,
+                          help="transport topk: the fraction of each 4,096-element block sent"),
+    "fragments": Field("int", default=1, min=1, max=1024,
+                       help="K: the model syncs in K staggered fragments, one every sync_every/K steps"),
+    "overlap": Field("bool", default=False,
+                     help="exchange a round in the background while inner steps go on; merged one round late"),
     "round_timeout": Field("float", default=300.0, min=0.1),
     "min_members": Field("int", default=1, min=1, help="fewest replicas a sync round may average over"),
     "checkpoint_every": Field("int", default=10, min=1, help="rounds between checkpoints of the global state"),
@@ -210,6 +217,9 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", base_dir: Pat
     if diloco["min_members"] > top["replicas"]:
         raise SpecError(f"{where}: `diloco.min_members` ({diloco['min_members']}) exceeds `replicas` "
                         f"({top['replicas']})")
+    if diloco["sync_every"] % diloco["fragments"]:
+        raise SpecError(f"{where}: `diloco.fragments` ({diloco['fragments']}) must divide `diloco.sync_every` "
+                        f"({diloco['sync_every']}): one fragment syncs every sync_every/fragments inner steps")
     for key, value in top["env"].items():
         if not _ENV_NAME.match(key) or not isinstance(value, (str, int, float, bool)):
             raise SpecError(f"{where}: `env.{key}` must be a valid variable name with a string value")

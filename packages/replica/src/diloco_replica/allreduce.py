@@ -23,6 +23,11 @@ keeps the bytes it wrote until its next round: a reader asks with ``r/repair/j``
 
 Per replica and round, with its shard reduced by itself: up S (N−1 shards out, one reduced
 shard), down 2(N−1)/N·S — the ring all-reduce bound; O(N) requests.
+
+With the `topk` transport a replica first sparsifies each shard of Δ + its error-feedback
+residual (`codecs.sparsify`), keeps what it does not send in the residual, and contributes to
+the mean exactly what the others decode from it; a reducer's mean is the union of its members'
+supports, encoded sparse as well.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from .history import History
 from .lanes import Lanes
 from .membership import FellBehind, Membership, RoundFailed
 from .transport import Backoff, CountingStore, LaneShards, RunKeys, Traffic, reducer_of, shard_bounds
+from .codecs import sparsify
 from .wire import CorruptObject, Identity, decode_tensor, encode_tensor, pack, unpack
 
 __all__ = ["FellBehind", "RoundFailed", "RoundResult", "StoreAllReduce"]
@@ -68,7 +74,7 @@ class StoreAllReduce:
     def __init__(self, store: Store, run_id: str, rank: int, world_size: int, *, codec: str = "fp32",
                  round_timeout: float = 300.0, min_members: int = 1, poll_interval: float = 0.05,
                  poll_max: float = 1.0, workers: int = 8, log: Callable[[str], None] | None = None,
-                 lanes: Lanes | None = None):
+                 lanes: Lanes | None = None, topk_density: float = 0.02):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         self.store = CountingStore(store)
@@ -78,6 +84,7 @@ class StoreAllReduce:
         self.shards = LaneShards(self.lanes.index, world_size, self.lanes.count)
         self.sid = self.shards.sid  # shard j of this lane, as the store names it
         self.codec = codec
+        self.topk_density = topk_density
         self.round_timeout = round_timeout
         self.poll_interval, self.poll_max = poll_interval, poll_max
         self.pool = ThreadPoolExecutor(max_workers=max(2, min(workers, 2 * world_size)))
@@ -95,11 +102,14 @@ class StoreAllReduce:
 
     # -- the round ---------------------------------------------------------------------------
 
-    def run_round(self, r: int, delta: torch.Tensor, *, in_place: bool = False) -> RoundResult:
+    def run_round(self, r: int, delta: torch.Tensor, *, in_place: bool = False,
+                  residual: torch.Tensor | None = None) -> RoundResult:
         """Take part in round `r` with `delta` (fp32, CPU, flat); return the members' mean.
 
         `in_place`: the mean is written over `delta` (shard j's slice of Δ is only read until
         shard j's mean is known), so a round holds one model-sized buffer, not two.
+        `residual`: the topk transport's error feedback, as long as `delta`; added to Δ before
+        sparsifying, and left holding what was not sent.
         """
         t0, before = time.monotonic(), self.store.traffic.snapshot()
         delta = delta.detach().to("cpu", torch.float32).reshape(-1)
@@ -107,9 +117,10 @@ class StoreAllReduce:
         members = self.lanes.on_leader(lambda: self._decided_or_open(r))
         if members is None:
             self.phase("upload", r)
+            encoded = self._sparsify(delta, bounds, residual) if self.codec == "topk" else {}
 
             def upload() -> None:
-                for f in [self.pool.submit(self._put_scatter, r, j, delta[a:b])
+                for f in [self.pool.submit(self._put_scatter, r, j, delta[a:b], encoded.get(j))
                           for j, (a, b) in enumerate(bounds) if j != self.rank]:
                     f.result()
 
@@ -184,9 +195,29 @@ class StoreAllReduce:
         except ObjectExists:
             return False
 
-    def _put_scatter(self, r: int, owner: int, part: torch.Tensor) -> None:
+    def _sparsify(self, delta: torch.Tensor, bounds: list[tuple[int, int]],
+                  residual: torch.Tensor | None) -> dict[int, list[memoryview]]:
+        """topk: Δ (+ residual) → what is sent, shard by shard; Δ becomes exactly what readers decode.
+
+        Returns each shard's encoded payload, so uploads do not encode twice.
+        """
+        encoded = {}
+        for j, (a, b) in enumerate(bounds):
+            part = delta[a:b]
+            if residual is not None:
+                part += residual[a:b]
+            parts = encode_tensor(sparsify(part, self.topk_density), "topk")
+            sent = decode_tensor(b"".join(parts), "topk", b - a)
+            if residual is not None:
+                torch.sub(part, sent, out=residual[a:b])
+            part.copy_(sent)
+            encoded[j] = parts
+        return encoded
+
+    def _put_scatter(self, r: int, owner: int, part: torch.Tensor, encoded: list[memoryview] | None = None) -> None:
         ident = Identity(self.run_id, r, "scatter", self.sid(owner), self.rank)
-        blob = pack(ident, encode_tensor(part, self.codec), codec=self.codec, numel=part.numel())
+        encoded = encoded if encoded is not None else encode_tensor(part, self.codec)
+        blob = pack(ident, encoded, codec=self.codec, numel=part.numel())
         self._put(self.keys.scatter(r, self.sid(owner), self.rank), blob)
         self.corrupt(self.store.store, self.keys.scatter(r, self.sid(owner), self.rank), "scatter", r, self.sid(owner),
                      self.rank)
@@ -405,4 +436,5 @@ class StoreAllReduce:
 
     def describe(self) -> dict[str, Any]:
         return {"run": self.run_id, "rank": self.rank, "world_size": self.n, "codec": self.codec,
+                "topk_density": self.topk_density,
                 "lane": self.lanes.index, "lanes": self.lanes.count}

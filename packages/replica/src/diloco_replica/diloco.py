@@ -14,17 +14,29 @@ table (ctx.settings) unless given as keyword arguments here.
 `model` may be a plain module, a DDP-wrapped one or an FSDP2 (`fully_shard`) one. In a replica
 of L processes (torchrun) each process syncs its lane (`lanes`, `modelview`): 1/L of the
 replicated parameters, or the shards it holds.
+
+Hiding the sync (docs/sync-modes.md):
+- `fragments = K` (Streaming DiLoCo): round r syncs fragment (r − 1) mod K, one round every H/K
+  inner steps, so each fragment still syncs every H steps and a round moves 1/K of the model.
+- `overlap = true` (eager/one-round-late outer steps): a round's exchange runs on a background
+  thread while inner steps go on; its outer step is merged as soon as it has arrived (at the
+  latest at the next round, which is the only time training waits for the store). The merge
+  keeps the local progress made while the round was in flight: the fragment becomes
+  θ_local + (θ_global_new − θ_local_at_sync), so the next Δ counts every inner step exactly once.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from diloco.context import ReplicaContext
+from diloco.errors import UserError
 from diloco.metrics import RoundMetrics
 from diloco.spec import DILOCO
 from diloco.store import verify_store
@@ -43,6 +55,19 @@ DEFAULTS: dict[str, Any] = {key: f.default for key, f in DILOCO.items()}
 POLL_BY_SCHEME = {"file": (0.005, 0.05), "memory": (0.005, 0.05), "s3": (0.05, 1.0)}
 
 RoundInfo = RoundMetrics  # what `DiLoCo.step` returns: the round's metrics row (one type, in diloco.metrics)
+
+
+@dataclass
+class InFlight:
+    """A round whose exchange runs in the background (overlap)."""
+
+    round: int
+    part: int                   # the fragment it updates
+    local: torch.Tensor         # the fragment's local parameters when the round began
+    future: Future              # → RoundResult
+    compute_s: float            # inner-step time of the phase the round closes
+    blocked_s: float            # time the training loop spent starting it
+    work: tuple[int, list[float]]  # tokens and losses of that phase
 
 
 def inner_optimizer(params, *, lr: float = 4e-4, weight_decay: float = 0.1, betas=(0.9, 0.95)) -> torch.optim.AdamW:
@@ -64,6 +89,11 @@ class DiLoCo:
         self.lanes = Lanes.join(self.ctx.lanes, self.ctx.lane, self._log)
         self.view = model_view(model, self.lanes)  # what this process syncs: its lane of the model
         self.H = int(s["sync_every"])
+        self.fragments = int(s["fragments"])
+        if self.fragments < 1 or self.H % self.fragments:
+            raise UserError(f"diloco setting fragments={self.fragments} must divide sync_every={self.H}")
+        self.stride = self.H // self.fragments  # inner steps between rounds
+        self.overlap = bool(s["overlap"])
         self.store = store if store is not None else self.ctx.store
         verify_store(self.store, self.ctx.run_id, f"rank-{self.ctx.rank}-{self.ctx.lane}-attempt-{self.ctx.attempt}")
         first, cap = POLL_BY_SCHEME.get(self.store.uri.split(":", 1)[0], POLL_BY_SCHEME["s3"])
@@ -71,11 +101,16 @@ class DiLoCo:
             self.store, self.ctx.run_id, self.ctx.rank, self.ctx.world_size, codec=s["transport"],
             round_timeout=float(s["round_timeout"]), min_members=int(s["min_members"]),
             poll_interval=float(s["poll_interval"] or first), poll_max=float(s["poll_max"] or cap), log=self._log,
-            lanes=self.lanes)
+            lanes=self.lanes, topk_density=float(s["topk_density"]))
         on_cuda = any(t.device.type == "cuda" for t in self.view.tensors[:1])
         self.state = GlobalState(self.allreduce, self.view.numel, lr=float(s["outer_lr"]),
                                  momentum=float(s["outer_momentum"]), nesterov=bool(s["nesterov"]),
-                                 checkpoint_every=int(s["checkpoint_every"]), log=self._log, pin=on_cuda)
+                                 checkpoint_every=int(s["checkpoint_every"]), log=self._log, pin=on_cuda,
+                                 fragments=self.fragments)
+        # topk's error feedback: what this lane has not sent yet. A (re)joining replica starts at zero.
+        self.residual = torch.zeros(self.view.numel) if s["transport"] == "topk" else None
+        self._inflight: InFlight | None = None
+        self._exchanger = ThreadPoolExecutor(1, thread_name_prefix="diloco-round") if self.overlap else None
         self.recorder = Recorder(self.allreduce, self._log)
         self.state.bootstrap(self.view.read)  # θ_0 from this replica's model if the run is new
         self.view.write(self.state.theta)
@@ -97,28 +132,56 @@ class DiLoCo:
 
     @property
     def global_step(self) -> int:
-        return self.state.round * self.H + self.local_steps
+        started = self._inflight.round if self._inflight is not None else self.state.round
+        return started * self.stride + self.local_steps
 
     def steps(self, total_steps: int) -> Iterator[int]:
-        """Global step indices still to do; a rejoining replica starts where the run is."""
+        """Global step indices still to do; a rejoining replica starts where the run is.
+
+        When the loop ends the round still in flight (overlap) is merged and the model is set to
+        θ_global, the state every replica agrees on, so what training code evaluates or saves
+        after the loop is the global model on every replica. (Inner steps after the last round,
+        and with fragments the other fragments' steps since their last round, are not in it.)
+        """
         while self.global_step < total_steps:
             yield self.global_step
+        self.finish()
+        self._wait_for_record()  # its lane exchange and the write below share the lanes' group
+        self.view.write(self.state.theta)
 
     def step(self, loss: float | None = None, tokens: int = 0) -> RoundMetrics | None:
-        """Call after each inner optimizer step; syncs every H steps."""
+        """Call after each inner optimizer step; a round every sync_every/fragments steps.
+
+        Returns the metrics row of a round when its outer step has been applied here.
+        """
         self.local_steps += 1
         if loss is not None:
             self._losses.append(float(loss))
         self._tokens += int(tokens)
-        info = self.sync() if self.local_steps >= self.H else None
+        if self.local_steps >= self.stride:
+            info = self.sync()
+        elif self._inflight is not None and self._inflight.future.done() and self.lanes.count == 1:
+            info = self._merge()  # arrived: merge now (a replica of several processes merges at the next round)
+        else:
+            info = None
         self.ctx.global_step = self.global_step
         return info
 
+    def finish(self) -> RoundMetrics | None:
+        """Merge the round in flight, if any (overlap): wait for its result and apply it."""
+        return self._merge() if self._inflight is not None else None
+
     # -- the round ---------------------------------------------------------------------------
 
-    def sync(self) -> RoundMetrics:
+    def sync(self) -> RoundMetrics | None:
+        """Start the next round: run it here, or (overlap) hand it to the background thread.
+
+        Returns the row of the round applied during this call: this round's, or with overlap
+        the previous round's if it had not been merged yet (None if there was none).
+        """
         compute_s = time.monotonic() - self._compute_start
-        t0 = time.monotonic()
+        merged = self._merge() if self._inflight is not None else None  # the one wait overlap has: a round late
+        t0 = time.monotonic()  # (the merge's wait is in the merged round's row)
         self._wait_for_record()  # the previous round's digest must be of the state before this step
         since = self.state.round - 1
         diverged = self.lanes.on_leader(lambda: self.recorder.diverged_since(since)) if self.state.round > 0 else None
@@ -128,38 +191,82 @@ class DiLoCo:
             self.state.repair_divergence(diverged, None)
             self.recorder.skip_through(self.state.round)  # later summaries still show the old state
             return self._adopted(compute_s, t0)
-        delta = self.view.read()
-        torch.sub(self.state.theta, delta, out=delta)  # Δ = θ_global − θ_local, in the read buffer
+        r = self.state.round + 1
+        part = self.state.fragment(r)
+        a, b = self.state.bounds(r)
+        local = self.view.read_part(part, self.fragments)
+        residual = self.residual[a:b] if self.residual is not None else None
+        if self.overlap:
+            delta = torch.sub(self.state.theta[a:b], local)  # Δ = θ_global − θ_local; `local` is kept for the merge
+            future = self._exchanger.submit(self._exchange, r, delta, residual)
+            self._inflight = InFlight(r, part, local, future, compute_s, time.monotonic() - t0,
+                                      (self._tokens, self._losses))
+            self._next_phase()
+            return merged
+        torch.sub(self.state.theta[a:b], local, out=local)  # Δ = θ_global − θ_local, in the read buffer
         try:
-            result: RoundResult = self.lanes.agree(
-                lambda: self.allreduce.run_round(self.state.round + 1, delta, in_place=True))
+            result = self._exchange(r, local, residual)
         except FellBehind as exc:
             self._log(f"{exc}; rejoining from the latest checkpoint")
             self.state.bootstrap(None)
             return self._adopted(compute_s, t0)
+        return self._apply(result, part, None, compute_s, t0, 0.0, (self._tokens, self._losses))
+
+    def _exchange(self, r: int, delta: torch.Tensor, residual: torch.Tensor | None) -> RoundResult:
+        """Round r's all-reduce of Δ (the mean is written over it); every lane agrees on the outcome."""
+        return self.lanes.agree(lambda: self.allreduce.run_round(r, delta, in_place=True, residual=residual))
+
+    def _merge(self) -> RoundMetrics:
+        """Wait for the round in flight (if it has not arrived yet) and apply it."""
+        flight, self._inflight = self._inflight, None
+        t0 = time.monotonic()
+        try:
+            result = flight.future.result()
+        except FellBehind as exc:
+            self._log(f"{exc}; rejoining from the latest checkpoint")
+            self._wait_for_record()
+            self.state.bootstrap(None)
+            return self._adopted(flight.compute_s, t0, next_phase=False)
+        self._wait_for_record()  # the last round's digest is of the state before this outer step
+        return self._apply(result, flight.part, flight.local, flight.compute_s, t0, flight.blocked_s, flight.work)
+
+    def _apply(self, result: RoundResult, part: int, local_at_sync: torch.Tensor | None, compute_s: float,
+               t0: float, blocked_s: float, work: tuple[int, list[float]]) -> RoundMetrics:
+        """The round's outer step on θ_global, then its fragment into the model; the round's row."""
         self.allreduce.phase("outer", result.round)
         self.state.apply(result.round, result.mean, result.members)
-        result.mean = delta = None  # the round's one model-sized buffer (the mean was written over Δ)
+        result.mean = None  # the round's one fragment-sized buffer (the mean was written over Δ)
+        a, b = self.state.bounds(result.round)
         if not result.member:
             self.state.catch_up()  # others may be rounds ahead: adopt every completed round
-        self.view.write(self.state.theta)
+            self.view.write(self.state.theta)  # and the whole global model, as a rejoining replica does
+        elif local_at_sync is None:
+            self.view.write_part(self.state.theta[a:b], part, self.fragments)
+        else:  # overlap: keep the inner steps made since the round began, on top of the new global state
+            now = self.view.read_part(part, self.fragments)
+            now += self.state.theta[a:b]
+            now -= local_at_sync
+            self.view.write_part(now, part, self.fragments)
         # the replica's row: every lane's bytes, requests and tokens; the mean loss over its processes
+        tokens, losses = work
         sums = self.lanes.total({"bytes_up": result.traffic.bytes_up, "bytes_down": result.traffic.bytes_down,
-                                 **result.traffic.requests(), "tokens": self._tokens,
-                                 "loss_sum": sum(self._losses), "loss_n": len(self._losses)})
+                                 **result.traffic.requests(), "tokens": tokens,
+                                 "loss_sum": sum(losses), "loss_n": len(losses)})
         loss_sum, loss_n = sums.pop("loss_sum"), sums.pop("loss_n")
         info = RoundMetrics(
             round=result.round, rank=self.ctx.rank, attempt=self.ctx.attempt, members=result.members,
             member=result.member, loss=loss_sum / loss_n if loss_n else None, tokens=int(sums.pop("tokens")),
             bytes_up=int(sums.pop("bytes_up")), bytes_down=int(sums.pop("bytes_down")),
-            compute_s=compute_s, sync_s=time.monotonic() - t0, requests={k: int(v) for k, v in sums.items()},
+            compute_s=compute_s, sync_s=blocked_s + time.monotonic() - t0,
+            requests={k: int(v) for k, v in sums.items()},
             takeovers=result.takeovers, incidents=result.incidents, t=time.time())
         self._warn_if_alone(info)
         self.history.append(info)
         # θ and the momentum stay as they are until the next round's outer step, so their digest
         # (a CRC over 8 bytes per parameter, ~2 GB/s) and the row's write overlap the next inner steps.
         self._pending_row = self.allreduce.pool.submit(self._record, info)
-        self._next_phase()
+        if local_at_sync is None:
+            self._next_phase()
         return info
 
     def _record(self, info: RoundMetrics) -> None:
@@ -176,13 +283,14 @@ class DiLoCo:
             self._pending_row.result()
             self._pending_row = None
 
-    def _adopted(self, compute_s: float, t0: float) -> RoundMetrics:
+    def _adopted(self, compute_s: float, t0: float, *, next_phase: bool = True) -> RoundMetrics:
         """Took no part in a round: adopted the run's state instead (rejoin or divergence repair)."""
         self.view.write(self.state.theta)
         info = RoundMetrics(round=self.state.round, rank=self.ctx.rank, attempt=self.ctx.attempt, member=False,
                             tokens=self._tokens, compute_s=compute_s, sync_s=time.monotonic() - t0, t=time.time())
         self.history.append(info)
-        self._next_phase()
+        if next_phase:
+            self._next_phase()
         return info
 
     def _next_phase(self) -> None:
@@ -204,6 +312,9 @@ class DiLoCo:
         self.ctx.log.info(msg)
 
     def close(self) -> None:
+        self.finish()
+        if self._exchanger is not None:
+            self._exchanger.shutdown(wait=True)
         self._wait_for_record()
         self.allreduce.close()
         self.lanes.close()

@@ -5,6 +5,11 @@ outer step itself (`outer.outer_step`, bit-reproducible), on bit-identical decod
 replicas stay identical without ever sending θ. A replica that starts, restarts, falls behind
 the retained history, or learns that its state diverged from the others' loads the newest
 usable checkpoint and replays the rounds after it (`history.History`).
+
+With `fragments = K` the flat vector is K contiguous fragments and round r updates fragment
+(r − 1) mod K only (Streaming DiLoCo's staggered schedule): each fragment keeps its own slice of
+θ_global and of the momentum, so a fragment's outer step sees exactly its own rounds.
+Checkpoints hold the whole state after a round, whichever fragment it updated.
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ from .allreduce import StoreAllReduce
 from .lanes import Retry
 from .membership import FellBehind, RoundFailed
 from .outer import outer_step, state_digest
-from .transport import Backoff, reducer_of
+from .transport import Backoff, reducer_of, shard_bounds
 
 
 class GlobalState:
     def __init__(self, allreduce: StoreAllReduce, numel: int, *, lr: float, momentum: float, nesterov: bool,
-                 checkpoint_every: int = 10, log: Callable[[str], None] | None = None, pin: bool = False):
+                 checkpoint_every: int = 10, log: Callable[[str], None] | None = None, pin: bool = False,
+                 fragments: int = 1):
         self.ar = allreduce
         self.history = allreduce.history
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
@@ -35,6 +41,18 @@ class GlobalState:
         self.written: dict[int, list[int]] = {}  # checkpoint round -> shards this replica wrote
         self.numel = numel  # of this lane
         self.pin = pin      # pinned host buffers (the model is on CUDA)
+        self.fragments = fragments
+        self.fragment_bounds = shard_bounds(numel, fragments)
+
+    # -- fragments ---------------------------------------------------------------------------
+
+    def fragment(self, r: int) -> int:
+        """The fragment round r updates."""
+        return (r - 1) % self.fragments
+
+    def bounds(self, r: int) -> tuple[int, int]:
+        """Round r's slice of this lane's flat vector."""
+        return self.fragment_bounds[self.fragment(r)]
 
     # -- start -------------------------------------------------------------------------------
 
@@ -91,7 +109,8 @@ class GlobalState:
         start = self.round
 
         def apply_next() -> None:
-            res = self.ar.fetch(self.round + 1, self.theta.numel())
+            a, b = self.bounds(self.round + 1)
+            res = self.ar.fetch(self.round + 1, b - a)
             self.apply(res.round, res.mean, res.members)
 
         def replay_complete() -> None:
@@ -132,10 +151,12 @@ class GlobalState:
     # -- each round --------------------------------------------------------------------------
 
     def apply(self, r: int, mean_delta: torch.Tensor, members: list[int]) -> None:
-        """The outer step for round r, then a checkpoint if this round is a checkpoint round."""
+        """The outer step for round r (on its fragment), then a checkpoint if r is a checkpoint round."""
         if r != self.round + 1:
             raise RoundFailed(f"applying round {r} on top of round {self.round}")
-        outer_step(self.theta, self.buf, mean_delta, lr=self.lr, momentum=self.momentum, nesterov=self.nesterov)
+        a, b = self.bounds(r)
+        outer_step(self.theta[a:b], self.buf[a:b], mean_delta, lr=self.lr, momentum=self.momentum,
+                   nesterov=self.nesterov)
         self.round = r
         if r % self.checkpoint_every == 0:
             mine = [j for j in range(self.ar.n) if reducer_of(j, members) == self.ar.rank]

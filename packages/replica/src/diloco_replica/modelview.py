@@ -13,6 +13,10 @@
 when the parameters are on CUDA, so copies to and from the device are DMA). Reads and writes
 go through `torch.no_grad` copies, so any device and dtype works and the fp32 outer step is
 the same bit-exact host computation on every replica.
+
+`read_part` / `write_part` move fragment p of K (`fragments`): the p-th of K contiguous slices
+of each lane, so a round that updates one fragment touches 1/K of the model and leaves the
+local progress of the others alone.
 """
 
 from __future__ import annotations
@@ -48,14 +52,24 @@ class ModelView:
 
     def read(self) -> torch.Tensor:
         """This lane's parameters as a new fp32 host vector."""
-        out = host_empty(self.numel, self.tensors[0] if self.tensors else None)
-        for t, a, b, off in self._pieces(self.start, self.stop):
-            out[off - self.start: off - self.start + (b - a)].copy_(t.detach().reshape(-1)[a:b])
+        return self.read_part(0, 1)
+
+    def read_part(self, part: int, parts: int) -> torch.Tensor:
+        """Fragment `part` of `parts` of this lane, as a new fp32 host vector."""
+        a, b = shard_bounds(self.numel, parts)[part]
+        start, stop = self.start + a, self.start + b
+        out = host_empty(stop - start, self.tensors[0] if self.tensors else None)
+        for t, x, y, off in self._pieces(start, stop):
+            out[off - start: off - start + (y - x)].copy_(t.detach().reshape(-1)[x:y])
         return out
 
     def write(self, theta: torch.Tensor) -> None:
         """Put this lane's θ into the model (and, where replicated, every other lane's too)."""
-        self._write_range(self.start, theta)
+        self.write_part(theta, 0, 1)
+
+    def write_part(self, values: torch.Tensor, part: int, parts: int) -> None:
+        """Put fragment `part` of `parts` of this lane into the model (every lane's, where replicated)."""
+        self._write_range(self.start + shard_bounds(self.numel, parts)[part][0], values)
 
     def _write_range(self, start: int, values: torch.Tensor) -> None:
         with torch.no_grad():
@@ -85,19 +99,21 @@ class ReplicatedView(ModelView):
         self.lanes = lanes
         self.total = total
 
-    def write(self, theta: torch.Tensor) -> None:
+    def write_part(self, values: torch.Tensor, part: int, parts: int) -> None:
         if self.lanes.count == 1:
-            return self._write_range(self.start, theta)
+            return super().write_part(values, part, parts)
         import torch.distributed as dist
 
         device = self.tensors[0].device if self.tensors else torch.device("cpu")
         on_gpu = device.type == "cuda" and dist.get_backend() == "nccl"
         group = None if on_gpu else self.lanes.group  # NCCL over the replica's GPUs, else diloco's gloo group
-        for k, (a, b) in enumerate(self.bounds):
+        for k, (start, stop) in enumerate(self.bounds):  # lane k's fragment, broadcast from lane k
+            x, y = shard_bounds(stop - start, parts)[part]
+            a, b = start + x, start + y
             for lo in range(a, b, CHUNK):
                 hi = min(b, lo + CHUNK)
                 if k == self.lanes.index:
-                    piece = theta[lo - a: hi - a].to(device if on_gpu else "cpu", non_blocking=False)
+                    piece = values[lo - a: hi - a].to(device if on_gpu else "cpu", non_blocking=False)
                 else:
                     piece = torch.empty(hi - lo, dtype=torch.float32, device=device if on_gpu else "cpu")
                 try:

@@ -40,6 +40,8 @@ def summarize(rounds: list[RoundSummary], *, eval_loss: float | None, steps: int
         "parameters": n_params,
         "transport": settings.get("transport"),
         "sync_every": settings.get("sync_every"),
+        "fragments": settings.get("fragments"),
+        "overlap": settings.get("overlap"),
         "bytes_communicated": moved,
         "data_parallel_bytes": dp,
         "communication_reduction": dp / moved if moved else None,

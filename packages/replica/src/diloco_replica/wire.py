@@ -9,9 +9,8 @@ what the reader expected, so a truncated, corrupted, malformed or foreign object
 another round, another shard — e.g. from a reused rendezvous URI) raises `CorruptObject` (never
 KeyError or TypeError) and is never averaged in.
 
-Codecs turn an fp32 vector into transport bytes and back into fp32 (accumulation is always
-fp32): fp32 (4 B/elem), bf16 and fp16 (2 B/elem), int8 (1 B/elem + one fp32 scale per
-INT8_CHUNK elements, symmetric absmax scaling per chunk).
+The payload is encoded by one of the transport codecs in `codecs` (fp32, bf16, fp16, int8,
+int4, topk); accumulation is always fp32.
 """
 
 from __future__ import annotations
@@ -25,11 +24,14 @@ from typing import Any
 
 import torch
 
+from .codecs import CODECS, INT8_CHUNK, BadPayload, decode, encode, encoded_nbytes
+
+__all__ = ["CODECS", "INT8_CHUNK", "CorruptObject", "Identity", "Unpacked", "decode_tensor", "encode_tensor",
+           "encoded_nbytes", "joined", "pack", "pack_json", "unpack"]
+
 MAGIC = b"DLCO"
 VERSION = 2
-INT8_CHUNK = 2048
 _PREFIX = struct.Struct("<4sBII")
-CODECS = ("fp32", "bf16", "fp16", "int8")
 # Decoding reads straight from the downloaded (read-only) buffer and always copies out; torch's
 # warning about non-writable buffers does not apply.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -39,61 +41,8 @@ class CorruptObject(Exception):
     """An object failed verification: wrong magic, length, checksum, or identity."""
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    """Zero-copy byte view of a contiguous CPU tensor (bf16 through an int16 view)."""
-    t = t.contiguous()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return memoryview(t.numpy()).cast("B")
-
-
-def encoded_nbytes(numel: int, codec: str) -> int:
-    if codec == "fp32":
-        return 4 * numel
-    if codec in ("bf16", "fp16"):
-        return 2 * numel
-    if codec == "int8":
-        return numel + 4 * ((numel + INT8_CHUNK - 1) // INT8_CHUNK)
-    raise ValueError(f"unknown codec {codec!r}; use one of {CODECS}")
-
-
-def encode_tensor(x: torch.Tensor, codec: str) -> list[memoryview]:
-    """fp32 CPU vector → payload parts (concatenated on the wire)."""
-    x = x.detach().reshape(-1)
-    if codec == "fp32":
-        return [_as_bytes(x.float())]
-    if codec == "bf16":
-        return [_as_bytes(x.to(torch.bfloat16))]
-    if codec == "fp16":
-        return [_as_bytes(x.to(torch.float16))]
-    if codec == "int8":
-        n = x.numel()
-        pad = (-n) % INT8_CHUNK
-        rows = torch.nn.functional.pad(x.float(), (0, pad)).view(-1, INT8_CHUNK)
-        scale = rows.abs().amax(dim=1) / 127.0
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:n]
-        return [_as_bytes(scale), _as_bytes(q)]
-    raise ValueError(f"unknown codec {codec!r}; use one of {CODECS}")
-
-
-def decode_tensor(payload: memoryview | bytes, codec: str, numel: int) -> torch.Tensor:
-    """Payload → fp32 vector (read-only use: for fp32 it is a view of the payload)."""
-    buf = memoryview(payload)
-    if codec == "fp32":  # a view: torch.frombuffer keeps the buffer alive, and callers only read it
-        return torch.frombuffer(buf, dtype=torch.float32, count=numel)
-    if codec == "bf16":
-        return torch.frombuffer(buf, dtype=torch.int16, count=numel).view(torch.bfloat16).float()
-    if codec == "fp16":
-        return torch.frombuffer(buf, dtype=torch.float16, count=numel).float()
-    if codec == "int8":
-        n_chunks = (numel + INT8_CHUNK - 1) // INT8_CHUNK
-        scale = torch.frombuffer(buf, dtype=torch.float32, count=n_chunks)
-        q = torch.frombuffer(buf, dtype=torch.int8, count=numel, offset=4 * n_chunks).float()
-        pad = (-numel) % INT8_CHUNK
-        rows = torch.nn.functional.pad(q, (0, pad)).view(-1, INT8_CHUNK) * scale[:, None]
-        return rows.reshape(-1)[:numel].contiguous()
-    raise ValueError(f"unknown codec {codec!r}; use one of {CODECS}")
+# The codecs, under the names the rest of the package has always used.
+encode_tensor, decode_tensor = encode, decode
 
 
 @dataclass(frozen=True)
@@ -130,13 +79,17 @@ def joined(blob: list[bytes | memoryview]) -> bytes:
 class Unpacked:
     header: dict[str, Any]
     payload: memoryview
+    key: str = ""
 
     @property
     def meta(self) -> dict[str, Any]:
         return self.header.get("meta", {})
 
     def tensor(self) -> torch.Tensor:
-        return decode_tensor(self.payload, self.header["codec"], self.header["numel"])
+        try:
+            return decode(self.payload, self.header["codec"], self.header["numel"])
+        except BadPayload as exc:  # checksummed by its writer, so the writer encoded it wrong: still foreign
+            raise CorruptObject(f"{self.key}: {exc}") from None
 
 
 def unpack(blob: bytes | memoryview, expect: Identity, key: str) -> Unpacked:
@@ -169,9 +122,9 @@ def unpack(blob: bytes | memoryview, expect: Identity, key: str) -> Unpacked:
     want = (expect.run, expect.round, expect.kind, expect.owner, expect.src)
     if got != want:
         raise CorruptObject(f"{key}: foreign object: it is (run, round, kind, owner, src)={got}, expected {want}")
-    if header.get("codec") not in CODECS or encoded_nbytes(header["numel"], header["codec"]) != payload.nbytes:
+    if header.get("codec") not in CODECS or encoded_nbytes(header["numel"], header["codec"], payload) != payload.nbytes:
         raise CorruptObject(f"{key}: payload size does not match codec {header.get('codec')!r}")
-    return Unpacked(header, payload)
+    return Unpacked(header, payload, key)
 
 
 def pack_json(identity: Identity, meta: dict[str, Any]) -> bytes:

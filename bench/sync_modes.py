@@ -1,0 +1,102 @@
+"""Hiding the sync on a slow store: every sync mode on one tiny LM, N = 4, through the launcher.
+
+Each replica's store sits behind a throttled link (`diloco.throttle`: DILOCO_STORE_BYTES_PER_S,
+the same for every row), slow enough that synchronous fp32 DiLoCo spends >= 30% of its wall time
+in sync. Rows: synchronous fp32, synchronous int8, overlap, overlap + fragments, overlap + int4,
+topk. Same model, data, seed and steps for every row, so eval loss is compared at equal tokens.
+
+    .venv/bin/python bench/sync_modes.py        # ~20 min on 2 CPU cores; prints JSON
+
+BENCH_STEPS, BENCH_RATE (bytes/s per replica and direction), BENCH_ROWS (comma-separated names)
+and BENCH_DIM / BENCH_LAYERS scale it. Targets (issue "Hide the sync"): overlap (+ fragments)
+sync share <= 3% with eval loss within 1% of synchronous fp32; int4 bytes <= 1/8 of fp32 with
+loss within 1%; topk at 1-3% density <= 1/30 of fp32 bytes with loss within 3%.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "tiny-lm"
+
+STEPS = int(os.environ.get("BENCH_STEPS", "400"))
+H = int(os.environ.get("BENCH_H", "20"))
+RATE = float(os.environ.get("BENCH_RATE", "4e6"))
+DIM = int(os.environ.get("BENCH_DIM", "192"))
+LAYERS = int(os.environ.get("BENCH_LAYERS", "3"))
+ROWS = {
+    "sync fp32": {},
+    "sync int8": {"transport": "int8"},
+    "overlap": {"overlap": True},
+    "overlap + fragments": {"overlap": True, "fragments": 4},
+    "overlap + int4": {"overlap": True, "transport": "int4"},
+    "topk": {"transport": "topk", "topk_density": 0.01},
+}
+PICK = [r for r in os.environ.get("BENCH_ROWS", ",".join(ROWS)).split(",") if r]
+
+
+def spec_text(settings: dict) -> str:
+    text = (EXAMPLE / "diloco.toml").read_text()
+    text = text.replace('entrypoint = "tiny_lm:train"', f'entrypoint = "tiny_lm:train"\nworkdir = "{EXAMPLE}"')
+    text = text.replace("steps = 1500", f"steps = {STEPS}\ndim = {DIM}\nlayers = {LAYERS}")
+    text = text.replace("sync_every = 50", f"sync_every = {H}")
+    body = "\n".join(f"{k} = {json.dumps(v)}" for k, v in settings.items() if k != "transport")
+    text = text.replace('transport = "fp32"', f'transport = "{settings.get("transport", "fp32")}"\n{body}')
+    return text + f'\n[env]\nDILOCO_STORE_BYTES_PER_S = "{RATE:g}"\nDILOCO_STORE_LATENCY_S = "0.01"\n'
+
+
+def run_row(name: str, settings: dict, tmp: Path) -> dict:
+    spec, state = tmp / f"{name.replace(' ', '-')}.toml", tmp / "state"
+    spec.write_text(spec_text(settings))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "diloco", "run", str(spec), "--on-interrupt", "cancel"],
+                          capture_output=True, text=True, env={**os.environ, "DILOCO_STATE_DIR": str(state)})
+    wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"diloco run ({name}) failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    run_id = proc.stdout.split()[1].rstrip(":")
+    runs = state / "runs" / run_id
+    summary = json.loads((runs / "artifacts" / "summary.json").read_text())
+    record = json.loads((runs / "run.json").read_text())
+    results = [r["result"] for r in record["ranks"]]
+    train_s = max(r["wall_s"] for r in results)
+    assert len({r["theta_crc32"] for r in results}) == 1, f"{name}: replicas disagree on θ_global"
+    return {
+        "row": name, "settings": settings, "eval_loss": round(summary["eval_loss"], 4),
+        "tokens_per_s": round(summary["tokens"] / train_s), "sync_share": round(summary["sync_share"], 4),
+        "bytes_per_replica_per_round": round(summary["bytes_communicated"] / 4 / summary["rounds"]),
+        "rounds": summary["rounds"], "train_s": round(train_s, 1), "wall_s": round(wall, 1),
+        "parameters": summary["parameters"],
+    }
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [run_row(name, ROWS[name], Path(tmp)) for name in PICK]
+    base = next((r for r in rows if r["row"] == "sync fp32"), rows[0])
+    fp32_round_bytes = base["bytes_per_replica_per_round"]
+    for r in rows:
+        r["eval_loss_vs_sync_fp32"] = round(r["eval_loss"] / base["eval_loss"] - 1, 4)
+        # bytes of one full-model sync: a fragments round moves 1/K of the model
+        per_model = r["bytes_per_replica_per_round"] * r["settings"].get("fragments", 1)
+        r["bytes_vs_fp32"] = round(per_model / fp32_round_bytes, 4)
+        r["tokens_per_s_vs_sync_fp32"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+    print(json.dumps({
+        "bench": "sync_modes", "replicas": 4, "steps_per_replica": STEPS, "sync_every": H,
+        "parameters": base["parameters"], "store_bytes_per_s_per_replica": RATE, "rows": rows,
+        "targets": {"overlap sync_share": "<= 0.03", "overlap eval_loss_vs_sync_fp32": "abs <= 0.01",
+                    "int4 bytes_vs_fp32": "<= 0.125", "int4 eval_loss_vs_sync_fp32": "abs <= 0.01",
+                    "topk bytes_vs_fp32": "<= 0.0333", "topk eval_loss_vs_sync_fp32": "abs <= 0.03",
+                    "sync fp32 sync_share": ">= 0.30"},
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
