@@ -42,14 +42,15 @@ from typing import Any
 
 import torch
 
+from diloco.spec import DILOCO
 from diloco.store import ObjectExists, Store
 
+from .codecs import sparsify
 from .faults import CorruptionInjector, PhaseMarker
 from .history import History
 from .lanes import Lanes
 from .membership import FellBehind, Membership, RoundFailed
 from .transport import Backoff, CountingStore, LaneShards, RunKeys, Traffic, reducer_of, shard_bounds
-from .codecs import sparsify
 from .wire import CorruptObject, Identity, decode_tensor, encode_tensor, pack, unpack
 
 __all__ = ["FellBehind", "RoundFailed", "RoundResult", "StoreAllReduce"]
@@ -74,7 +75,7 @@ class StoreAllReduce:
     def __init__(self, store: Store, run_id: str, rank: int, world_size: int, *, codec: str = "fp32",
                  round_timeout: float = 300.0, min_members: int = 1, poll_interval: float = 0.05,
                  poll_max: float = 1.0, workers: int = 8, log: Callable[[str], None] | None = None,
-                 lanes: Lanes | None = None, topk_density: float = 0.02):
+                 lanes: Lanes | None = None, topk_density: float = DILOCO["topk_density"].default):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         self.store = CountingStore(store)
