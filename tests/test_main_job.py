@@ -17,6 +17,7 @@ def test_tiny_lm_runs_reports_and_records(cli, tmp_path, state_dir):
     run_id = out.split()[1].rstrip(":")
     artifacts = state_dir / "runs" / run_id / "artifacts"
     assert (artifacts / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (artifacts / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((artifacts / "summary.json").read_text())
     assert summary["rounds"] == 6 and summary["eval_loss"] < 4.0
     assert summary["communication_reduction"] > 10

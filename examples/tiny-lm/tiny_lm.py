@@ -140,9 +140,11 @@ def parallelize(model: TinyLM, parallel: str) -> nn.Module:
     raise ValueError(f"parallel must be 'ddp' or 'fsdp', got {parallel!r}")
 
 
-def train(ctx: ReplicaContext, steps: int = 600, batch_size: int = 16, context: int = 64, dim: int = 128,
+def train(ctx: ReplicaContext, steps: int | None = None, batch_size: int = 16, context: int = 64, dim: int = 128,
           layers: int = 2, lr: float = 2e-3, warmup: int = 50, seed: int = 0, threads: int = 1,
-          max_bytes: int = 3_000_000, parallel: str = "ddp") -> dict:
+          max_bytes: int = 3_000_000, parallel: str = "ddp", eval_every: int = 0) -> dict:
+    """`steps`: inner steps per replica (default: the spec's [diloco] total_steps); `eval_every`:
+    replica 0 evaluates the model on the held-out split every that many steps and reports it."""
     from diloco_replica import DiLoCo, inner_optimizer
 
     torch.set_num_threads(threads)
@@ -157,6 +159,7 @@ def train(ctx: ReplicaContext, steps: int = 600, batch_size: int = 16, context: 
                  sum(p.numel() for p in model.parameters()), train_data.numel(), eval_data.numel(),
                  diloco.global_step, diloco.round)
     started = time.monotonic()
+    steps = steps or diloco.total_steps or 600
     for step in diloco.steps(steps):
         gen = torch.Generator().manual_seed(hash((seed, ctx.rank, step)) & 0x7FFF_FFFF)
         for group in opt.param_groups:
@@ -170,6 +173,8 @@ def train(ctx: ReplicaContext, steps: int = 600, batch_size: int = 16, context: 
         if info is not None:
             ctx.log.info("round %d: loss %.4f members %s%s sync %.2fs", info.round, info.loss or float("nan"),
                          info.members, "" if info.member else " (not a member)", info.sync_s)
+        if eval_every and ctx.rank == 0 and (step + 1) % eval_every == 0:  # every process of the replica (FSDP)
+            diloco.report_eval(evaluate(model, eval_data.to(device), context, batches=4))
     eval_loss = evaluate(model, eval_data.to(device), context)
     diloco.close()
     result = {"rank": ctx.rank, "rounds": diloco.round, "eval_loss": eval_loss,

@@ -35,6 +35,11 @@ GOOD = 'backend = "local"\nreplicas = 2\nentrypoint = "job:main"\n'
     (GOOD + "secrets = ['NOT_SET_ANYWHERE_X']\n", "secret NOT_SET_ANYWHERE_X is listed"),
     (GOOD + "[env]\nHF_TOKEN = 'hf_abc'\n", "`env.HF_TOKEN` looks like a secret; list it in `secrets"),
     ('replicas = 2\nentrypoint = "job:main"\n[backend]\nname = "local"\nnope = 1\n', "unknown key `backend.nope`"),
+    (GOOD + "[metrics]\nsinks = ['wandb']\n", "metric sink 'wandb' is not installed (installed: tensorboard)"),
+    (GOOD + "[metrics]\nsinks = 'tensorboard'\n", "`metrics.sinks` must be an array of sink names"),
+    (GOOD + "[metrics.mlflow]\nuri = 'x'\n", "[metrics.mlflow] configures a sink not in `metrics.sinks`"),
+    (GOOD + "[diloco]\ntotal_steps = 0\n", "`diloco.total_steps` must be at least 1"),
+    (GOOD + "[diloco]\nparameters = 'big'\n", "`diloco.parameters` must be an integer"),
     ('replicas = 2\nentrypoint = "job:main"\n[backend]\nname = "local"\ngrace_period = -1\n', "grace_period"),
 ])
 def test_bad_spec_is_one_line_exit_2(cli, project, state_dir, text, expected):

@@ -1,4 +1,5 @@
-"""The built-in plugin: registers the local backend through the same hook as any other."""
+"""The built-in plugin: registers the local backend and the TensorBoard sink through the same hooks
+as any other plugin."""
 
 from __future__ import annotations
 
@@ -10,3 +11,10 @@ def diloco_register_executors() -> list[type]:
     from .local import LocalProcessExecutor
 
     return [LocalProcessExecutor]
+
+
+@hookimpl
+def diloco_register_metric_sinks() -> list[type]:
+    from .sinks import TensorBoardSink
+
+    return [TensorBoardSink]

@@ -55,11 +55,15 @@ def backends() -> None:
 @click.option("--format", "fmt", type=click.Choice(["auto", "json", "yaml"]), default="auto",
               help="Output format (auto: what the backend's request is usually written in).")
 def dryrun(spec_path: str, fmt: str) -> None:
-    """Print exactly what `diloco run SPEC` would submit, secrets redacted."""
+    """Print exactly what `diloco run SPEC` would submit, secrets redacted; then (on stderr) what the
+    run will cost: bytes, store requests and money at list prices."""
+    from .estimate import estimate, format_estimate
     from .launcher import dryrun as plan_run
     from .spec import load_spec
 
-    plan = plan_run(load_spec(spec_path))
+    spec = load_spec(spec_path)
+    plan = plan_run(spec)
+    click.echo(format_estimate(estimate(spec)), err=True, nl=False)
     fmt = plan.format if fmt == "auto" else fmt
     if fmt == "yaml":
         import yaml  # backends that render YAML depend on PyYAML themselves
@@ -78,7 +82,11 @@ def _supervise(sup, on_interrupt: str) -> None:
 
     console = Console(highlight=False, soft_wrap=True)
     try:
-        state = sup.run(start=sup.state is GroupState.INIT)
+        try:
+            state = sup.run(start=sup.state is GroupState.INIT)
+        finally:
+            if hasattr(sup.on_tick, "close"):
+                sup.on_tick.close()  # the live progress display, if any, before the outcome lines
     except RunFailed as exc:
         console.print(f"run {sup.record.run_id} FAILED: {exc}", style="bold red", markup=False)
         for rank, err in sorted(exc.errors.items()):
@@ -138,13 +146,15 @@ _INTERRUPT = click.option("--on-interrupt", type=click.Choice(["ask", "cancel", 
 def run(spec_path: str, on_interrupt: str) -> None:
     """Launch a run from SPEC, supervise it, and wait for it to end."""
     from .display import ProgressPrinter
+    from .estimate import estimate, format_estimate
     from .launcher import new_run
     from .spec import load_spec
 
     spec = load_spec(spec_path)
     sup = new_run(spec)
     click.echo(f"run {sup.record.run_id}: {spec.replicas} × {spec.backend}, store {sup.launch.rendezvous}")
-    sup.on_tick = ProgressPrinter(sup.record)
+    click.echo(format_estimate(estimate(spec)), nl=False)
+    sup.on_tick = ProgressPrinter(sup.record, spec=spec)
     _supervise(sup, on_interrupt)
 
 
@@ -207,37 +217,98 @@ def _current_handles(record):
 
 @main.command()
 @click.argument("run_id", metavar="RUN")
-@click.option("--json", "as_json", is_flag=True, help="Print the record and live statuses as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print everything as JSON: record, live statuses, events, rounds, progress, timeline, estimate.")
 @click.option("--events", "n_events", default=10, show_default=True, help="How many recent events to show.")
-def status(run_id: str, as_json: bool, n_events: int) -> None:
-    """Show a run's state, each rank's live status, recent events and round metrics."""
+@click.option("--timeline", is_flag=True, help="Seconds per phase for each replica in the last rounds, and stragglers.")
+@click.option("--rounds", "n_rounds", default=5, show_default=True, help="How many rounds --timeline shows.")
+@click.option("--follow", "-f", is_flag=True, help="Keep showing progress until the run ends (from any shell).")
+def status(run_id: str, as_json: bool, n_events: int, timeline: bool, n_rounds: int, follow: bool) -> None:
+    """Show a run's state, each rank's live status, progress, recent events and round metrics."""
     from rich.console import Console
 
-    from dataclasses import asdict
-
-    from .display import format_any, format_round, health_warnings, status_table
-    from .launcher import executor_for
-    from .metrics import read_rounds
+    from .display import status_table
     from .state import RunRecord
 
     record = RunRecord.load(run_id)
+    if follow:
+        return _follow_run(record)
     live: dict[int, str] = {}
     try:
+        from .launcher import executor_for
+
         executor = executor_for(record)
         for h in _current_handles(record):
             live[h.rank] = executor.poll(h).value
     except UserError as exc:
         live = {}
         click.echo(f"warning: cannot poll replicas live ({exc}); showing recorded statuses", err=True)
+    view = _run_view(record)
+    if as_json:
+        view.pop("rounds_objects")
+        click.echo(json.dumps({"record": record.data, "live": live, **view}, indent=2, default=str))
+        return
+    console = Console(width=140, highlight=False)
+    if timeline:
+        _print_timeline(console, view["rounds_objects"][-n_rounds:], view["rounds_objects"])
+        return
+    console.print(status_table(record, live))
+    _print_status_body(console, record, view, n_events)
+
+
+def _run_view(record) -> dict:
+    """What status shows besides the ranks: events, rounds, progress, timeline, estimate, traffic."""
+    from dataclasses import asdict
+
+    from .metrics import read_rounds
+    from .progress import progress_of, timeline_rows
+
     ended = record.data.get("state") in ("SUCCEEDED", "FAILED", "STOPPED")
     rounds = read_rounds(record.data.get("launch", {}).get("rendezvous"), record.run_id, cache_dir=record.dir,
                          final=ended)
-    if as_json:
-        click.echo(json.dumps({"record": record.data, "live": live, "events": record.events(),
-                               "rounds": [asdict(r) for r in rounds]}, indent=2, default=str))
-        return
-    console = Console(width=140, highlight=False)
-    console.print(status_table(record, live))
+    events = record.events()
+    return {"events": events, "rounds": [asdict(r) for r in rounds], "rounds_objects": rounds,
+            "progress": progress_of(record.data, events, time.time()).to_dict(),
+            "timeline": timeline_rows(rounds), **_estimate_view(record, rounds)}
+
+
+def _estimate_view(record, rounds) -> dict:
+    """The spec's estimate (with the measured model size if the spec gave none), and the traffic the
+    replicas counted, over the same rounds, for comparison."""
+    from .estimate import estimate
+    from .spec import RunSpec
+
+    counted = {"rounds": len(rounds), "bytes_up": 0, "bytes_down": 0}
+    for s in rounds:
+        for row in s.rows:
+            counted["bytes_up"] += row.get("bytes_up", 0)
+            counted["bytes_down"] += row.get("bytes_down", 0)
+            for k, v in (row.get("requests") or {}).items():
+                counted[k] = counted.get(k, 0) + v
+    try:
+        spec = RunSpec.from_dict(record.data["spec"])
+        measured = next((s.parameters for s in reversed(rounds) if s.parameters), None)
+        if spec.diloco.get("parameters") or not measured:
+            est = estimate(spec)
+        else:
+            est = estimate(spec, parameters=measured, parameters_from="measured at round 1")
+    except (KeyError, TypeError, UserError):
+        return {"estimate": None, "counted": counted}
+    out = est.to_dict()
+    if est.round is not None and rounds:
+        n = len(rounds)
+        same = est.first_round.plus(est.round.times(n - 1)).times(est.replicas)
+        out["for_counted_rounds"] = {"bytes_up": same.bytes_up, "bytes_down": same.bytes_down, "puts": same.puts,
+                                     "gets": same.gets, "lists": same.lists, "requests": same.requests}
+    return {"estimate": out, "counted": counted}
+
+
+def _print_status_body(console, record, view: dict, n_events: int) -> None:
+    from .display import format_any, format_round, health_warnings
+    from .progress import Progress, progress_line
+
+    rounds = view["rounds_objects"]
+    ended = record.data.get("state") in ("SUCCEEDED", "FAILED", "STOPPED")
     if not ended and not _launcher_alive(record):
         console.print(f"no launcher is supervising this run: diloco resume {record.run_id}", style="yellow",
                       markup=False)
@@ -245,11 +316,22 @@ def status(run_id: str, as_json: bool, n_events: int) -> None:
         console.print(f"failure: {record.data['failure']}", style="red", markup=False)
     for warning in health_warnings(record, rounds):
         console.print(f"WARNING: {warning}", style="bold red", markup=False)
+    console.print("progress: " + progress_line(Progress(**view["progress"])), markup=False)
     if rounds:
+        from dataclasses import asdict
+
         console.print(f"rounds: {len(rounds)}; latest:", markup=False)
         for rnd in rounds[-3:]:
-            console.print("  " + format_round(asdict(rnd)), markup=False)
-    events = record.events()[-n_events:]
+            console.print("  " + format_round({**asdict(rnd), "waited_s": rnd.waited_s}), markup=False)
+        c, est = view["counted"], (view.get("estimate") or {}).get("for_counted_rounds")
+        line = (f"traffic: {c['bytes_up'] / 1e6:,.1f} MB up, {c['bytes_down'] / 1e6:,.1f} MB down, "
+                f"{c.get('puts', 0) + c.get('gets', 0) + c.get('lists', 0) - c.get('polls', 0):,} requests "
+                f"+ {c.get('polls', 0):,} polls over {c['rounds']} rounds")
+        if est:
+            line += (f" (estimated {est['bytes_up'] / 1e6:,.1f} MB up, {est['bytes_down'] / 1e6:,.1f} MB down, "
+                     f"{est['requests']:,.0f} requests)")
+        console.print(line, markup=False)
+    events = view["events"][-n_events:]
     if events:
         console.print("events:", markup=False)
         for e in events:
@@ -259,6 +341,42 @@ def status(run_id: str, as_json: bool, n_events: int) -> None:
         console.print((artifacts / "summary.txt").read_text(), markup=False, end="")
     if artifacts.is_dir():
         console.print(f"artifacts: {artifacts}", markup=False)
+
+
+def _print_timeline(console, shown: list, rounds: list) -> None:
+    from .progress import straggler_lines, timeline_table
+
+    if not shown:
+        console.print("no rounds recorded yet", markup=False)
+        return
+    console.print(timeline_table(shown))
+    for line in straggler_lines(rounds):
+        console.print(line, markup=False)
+
+
+def _follow_run(record) -> None:
+    """`status --follow`: the run's events and live progress until it ends, from any shell."""
+    from .display import ProgressPrinter
+    from .state import RunRecord
+
+    printer = ProgressPrinter(record)
+    try:
+        while True:
+            record.data = RunRecord.load(record.run_id).data
+            printer()
+            if record.data.get("state") in ("SUCCEEDED", "FAILED", "STOPPED"):
+                printer()
+                break
+            if not _launcher_alive(record) and time.time() - float(record.data.get("updated_at", 0)) > 30:
+                printer.close()
+                raise UserError(f"no launcher is supervising run {record.run_id}; progress stopped at its last "
+                                f"event (diloco resume {record.run_id})")
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        printer.close()
+    click.echo(f"run {record.run_id} {record.data.get('state')}")
 
 
 @main.command()

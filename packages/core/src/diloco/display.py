@@ -7,6 +7,7 @@ backend.
 
 from __future__ import annotations
 
+import time
 from datetime import datetime
 from typing import Any
 
@@ -42,32 +43,82 @@ def format_any(e: dict[str, Any]) -> str:
 
 
 class ProgressPrinter:
-    """Prints each new event of a run as it is logged (rounds included, see `Supervisor`)."""
+    """Prints each new event of a run as it is logged (rounds included, see `Supervisor`); on a
+    terminal, also a live progress bar below them (global step / total, round, tokens/s, ETA,
+    members, restarts). Not on a terminal (CI, a log file) it prints the lines only.
 
-    def __init__(self, record: RunRecord, console: Console | None = None):
+    `spec`: print the run's estimate (`diloco.estimate`) once the replicas have measured the
+    model, if the spec did not give its size.
+    """
+
+    def __init__(self, record: RunRecord, console: Console | None = None, *, live: bool | None = None,
+                 spec: Any = None):
         self.record = record
         self.console = console or Console(highlight=False, soft_wrap=True)
         self.offset = 0  # bytes of the event log already printed
+        self.events: list[dict[str, Any]] = []
+        self.live_enabled = self.console.is_terminal if live is None else live
+        self._live = None
+        self._estimate_for = spec if spec is not None and not spec.diloco.get("parameters") else None
 
     def skip_existing(self) -> None:
         """Print only events logged from now on (a resumed launcher)."""
-        self.offset = self.record.events_after(0)[1]
+        self.events, self.offset = self.record.events_after(0)
 
     def __call__(self, _supervisor: Any = None) -> None:
         events, self.offset = self.record.events_after(self.offset)
+        self.events += events
         for e in events:
             self.console.print(format_any(e), style=_EVENT_STYLE.get(e.get("event", "")), markup=False)
+            if e.get("event") == "round" and self._estimate_for is not None:
+                self._print_measured_estimate()
+        if self.live_enabled:
+            from .progress import progress_of, render_progress
+
+            view = render_progress(progress_of(self.record.data, self.events, time.time()))
+            if self._live is None:
+                from rich.live import Live
+
+                # redrawn on each tick (the supervisor's monitor interval), no refresh thread
+                self._live = Live(view, console=self.console, auto_refresh=False, transient=True)
+                self._live.start(refresh=True)
+            else:
+                self._live.update(view, refresh=True)
+
+    def _print_measured_estimate(self) -> None:
+        from .estimate import estimate, format_estimate
+        from .metrics import RoundCache
+
+        rounds = RoundCache(self.record.dir).load()
+        if rounds and rounds[-1].parameters:
+            spec, self._estimate_for = self._estimate_for, None
+            text = format_estimate(estimate(spec, parameters=rounds[-1].parameters, parameters_from="measured at round 1"))
+            self.console.print(text, markup=False, end="")
+
+    def close(self) -> None:
+        """Stop the live display; the final progress line stays (lines only when not a terminal)."""
+        if self._live is not None:
+            from .progress import progress_line, progress_of
+
+            self._live.stop()
+            self._live = None
+            self.console.print(progress_line(progress_of(self.record.data, self.events, time.time())),
+                               markup=False)
 
 
 def format_round(rnd: dict[str, Any]) -> str:
     loss = rnd.get("loss")
     parts = [f"round {rnd['round']}", f"members {rnd.get('members')}"]
+    if rnd.get("step"):
+        parts.append(f"step {rnd['step']}" + (f"/{rnd['total_steps']}" if rnd.get("total_steps") else ""))
     if loss is not None:
         parts.append(f"loss {loss:.4f}")
     if rnd.get("tokens_per_s"):
         parts.append(f"{rnd['tokens_per_s']:,.0f} tok/s")
     if rnd.get("sync_share") is not None:
         parts.append(f"sync {100 * rnd['sync_share']:.1f}%")
+    if rnd.get("straggler") is not None and rnd.get("waited_s"):
+        parts.append(f"straggler {rnd['straggler']} (+{rnd['waited_s']:.2f} replica-s)")
     return "  ".join(parts)
 
 

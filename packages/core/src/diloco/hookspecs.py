@@ -35,3 +35,14 @@ def diloco_register_executors() -> list[type]:
 
     Keep this hook cheap: return classes, do not import cloud SDKs or contact any API.
     """
+
+
+@hookspec
+def diloco_register_metric_sinks() -> list[type]:
+    """Return metric sink classes this plugin provides (see `diloco.sinks`).
+
+    Each class has a ``sink_name``; a spec's ``[metrics] sinks`` picks sinks by that name and
+    ``[metrics.<name>]`` gives its keyword options. The launcher calls ``write(summary)`` with
+    each new `diloco.metrics.RoundSummary` and ``close()`` at the end. Import SDKs (mlflow,
+    wandb) inside the class, not at module level.
+    """

@@ -17,6 +17,7 @@ from .plugins import get_backend
 from .procgroup import accepts_processes
 from .protocol import ENV_SETTINGS, LaunchPlan, ServerlessExecutor
 from .rendezvous import resolve_rendezvous
+from .sinks import check_sinks_installed
 from .spec import RunSpec, validate_backend_options
 from .state import RunRecord, new_run_id, state_dir
 from .supervisor import LaunchArgs, Supervisor
@@ -88,6 +89,7 @@ def new_run(spec: RunSpec, **supervisor_kwargs: Any) -> Supervisor:
     run_id = new_run_id(spec.name)
     args = launch_args(spec, run_id, executor)
     plan(executor, args, secrets)  # anything wrong with the request fails here, before a record exists
+    check_sinks_installed(spec.metrics, spec.source)
     record = RunRecord.create(run_id, {"spec": spec.to_dict(), "backend": spec.backend,
                                        "launch": asdict(args), "state": "INIT"})
     return Supervisor(executor, record, args, spec.restart, secret_env=secrets, **supervisor_kwargs)

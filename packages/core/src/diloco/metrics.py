@@ -4,7 +4,8 @@ costs O(new rounds) requests.
 Each replica writes one `RoundMetrics` row per round at ``<run>/metrics/r<round>/rank-<r>.json``.
 Once every member's row is in, one replica (the round's recorder) writes the round's
 `RoundSummary` once, create-only, at ``<run>/rounds/r<round>.json``: the aggregate, every row,
-and the checks made across rows (θ digests that disagree, replicas training alone).
+the checks made across rows (θ digests that disagree, replicas training alone) and the round's
+straggler: the member that arrived last, and the replica-seconds the others spent waiting for it.
 `diloco run`, `diloco status` and the end-of-run report read summaries, listing only past the
 last round they already have, so a refresh costs one LIST plus one GET per new round however
 long the run is; a round whose recorder died is rebuilt from its rows. The launcher keeps what
@@ -27,6 +28,14 @@ def metrics_key(run_id: str, round_: int, rank: int) -> str:
 
 def summary_key(run_id: str, round_: int) -> str:
     return f"{run_id}/rounds/r{round_:08d}.json"
+
+
+# Where a replica's time in a round went, in order (seconds each; `RoundMetrics.phases`):
+# compute: inner steps of the phase the round closes; upload: encoding and writing its shards;
+# wait: waiting for the other members to be ready; reduce: reading its shards' contributions,
+# averaging and publishing them; download: reading the other reduced shards; outer: the outer
+# step (and a checkpoint on checkpoint rounds) and writing the model back.
+PHASES = ("compute", "upload", "wait", "reduce", "download", "outer")
 
 
 def _from_dict(cls, data: dict[str, Any]):
@@ -53,7 +62,13 @@ class RoundMetrics:
     takeovers: list[int] = field(default_factory=list)
     state_digest: str | None = None     # CRC-32 of θ_global and of the outer momentum after the round
     incidents: list[dict[str, Any]] = field(default_factory=list)  # corrupt objects met, and what was done
-    t: float = 0.0
+    t: float = 0.0                      # wall clock when the round's outer step was applied here
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per PHASES entry
+    hidden_s: float = 0.0               # overlap: seconds of the exchange that ran behind inner steps
+    step: int = 0                       # the global inner step the round brings the model to
+    total_steps: int | None = None      # the run's length in inner steps, as the training loop gave it
+    parameters: int = 0                 # elements this replica syncs (every lane's fragment-sized model)
+    evals: list[list[float]] = field(default_factory=list)  # [step, eval loss] the entrypoint reported
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -79,6 +94,13 @@ class RoundSummary:
     diverged: dict[str, Any] | None = None   # {"majority": [...], "minority": [...]} if θ digests disagree
     incidents: list[dict[str, Any]] = field(default_factory=list)
     rows: list[dict[str, Any]] = field(default_factory=list)
+    straggler: int | None = None     # the member that arrived last (waited least for the others)
+    waited_s: float = 0.0            # replica-seconds the other members spent waiting for it
+    step: int = 0
+    total_steps: int | None = None
+    parameters: int = 0
+    evals: list[list[float]] = field(default_factory=list)
+    t: float = 0.0                   # when the last member applied the round
 
     @classmethod
     def from_rows(cls, round_: int, rows: list[RoundMetrics]) -> RoundSummary:
@@ -87,7 +109,12 @@ class RoundSummary:
         sync = max((r.sync_s for r in rows), default=0.0)
         tokens = sum(r.tokens for r in rows)
         wall = compute + sync
+        straggler, waited = _straggler(rows)
+        totals = [r.total_steps for r in rows if r.total_steps]
         return cls(
+            straggler=straggler, waited_s=waited, step=max((r.step for r in rows), default=0),
+            total_steps=max(totals) if totals else None, parameters=max((r.parameters for r in rows), default=0),
+            evals=sorted(e for r in rows for e in r.evals), t=max((r.t for r in rows), default=0.0),
             round=round_, members=sorted({m for r in rows for m in r.members}),
             reported=sorted(r.rank for r in rows),
             loss=sum(losses) / len(losses) if losses else None, tokens=tokens,
@@ -106,6 +133,20 @@ class RoundSummary:
     @classmethod
     def from_json(cls, raw: bytes | memoryview | str) -> RoundSummary:
         return _from_dict(cls, json.loads(raw if isinstance(raw, str) else bytes(raw)))
+
+
+def _straggler(rows: list[RoundMetrics]) -> tuple[int | None, float]:
+    """The member that arrived last, and the seconds every other member waited in the round.
+
+    The last to arrive waits least (everyone else was already ready), so it is the member with
+    the shortest `wait` phase; each replica measures its own wait on its own clock, so clock
+    skew between machines does not move the answer.
+    """
+    members = [r for r in rows if r.member and "wait" in r.phases]
+    if len(members) < 2:
+        return None, 0.0
+    last = min(members, key=lambda r: (r.phases["wait"], r.rank))
+    return last.rank, sum(r.phases["wait"] for r in members if r is not last)
 
 
 def divergence(rows: list[RoundMetrics]) -> dict[str, Any] | None:

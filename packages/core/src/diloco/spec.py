@@ -15,6 +15,7 @@
     [backend] name = "eks", ...             # instead of backend = "...": the backend and its options
     [restart] policy / max_restarts / max_restarts_per_rank / backoff / min_replicas / fail_fast_seconds
     [diloco]  sync_every / outer_lr / ...   # DiLoCo settings read by diloco-replica
+    [metrics] sinks = ["tensorboard"]       # where the launcher writes round metrics (plugins add more)
 
 Unknown keys, wrong types and out-of-range values raise `SpecError` naming file and key.
 """
@@ -32,6 +33,8 @@ from .errors import SpecError, UserError
 from .launchenv import check_entrypoint_args, is_secret_name, parse_entrypoint
 from .procgroup import resolve_processes
 from .rendezvous import SCHEMES
+from .sinks import check_metrics
+from .wiresize import CODECS
 
 
 def _type_name(value: Any) -> str:
@@ -129,6 +132,7 @@ TOP_LEVEL = {
     "env": Field("table", default={}),
     "restart": Field("table", default={}),
     "diloco": Field("table", default={}),
+    "metrics": Field("table", default={}),
 }
 
 RESTART = {
@@ -150,7 +154,7 @@ DILOCO = {
     "outer_lr": Field("float", default=0.7, min=0),
     "outer_momentum": Field("float", default=0.9, min=0, max=1),
     "nesterov": Field("bool", default=True),
-    "transport": Field("str", default="fp32", choices=("fp32", "bf16", "fp16", "int8", "int4", "topk"),
+    "transport": Field("str", default="fp32", choices=CODECS,
                        help="the codec on the wire; accumulation is always fp32 (docs/sync-modes.md)"),
     "topk_density": Field("float", default=0.01, min=0.0001, max=1,
                           help="transport topk: the fraction of each 4,096-element block sent"),
@@ -158,6 +162,10 @@ DILOCO = {
                        help="K: the model syncs in K staggered fragments, one every sync_every/K steps"),
     "overlap": Field("bool", default=False,
                      help="exchange a round in the background while inner steps go on; merged one round late"),
+    "total_steps": Field("int", min=1, help="inner steps per replica for the whole run: DiLoCo.steps() runs this "
+                         "many, and the estimate and the ETA count on it"),
+    "parameters": Field("int", min=1, help="the model's parameter count, for the estimate before launch "
+                        "(without it the replica measures it at round 1)"),
     "round_timeout": Field("float", default=300.0, min=0.1),
     "min_members": Field("int", default=1, min=1, help="fewest replicas a sync round may average over"),
     "checkpoint_every": Field("int", default=10, min=1, help="rounds between checkpoints of the global state"),
@@ -188,6 +196,7 @@ class RunSpec:
     backend_options: dict[str, Any] = field(default_factory=dict)
     restart: dict[str, Any] = field(default_factory=dict)
     diloco: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
     source: str = "<spec>"
 
     def to_dict(self) -> dict[str, Any]:
@@ -247,7 +256,7 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", base_dir: Pat
         processes_per_replica=resolve_processes(top["processes_per_replica"], top["gpu"], source=where),
         rendezvous=top["rendezvous"], secrets=list(top["secrets"]), args=dict(top["args"]),
         env={k: str(v) for k, v in top["env"].items()}, backend_options=options,
-        restart=restart, diloco=diloco, source=source)
+        restart=restart, diloco=diloco, metrics=check_metrics(where, top["metrics"]), source=source)
 
 
 def load_spec(path: str | Path) -> RunSpec:

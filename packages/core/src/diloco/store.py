@@ -25,6 +25,17 @@ from .errors import StoreUnusable, UserError
 _MEMORY_STORES: dict[str, Any] = {}
 
 
+# Waiting for objects costs requests. On a local store they are free, so poll finely; on S3 each
+# LIST/GET is billed and throttled (~5,500 GET/s per prefix), so start at 50 ms and back off to 1 s.
+POLL_BY_SCHEME = {"file": (0.005, 0.05), "memory": (0.005, 0.05), "s3": (0.05, 1.0)}
+
+
+def poll_defaults(uri: str | None) -> tuple[float, float]:
+    """(first wait, longest wait) between polls of the store at `uri` (a cloud store's if unknown)."""
+    scheme = (uri or "file://").split(":", 1)[0]
+    return POLL_BY_SCHEME.get(scheme, POLL_BY_SCHEME["s3"])
+
+
 class ObjectExists(Exception):
     """A create-only put found the key already there."""
 

@@ -33,6 +33,7 @@ Each completed round's summary (`diloco.metrics.RoundSummary`, from the store) b
 ``round`` event; a summary whose replicas disagree on θ becomes ``diverged``, a corrupt object a
 replica met becomes ``incident``, and a run whose rounds all had a single member although it has
 several replicas gets ``training_alone`` (the replicas are not meeting) and an UNHEALTHY state.
+Each new summary also goes to the spec's metric sinks (`diloco.sinks`; TensorBoard by default).
 
 All state is in the run record (handles of every attempt, budgets, status), written on every
 change, so a new launcher can reattach (`diloco resume`) and continue where this one stopped.
@@ -171,6 +172,7 @@ class Supervisor:
         self.rounds_every = 1.0
         self._next_rounds_check = 0.0
         self._rounds = None  # RoundReader over the run's store, opened once
+        self._sinks: list[Any] | None = None  # the spec's metric sinks, opened at the first round
 
     # -- persistence -----------------------------------------------------------------------
 
@@ -247,9 +249,12 @@ class Supervisor:
         except Exception:
             return False
         RoundCache(self.record.dir).append(new)
+        self._write_sinks(new)
         for rnd in new:
             self._event("round", round=rnd.round, members=rnd.members, loss=_rounded(rnd.loss),
-                        tokens_per_s=round(rnd.tokens_per_s or 0), sync_share=_rounded(rnd.sync_share))
+                        tokens_per_s=round(rnd.tokens_per_s or 0), sync_share=_rounded(rnd.sync_share),
+                        step=rnd.step, total_steps=rnd.total_steps, straggler=rnd.straggler,
+                        waited_s=_rounded(rnd.waited_s))
             if rnd.diverged:
                 self._event("diverged", round=rnd.round, minority=rnd.diverged["minority"],
                             majority=rnd.diverged["majority"])
@@ -258,6 +263,35 @@ class Supervisor:
             self._check_alone(rnd.round, rnd.members)
             self.last_round = rnd.round
         return bool(new)
+
+    def _write_sinks(self, summaries: list[Any]) -> None:
+        """Each new round to every metric sink; a sink that fails is reported once and dropped."""
+        if not summaries:
+            return
+        if self._sinks is None:
+            from .sinks import open_sinks
+
+            metrics = (self.record.data.get("spec") or {}).get("metrics") or {}
+            try:
+                self._sinks = open_sinks(metrics, self.launch.run_id, self.record.dir)
+            except Exception as exc:
+                self._event("sink_failed", sink="*", error=shorten(str(exc)))
+                self._sinks = []
+        for sink in list(self._sinks):
+            try:
+                for summary in summaries:
+                    sink.write(summary)
+            except Exception as exc:
+                self._event("sink_failed", sink=getattr(sink, "sink_name", "?"), error=shorten(str(exc)))
+                self._sinks.remove(sink)
+
+    def close_sinks(self) -> None:
+        for sink in self._sinks or []:
+            try:
+                sink.close()
+            except Exception:
+                pass
+        self._sinks = None
 
     def _check_alone(self, round_: int, members: list[int]) -> None:
         """A run of several replicas whose every round had one member is N unrelated trainings."""
@@ -447,6 +481,7 @@ class Supervisor:
             if self.on_tick:
                 self.on_tick(self)
             if state.is_final:
+                self.close_sinks()
                 break
             if self.clock() - last_beat >= HEARTBEAT_EVERY:
                 self.save()  # the heartbeat: other shells tell a live launcher from a dead one by it

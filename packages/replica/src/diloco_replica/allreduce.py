@@ -69,6 +69,20 @@ class RoundResult:
     seconds: float
     takeovers: list[int] = field(default_factory=list)
     incidents: list[dict[str, Any]] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)  # upload / wait / reduce / download seconds
+
+
+class Laps:
+    """Seconds spent in each named phase, measured back to back from one clock."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
+        self._last = now
 
 
 class StoreAllReduce:
@@ -113,6 +127,7 @@ class StoreAllReduce:
         sparsifying, and left holding what was not sent.
         """
         t0, before = time.monotonic(), self.store.traffic.snapshot()
+        laps = Laps()
         delta = delta.detach().to("cpu", torch.float32).reshape(-1)
         bounds = shard_bounds(delta.numel(), self.n)
         members = self.lanes.on_leader(lambda: self._decided_or_open(r))
@@ -126,8 +141,10 @@ class StoreAllReduce:
                     f.result()
 
             self.lanes.agree(upload)  # "ready" means every lane's shards are in the store
+            laps.lap("upload")
             self.phase("membership", r)
             members = self.lanes.on_leader(lambda: self._ready_and_decide(r))
+        laps.lap("wait")
         # The previous round's reduced shards stay servable until this round is formed: a reader
         # that found one corrupt is still finishing that round, and this round waits for it.
         self._stop_watching()
@@ -144,14 +161,16 @@ class StoreAllReduce:
         for j in mine:
             a, b = bounds[j]
             mean[a:b] = self._reduce_shard(r, j, bounds[j], members, delta, takeover=False, incidents=incidents)
+        laps.lap("reduce")
         self.phase("gather", r)
         takeovers = self._gather(r, bounds, members, mean, set(mine), delta if member else None, incidents)
         self._run_cleanup()
         if mine:
             self._cleanup_due = (r, mine, members)  # inputs stay one round, for takeovers and repairs
             self._watch_repairs(r)
+        laps.lap("download")
         return RoundResult(r, members, mean, member, self.store.traffic.since(before), time.monotonic() - t0,
-                           takeovers, incidents)
+                           takeovers, incidents, {"upload": 0.0, **laps.seconds})
 
     def _decided_or_open(self, r: int) -> list[int] | None:
         """Round r's members if already decided (we are late); None if it is open to join."""
@@ -345,14 +364,17 @@ class StoreAllReduce:
         while wanted:
             deadline = time.monotonic() + self.round_timeout
             backoff = Backoff(self.poll_interval, self.poll_max)
+            waited = False
             while wanted:
-                present = self._present(prefix)
+                with self.store.polling(waited):  # re-listing after a wait is a poll
+                    present = self._present(prefix)
                 pending += [self.pool.submit(fetch, j) for j in wanted if j in present]
                 wanted = [j for j in wanted if j not in present]
                 if wanted and replay:
                     self.membership.check_not_collected(r)
                 if wanted and not backoff.sleep(deadline):
                     break
+                waited = True
             for j in list(wanted):  # its reducer (or the last claimant) never published
                 if not self._put(self.keys.claim(r, self.sid(j), generation[j]), str(self.rank).encode(),
                                  create_only=True):
@@ -412,8 +434,9 @@ class StoreAllReduce:
             delay = max(self.poll_interval, 0.05)
             while True:
                 try:
-                    if self._serve_repairs_once():
-                        return
+                    with self.store.polling():  # a watch costs what the wait costs: polls
+                        if self._serve_repairs_once():
+                            return
                 except Exception as exc:  # never let the watcher take the replica down
                     self.log(f"round {r}: repair watch failed: {exc}")
                 remaining = deadline - time.monotonic()

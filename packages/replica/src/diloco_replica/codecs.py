@@ -25,14 +25,12 @@ Every decode is deterministic, so every replica decodes the same bytes to the sa
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "topk")
-INT8_CHUNK = 2048
-INT4_BLOCK = 256
-TOPK_BLOCK = 4096
+from diloco.wiresize import CODECS, INT4_BLOCK, INT8_CHUNK, TOPK_BLOCK, blocks as _blocks, payload_nbytes, topk_kept
+
+__all__ = ["CODECS", "INT4_BLOCK", "INT8_CHUNK", "TOPK_BLOCK", "BadPayload", "decode", "encode", "encoded_nbytes",
+           "sparsify"]
 
 
 class BadPayload(ValueError):
@@ -47,10 +45,6 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
-def _blocks(n: int, size: int) -> int:
-    return (n + size - 1) // size
-
-
 def _rows(x: torch.Tensor, size: int) -> torch.Tensor:
     """x zero-padded to whole blocks, as (blocks, size)."""
     return torch.nn.functional.pad(x.float(), (0, (-x.numel()) % size)).view(-1, size)
@@ -63,21 +57,13 @@ def _absmax_scale(rows: torch.Tensor, levels: int) -> torch.Tensor:
 
 def encoded_nbytes(numel: int, codec: str, payload: memoryview | None = None) -> int:
     """The payload size of `numel` elements; for `topk` it depends on the support, read from `payload`."""
-    if codec == "fp32":
-        return 4 * numel
-    if codec in ("bf16", "fp16"):
-        return 2 * numel
-    if codec == "int8":
-        return numel + 4 * _blocks(numel, INT8_CHUNK)
-    if codec == "int4":
-        return (numel + 1) // 2 + 2 * _blocks(numel, INT4_BLOCK)
-    if codec == "topk":
-        blocks = _blocks(numel, TOPK_BLOCK)
-        if payload is None or payload.nbytes < 6 * blocks:
-            return 6 * blocks  # the fixed part: one scale and one count per block
-        counts = torch.frombuffer(payload, dtype=torch.int16, count=blocks, offset=4 * blocks)
-        return 6 * blocks + 3 * int(counts.sum())
-    raise ValueError(f"unknown codec {codec!r}; use one of {CODECS}")
+    if codec != "topk":
+        return payload_nbytes(numel, codec)
+    n_blocks = _blocks(numel, TOPK_BLOCK)
+    if payload is None or payload.nbytes < 6 * n_blocks:
+        return payload_nbytes(numel, codec, 0)  # the fixed part: one scale and one count per block
+    counts = torch.frombuffer(payload, dtype=torch.int16, count=n_blocks, offset=4 * n_blocks)
+    return payload_nbytes(numel, codec, int(counts.sum()))
 
 
 def encode(x: torch.Tensor, codec: str) -> list[memoryview]:
@@ -148,7 +134,7 @@ def sparsify(x: torch.Tensor, density: float) -> torch.Tensor:
     deterministic), so the same x gives the same support everywhere.
     """
     n = x.numel()
-    k = max(1, math.ceil(density * TOPK_BLOCK))
+    k = topk_kept(density)
     if k >= TOPK_BLOCK:
         return x.clone()
     rows = _rows(x, TOPK_BLOCK)

@@ -5,6 +5,12 @@
         loss = compute_loss(model, batch(step))
         loss.backward(); inner_opt.step(); inner_opt.zero_grad()
         diloco.step(loss=loss.item(), tokens=n_tokens)  # every H steps: a sync round
+        # optional: diloco.report_eval(eval_loss) puts an eval point in the run's metrics
+
+Each round's row (`diloco.metrics.RoundMetrics`) says where the replica's time went
+(`PHASES`: compute, upload, wait, reduce, download, outer; with overlap, how much of the
+exchange ran hidden behind inner steps), how far the run is (global step of total), and the
+model size, so the launcher can show progress, name stragglers and check its estimate.
 
 Every `sync_every` (H) inner steps: Δ = θ_global − θ_local, averaged across replicas through the
 store, an outer SGD-Nesterov step on θ_global (lr 0.7, momentum 0.9 by default), θ_global copied
@@ -39,7 +45,7 @@ from diloco.context import ReplicaContext
 from diloco.errors import UserError
 from diloco.metrics import RoundMetrics
 from diloco.spec import DILOCO
-from diloco.store import verify_store
+from diloco.store import poll_defaults, verify_store
 
 from .allreduce import RoundResult, StoreAllReduce
 from .globalstate import GlobalState
@@ -50,9 +56,6 @@ from .recorder import Recorder
 
 # One place for the defaults: the spec's [diloco] table (diloco.spec.DILOCO).
 DEFAULTS: dict[str, Any] = {key: f.default for key, f in DILOCO.items()}
-# Waiting for objects costs requests. On a local store they are free, so poll finely; on S3 each
-# LIST/GET is billed and throttled (~5,500 GET/s per prefix), so start at 50 ms and back off to 1 s.
-POLL_BY_SCHEME = {"file": (0.005, 0.05), "memory": (0.005, 0.05), "s3": (0.05, 1.0)}
 
 RoundInfo = RoundMetrics  # what `DiLoCo.step` returns: the round's metrics row (one type, in diloco.metrics)
 
@@ -67,7 +70,7 @@ class InFlight:
     future: Future              # → RoundResult
     compute_s: float            # inner-step time of the phase the round closes
     blocked_s: float            # time the training loop spent starting it
-    work: tuple[int, list[float]]  # tokens and losses of that phase
+    work: tuple[int, list[float], list[list[float]]]  # tokens, losses and evals of that phase
 
 
 def inner_optimizer(params, *, lr: float = 4e-4, weight_decay: float = 0.1, betas=(0.9, 0.95)) -> torch.optim.AdamW:
@@ -96,7 +99,7 @@ class DiLoCo:
         self.overlap = bool(s["overlap"])
         self.store = store if store is not None else self.ctx.store
         verify_store(self.store, self.ctx.run_id, f"rank-{self.ctx.rank}-{self.ctx.lane}-attempt-{self.ctx.attempt}")
-        first, cap = POLL_BY_SCHEME.get(self.store.uri.split(":", 1)[0], POLL_BY_SCHEME["s3"])
+        first, cap = poll_defaults(self.store.uri)
         self.allreduce = StoreAllReduce(
             self.store, self.ctx.run_id, self.ctx.rank, self.ctx.world_size, codec=s["transport"],
             round_timeout=float(s["round_timeout"]), min_members=int(s["min_members"]),
@@ -117,6 +120,8 @@ class DiLoCo:
         self.local_steps = 0          # inner steps since the last sync
         self._losses: list[float] = []
         self._tokens = 0
+        self._evals: list[list[float]] = []  # [global step, eval loss] reported since the last sync
+        self.total_steps: int | None = s.get("total_steps")
         self._compute_start = time.monotonic()
         self._alone_since_start = self.ctx.world_size > 1  # until a round with another member is seen
         self.history: list[RoundMetrics] = []
@@ -135,14 +140,23 @@ class DiLoCo:
         started = self._inflight.round if self._inflight is not None else self.state.round
         return started * self.stride + self.local_steps
 
-    def steps(self, total_steps: int) -> Iterator[int]:
+    def steps(self, total_steps: int | None = None) -> Iterator[int]:
         """Global step indices still to do; a rejoining replica starts where the run is.
+
+        `total_steps` defaults to the spec's [diloco] total_steps; the rows carry it, so the
+        launcher's progress shows step / total and an ETA.
 
         When the loop ends the round still in flight (overlap) is merged and the model is set to
         θ_global, the state every replica agrees on, so what training code evaluates or saves
         after the loop is the global model on every replica. (Inner steps after the last round,
         and with fragments the other fragments' steps since their last round, are not in it.)
         """
+        if total_steps is None:
+            total_steps = self.total_steps
+        if total_steps is None:
+            raise UserError("DiLoCo.steps() needs the run's length: pass total_steps, or set [diloco] total_steps "
+                            "in the spec")
+        self.total_steps = int(total_steps)
         while self.global_step < total_steps:
             yield self.global_step
         self.finish()
@@ -166,6 +180,11 @@ class DiLoCo:
             info = None
         self.ctx.global_step = self.global_step
         return info
+
+    def report_eval(self, loss: float) -> None:
+        """Record an evaluation of the model at the current global step; it goes into the next
+        round's row (the loss curve and the timeline plot show it, TensorBoard gets it)."""
+        self._evals.append([self.global_step, float(loss)])
 
     def finish(self) -> RoundMetrics | None:
         """Merge the round in flight, if any (overlap): wait for its result and apply it."""
@@ -200,7 +219,7 @@ class DiLoCo:
             delta = torch.sub(self.state.theta[a:b], local)  # Δ = θ_global − θ_local; `local` is kept for the merge
             future = self._exchanger.submit(self._exchange, r, delta, residual)
             self._inflight = InFlight(r, part, local, future, compute_s, time.monotonic() - t0,
-                                      (self._tokens, self._losses))
+                                      (self._tokens, self._losses, self._evals))
             self._next_phase()
             return merged
         torch.sub(self.state.theta[a:b], local, out=local)  # Δ = θ_global − θ_local, in the read buffer
@@ -210,7 +229,7 @@ class DiLoCo:
             self._log(f"{exc}; rejoining from the latest checkpoint")
             self.state.bootstrap(None)
             return self._adopted(compute_s, t0)
-        return self._apply(result, part, None, compute_s, t0, 0.0, (self._tokens, self._losses))
+        return self._apply(result, part, None, compute_s, t0, 0.0, (self._tokens, self._losses, self._evals))
 
     def _exchange(self, r: int, delta: torch.Tensor, residual: torch.Tensor | None) -> RoundResult:
         """Round r's all-reduce of Δ (the mean is written over it); every lane agrees on the outcome."""
@@ -227,13 +246,17 @@ class DiLoCo:
             self._wait_for_record()
             self.state.bootstrap(None)
             return self._adopted(flight.compute_s, t0, next_phase=False)
+        waited = time.monotonic() - t0
         self._wait_for_record()  # the last round's digest is of the state before this outer step
-        return self._apply(result, flight.part, flight.local, flight.compute_s, t0, flight.blocked_s, flight.work)
+        return self._apply(result, flight.part, flight.local, flight.compute_s, t0, flight.blocked_s, flight.work,
+                           hidden_s=max(0.0, result.seconds - waited))
 
     def _apply(self, result: RoundResult, part: int, local_at_sync: torch.Tensor | None, compute_s: float,
-               t0: float, blocked_s: float, work: tuple[int, list[float]]) -> RoundMetrics:
+               t0: float, blocked_s: float, work: tuple[int, list[float], list[list[float]]], *,
+               hidden_s: float = 0.0) -> RoundMetrics:
         """The round's outer step on θ_global, then its fragment into the model; the round's row."""
         self.allreduce.phase("outer", result.round)
+        outer_t0 = time.monotonic()
         self.state.apply(result.round, result.mean, result.members)
         result.mean = None  # the round's one fragment-sized buffer (the mean was written over Δ)
         a, b = self.state.bounds(result.round)
@@ -247,19 +270,22 @@ class DiLoCo:
             now += self.state.theta[a:b]
             now -= local_at_sync
             self.view.write_part(now, part, self.fragments)
+        outer_s = time.monotonic() - outer_t0
         # the replica's row: every lane's bytes, requests and tokens; the mean loss over its processes
-        tokens, losses = work
+        tokens, losses, evals = work
         sums = self.lanes.total({"bytes_up": result.traffic.bytes_up, "bytes_down": result.traffic.bytes_down,
                                  **result.traffic.requests(), "tokens": tokens,
-                                 "loss_sum": sum(losses), "loss_n": len(losses)})
+                                 "loss_sum": sum(losses), "loss_n": len(losses), "parameters": self.view.numel})
         loss_sum, loss_n = sums.pop("loss_sum"), sums.pop("loss_n")
         info = RoundMetrics(
             round=result.round, rank=self.ctx.rank, attempt=self.ctx.attempt, members=result.members,
             member=result.member, loss=loss_sum / loss_n if loss_n else None, tokens=int(sums.pop("tokens")),
             bytes_up=int(sums.pop("bytes_up")), bytes_down=int(sums.pop("bytes_down")),
-            compute_s=compute_s, sync_s=blocked_s + time.monotonic() - t0,
+            parameters=int(sums.pop("parameters")), compute_s=compute_s, sync_s=blocked_s + time.monotonic() - t0,
             requests={k: int(v) for k, v in sums.items()},
-            takeovers=result.takeovers, incidents=result.incidents, t=time.time())
+            takeovers=result.takeovers, incidents=result.incidents, t=time.time(),
+            phases={"compute": compute_s, **result.phases, "outer": outer_s}, hidden_s=hidden_s,
+            step=result.round * self.stride, total_steps=self.total_steps, evals=list(evals))
         self._warn_if_alone(info)
         self.history.append(info)
         # θ and the momentum stay as they are until the next round's outer step, so their digest
@@ -287,14 +313,16 @@ class DiLoCo:
         """Took no part in a round: adopted the run's state instead (rejoin or divergence repair)."""
         self.view.write(self.state.theta)
         info = RoundMetrics(round=self.state.round, rank=self.ctx.rank, attempt=self.ctx.attempt, member=False,
-                            tokens=self._tokens, compute_s=compute_s, sync_s=time.monotonic() - t0, t=time.time())
+                            tokens=self._tokens, compute_s=compute_s, sync_s=time.monotonic() - t0, t=time.time(),
+                            phases={"compute": compute_s}, step=self.state.round * self.stride,
+                            total_steps=self.total_steps, evals=list(self._evals))
         self.history.append(info)
         if next_phase:
             self._next_phase()
         return info
 
     def _next_phase(self) -> None:
-        self.local_steps, self._losses, self._tokens = 0, [], 0
+        self.local_steps, self._losses, self._tokens, self._evals = 0, [], 0, []
         self._compute_start = time.monotonic()
         self.allreduce.phase("compute", self.state.round + 1)
 

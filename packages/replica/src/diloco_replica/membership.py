@@ -68,15 +68,19 @@ class Membership:
         deadline = time.monotonic() + self.round_timeout
         backoff = Backoff(self.poll_interval, self.poll_max)
         prefix = self.keys.ready(r)
+        waited = False  # the first LIST is the protocol's; every re-check after a wait is a poll
         while True:
-            ready = sorted(int(x) for x in self.store.list_names(prefix) if x.isdigit() and int(x) < self.n)
+            with self.store.polling(waited):
+                ready = sorted(int(x) for x in self.store.list_names(prefix) if x.isdigit() and int(x) < self.n)
             if len(ready) == self.n:
                 break
-            decided = self.read(r) if len(ready) > 1 else None
+            with self.store.polling():
+                decided = self.read(r) if len(ready) > 1 else None
             if decided is not None:
                 return decided
             if not backoff.sleep(deadline):
                 break
+            waited = True
         self.check_not_collected(r)  # paused past the history (even our own ready marker went): rejoin
         if len(ready) < self.min_members:
             raise RoundFailed(f"round {r}: only {len(ready)} of {self.n} replicas ready within "

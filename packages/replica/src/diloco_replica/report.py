@@ -1,4 +1,5 @@
-"""The end-of-run report: summary numbers and a loss curve, written to the store's artifacts/.
+"""The end-of-run report: summary numbers, the loss curve and the timeline, written to the store's
+artifacts/.
 
 `diloco run` copies ``<run>/artifacts/`` next to the run's records and prints summary.txt, so
 the report looks the same whichever backend ran the replicas.
@@ -6,7 +7,6 @@ the report looks the same whichever backend ran the replicas.
 
 from __future__ import annotations
 
-import io
 import json
 import time
 from typing import Any
@@ -15,6 +15,8 @@ from dataclasses import asdict
 
 from diloco.context import ReplicaContext
 from diloco.metrics import RoundReader, RoundSummary
+
+from .plots import loss_png, timeline_png
 
 
 def artifact_key(run_id: str, name: str) -> str:
@@ -66,30 +68,6 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_png(rounds: list[RoundSummary], eval_loss: float | None) -> bytes | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    xs = [r.round for r in rounds if r.loss is not None]
-    ax.plot(xs, [r.loss for r in rounds if r.loss is not None], marker="o", ms=3, label="train loss (mean over replicas)")
-    if eval_loss is not None and xs:
-        ax.axhline(eval_loss, color="tab:red", ls="--", label=f"final eval loss {eval_loss:.3f}")
-    ax.set_xlabel("DiLoCo round")
-    ax.set_ylabel("cross-entropy (nats/byte)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return buf.getvalue()
-
-
 def write_run_report(ctx: ReplicaContext, diloco: Any, *, eval_loss: float | None, steps: int, n_params: int,
                      wait_s: float = 15.0) -> dict[str, Any]:
     """Gather every replica's round metrics (waiting briefly for the last round), write the report."""
@@ -106,7 +84,7 @@ def write_run_report(ctx: ReplicaContext, diloco: Any, *, eval_loss: float | Non
     store = diloco.store
     store.put(artifact_key(ctx.run_id, "summary.json"), json.dumps({**summary, "rounds_detail": [asdict(r) for r in rounds]}, indent=2).encode())
     store.put(artifact_key(ctx.run_id, "summary.txt"), format_summary(summary).encode())
-    png = plot_png(rounds, eval_loss)
-    if png:
-        store.put(artifact_key(ctx.run_id, "loss.png"), png)
+    for name, png in (("loss.png", loss_png(rounds, eval_loss, steps)), ("timeline.png", timeline_png(rounds))):
+        if png:
+            store.put(artifact_key(ctx.run_id, name), png)
     return summary

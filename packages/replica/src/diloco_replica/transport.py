@@ -7,7 +7,9 @@ written down once.
 
 from __future__ import annotations
 
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from diloco.store import Store
@@ -23,6 +25,7 @@ class Traffic:
     gets: int = 0
     lists: int = 0
     deletes: int = 0
+    polls: int = 0  # of the GETs and LISTs, those made while waiting for others (they scale with the wait)
 
     def snapshot(self) -> Traffic:
         return Traffic(**self.__dict__)
@@ -31,15 +34,35 @@ class Traffic:
         return Traffic(**{k: getattr(self, k) - getattr(before, k) for k in self.__dict__})
 
     def requests(self) -> dict[str, int]:
-        return {"puts": self.puts, "gets": self.gets, "lists": self.lists, "deletes": self.deletes}
+        return {"puts": self.puts, "gets": self.gets, "lists": self.lists, "deletes": self.deletes,
+                "polls": self.polls}
 
 
 class CountingStore:
-    """Wraps the run's store; counts every byte and request made through it."""
+    """Wraps the run's store; counts every byte and request made through it.
+
+    Requests made inside `polling()` are also counted as polls: re-checks while waiting for
+    other replicas, whose number depends on how long the wait was, not on the protocol (the
+    estimate in `diloco.estimate` predicts the rest exactly).
+    """
 
     def __init__(self, store: Store):
         self.store = store
         self.traffic = Traffic()
+        self._local = threading.local()
+
+    @contextmanager
+    def polling(self, active: bool = True):
+        before = getattr(self._local, "polling", False)
+        self._local.polling = active
+        try:
+            yield
+        finally:
+            self._local.polling = before
+
+    def _count_poll(self) -> None:
+        if getattr(self._local, "polling", False):
+            self.traffic.polls += 1
 
     @property
     def uri(self) -> str:
@@ -53,6 +76,7 @@ class CountingStore:
 
     def get(self, key: str) -> memoryview | None:
         self.traffic.gets += 1
+        self._count_poll()
         data = self.store.get(key)
         if data is not None:
             self.traffic.bytes_down += data.nbytes
@@ -60,15 +84,18 @@ class CountingStore:
 
     def list(self, prefix: str, *, offset: str | None = None):
         self.traffic.lists += 1
+        self._count_poll()
         return list(self.store.list(prefix, offset=offset))
 
     def list_names(self, prefix: str) -> list[str]:
         """Object names under `prefix`, relative to it."""
         self.traffic.lists += 1
+        self._count_poll()
         return [m["path"][len(prefix):] for m in self.store.list(prefix)]
 
     def list_dirs(self, prefix: str) -> list[str]:
         self.traffic.lists += 1
+        self._count_poll()
         return self.store.list_dirs(prefix)
 
     def delete(self, key: str) -> None:

@@ -1,0 +1,209 @@
+"""What a spec will cost before it runs: bytes, store requests and money at list prices.
+
+The exchange of one round is the all-reduce of `diloco_replica.allreduce`, whose traffic is
+fixed by the protocol: per replica and lane, N−1 shards up plus one reduced shard, N−1
+contributions and N−1 reduced shards down, and a fixed handful of requests around them. This
+module counts them the same way the replicas' rows do (`RoundMetrics.bytes_up/bytes_down/
+requests`), so the estimate can be checked against a run, and the run's `diloco status` shows
+both. What depends on timing is kept apart: `polls` (re-checks while a replica waits for the
+others, at most one per `poll_max` seconds of waiting) and deletes (free on S3).
+
+Outside the exchange a run also writes a metrics row per replica and round, one summary per
+round, and every `checkpoint_every` rounds a checkpoint of θ and the outer momentum (8 bytes
+per parameter across the replicas); those are counted in the run's totals as `bookkeeping`.
+
+Prices come from ``prices.toml`` beside this module (its date and source inside), or from the
+file named by DILOCO_PRICES.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from .errors import UserError
+from .wiresize import MARKER_NBYTES, MEMBERS_NBYTES, OBJECT_OVERHEAD, expected_payload_nbytes
+
+ENV_PRICES = "DILOCO_PRICES"
+ROW_NBYTES = 1500  # one replica's metrics row for a round (JSON)
+
+
+def load_prices() -> dict[str, Any]:
+    """The price table: the packaged one, with DILOCO_PRICES's keys over it."""
+    prices = tomllib.loads(resources.files("diloco").joinpath("prices.toml").read_text())
+    path = os.environ.get(ENV_PRICES)
+    if path:
+        try:
+            override = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise UserError(f"{ENV_PRICES} names {path!r}, which does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise UserError(f"{ENV_PRICES} file {path!r} is not valid TOML: {exc}") from None
+        for key, value in override.items():
+            if isinstance(value, dict) and isinstance(prices.get(key), dict):
+                prices[key] = {**prices[key], **value}
+            else:
+                prices[key] = value
+        prices["source"] = f"{path} over the packaged table ({override.get('source', 'no source given')})"
+    for table in ("requests", "transfer"):
+        for key, value in prices.get(table, {}).items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise UserError(f"price `{table}.{key}` must be a non-negative number, got {value!r}")
+    return prices
+
+
+@dataclass
+class Traffic:
+    """Bytes and requests (the same names as a round row's `requests`)."""
+
+    bytes_up: float = 0.0
+    bytes_down: float = 0.0
+    puts: float = 0.0
+    gets: float = 0.0
+    lists: float = 0.0
+    deletes: float = 0.0
+
+    @property
+    def requests(self) -> float:
+        return self.puts + self.gets + self.lists
+
+    def times(self, k: float) -> Traffic:
+        return Traffic(**{n: v * k for n, v in asdict(self).items()})
+
+    def plus(self, other: Traffic) -> Traffic:
+        return Traffic(**{n: v + getattr(other, n) for n, v in asdict(self).items()})
+
+
+@dataclass
+class Estimate:
+    replicas: int
+    lanes: int
+    transport: str
+    fragments: int
+    sync_every: int
+    parameters: int | None
+    parameters_from: str | None          # "spec" | "measured" | None
+    total_steps: int | None
+    rounds: int | None
+    round: Traffic | None = None         # one replica, one round, the exchange (what its row counts)
+    first_round: Traffic | None = None   # round 1: no repair check, nothing to delete yet
+    run: Traffic | None = None           # every replica, every round, exchange + bookkeeping
+    bookkeeping: Traffic | None = None   # metrics rows, summaries, checkpoints (in `run`)
+    cost: dict[str, float] = field(default_factory=dict)
+    poll_max: float = 1.0
+    prices: dict[str, Any] = field(default_factory=dict)
+    rendezvous: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for key in ("round", "first_round", "run", "bookkeeping"):
+            t = getattr(self, key)
+            if t is not None:
+                out[key]["requests"] = t.requests
+        return out
+
+
+def exchange(n: int, lanes: int, numel: int, transport: str, density: float, *, first: bool = False) -> Traffic:
+    """One replica's all-reduce traffic for a round syncing `numel` elements (its lanes together)."""
+    per_lane = numel / lanes
+    shard = per_lane / n
+    scatter = OBJECT_OVERHEAD + expected_payload_nbytes(round(shard), transport, density=density)
+    reduced = OBJECT_OVERHEAD + expected_payload_nbytes(round(shard), transport, density=density, union_of=n)
+    loser = (n - 1) / n  # every replica tries to write members.json; all but one read the winner's
+    return Traffic(
+        bytes_up=lanes * ((n - 1) * scatter + reduced) + MARKER_NBYTES + MEMBERS_NBYTES,
+        bytes_down=lanes * (n - 1) * (scatter + reduced) + loser * MEMBERS_NBYTES,
+        puts=lanes * (n - 1) + 1 + 1 + lanes,               # shards, ready marker, members.json, reduced shard
+        gets=1 + loser + 2 * lanes * (n - 1),                # members.json (absent), the winner's, shards in
+        lists=3 + lanes + (0 if first else lanes),           # low-water ×2, ready; reduced; repair requests
+        deletes=0 if first else lanes * (n - 1))             # the previous round's shards it reduced
+
+
+def estimate(spec: Any, *, parameters: int | None = None, parameters_from: str | None = None,
+             prices: dict[str, Any] | None = None) -> Estimate:
+    """The estimate for `spec` (a `RunSpec`); `parameters` overrides the spec's [diloco] parameters."""
+    d = spec.diloco
+    if parameters is None and d.get("parameters"):
+        parameters, parameters_from = int(d["parameters"]), "spec"
+    n, lanes, k = spec.replicas, max(1, int(spec.processes_per_replica)), int(d["fragments"])
+    total = d.get("total_steps")
+    rounds = None if total is None else int(total) // (int(d["sync_every"]) // k)
+    from .store import poll_defaults
+
+    est = Estimate(replicas=n, lanes=lanes, transport=d["transport"], fragments=k, sync_every=int(d["sync_every"]),
+                   parameters=parameters, parameters_from=parameters_from if parameters else None,
+                   total_steps=total, rounds=rounds, prices=prices if prices is not None else load_prices(),
+                   poll_max=float(d.get("poll_max") or poll_defaults(spec.rendezvous)[1]), rendezvous=spec.rendezvous)
+    if not parameters:
+        return est
+    numel = parameters / k
+    density = float(d["topk_density"])
+    est.round = exchange(n, lanes, numel, d["transport"], density)
+    est.first_round = exchange(n, lanes, numel, d["transport"], density, first=True)
+    if rounds:
+        ckpts = rounds // int(d["checkpoint_every"])
+        summary = OBJECT_OVERHEAD + n * ROW_NBYTES
+        est.bookkeeping = Traffic(
+            bytes_up=rounds * (n * ROW_NBYTES + summary) + ckpts * (8 * parameters + n * lanes * OBJECT_OVERHEAD),
+            bytes_down=rounds * (n * ROW_NBYTES + n * summary),     # the recorder reads rows; everyone the summary
+            puts=rounds * (n + 1) + ckpts * n * lanes,
+            gets=rounds * (n + n),
+            lists=rounds * (1 + n))
+        exchanges = est.first_round.plus(est.round.times(rounds - 1)).times(n) if rounds else Traffic()
+        est.run = exchanges.plus(est.bookkeeping)
+        est.cost = price(est.run, est.prices)
+    return est
+
+
+def price(t: Traffic, prices: dict[str, Any]) -> dict[str, float]:
+    """Dollars for requests, and for reading `t.bytes_down` out of the store from each place."""
+    req = prices.get("requests", {})
+    out = {"requests": (t.puts * req.get("put", 0) + t.lists * req.get("list", 0) + t.gets * req.get("get", 0)
+                        + t.deletes * req.get("delete", 0)) / 1000}
+    for where, per_gb in prices.get("transfer", {}).items():
+        out[f"transfer_{where}"] = t.bytes_down / 1e9 * per_gb
+    return out
+
+
+def _size(x: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= scale:
+            return f"{x / scale:,.1f} {unit}"
+    return f"{x:,.0f} B"
+
+
+def format_estimate(e: Estimate) -> str:
+    """The estimate as `diloco dryrun` and the first lines of `diloco run` print it."""
+    head = (f"estimate: {e.replicas} replicas × {e.lanes} process{'es' if e.lanes > 1 else ''}, {e.transport}, "
+            f"H={e.sync_every}" + (f", {e.fragments} fragments" if e.fragments > 1 else ""))
+    if not e.parameters:
+        return (f"{head}\n  model size unknown: set [diloco] parameters = N for an estimate now; otherwise the "
+                f"replicas measure it at round 1 and `diloco status RUN` shows the estimate\n")
+    head += f", {e.parameters:,} parameters ({e.parameters_from})"
+    r = e.round
+    lines = [head,
+             f"  per replica per round  up {_size(r.bytes_up)}, down {_size(r.bytes_down)}; {r.requests:,.0f} requests "
+             f"({r.puts:,.0f} PUT, {r.gets:,.0f} GET, {r.lists:,.0f} LIST)",
+             f"  per round (all)        {r.requests * e.replicas:,.0f} requests, {_size(r.bytes_down * e.replicas)} read"]
+    if e.run is None:
+        lines.append("  whole run              set [diloco] total_steps for the run's totals and cost")
+    else:
+        t, c = e.run, e.cost
+        lines.append(f"  whole run ({e.rounds} rounds) up {_size(t.bytes_up)}, down {_size(t.bytes_down)}; "
+                     f"{t.requests:,.0f} requests (checkpoints and metrics included)")
+        places = ", ".join(f"${v:,.2f} {k.removeprefix('transfer_').replace('_', '-')}" for k, v in c.items()
+                           if k.startswith("transfer_"))
+        local = (e.rendezvous or "file://").split(":", 1)[0] in ("file", "memory")
+        lines.append(f"  at list prices         requests ${c['requests']:,.2f}; reading the store: {places}")
+        if local:
+            lines.append("                         (this run's store is local: nothing is billed; that is the same "
+                         "run on S3)")
+    per_hour = 3600 / e.poll_max * e.prices.get("requests", {}).get("list", 0) / 1000
+    lines.append(f"  waiting costs polls    at most {3600 / e.poll_max:,.0f} LIST per replica-hour spent waiting "
+                 f"(${per_hour:,.3f})")
+    lines.append(f"  prices                 {e.prices.get('as_of', '?')}: {e.prices.get('source', '?')}")
+    return "\n".join(lines) + "\n"
