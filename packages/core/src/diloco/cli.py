@@ -299,7 +299,7 @@ def _estimate_view(record, rounds) -> dict:
         n = len(rounds)
         same = est.first_round.plus(est.round.times(n - 1)).times(est.replicas)
         out["for_counted_rounds"] = {"bytes_up": same.bytes_up, "bytes_down": same.bytes_down, "puts": same.puts,
-                                     "gets": same.gets, "lists": same.lists, "requests": same.requests}
+                                     "gets": same.gets, "lists": same.lists, "requests": same.request_count}
     return {"estimate": out, "counted": counted}
 
 

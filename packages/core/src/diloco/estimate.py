@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
-from .wiresize import MARKER_NBYTES, MEMBERS_NBYTES, OBJECT_OVERHEAD, expected_payload_nbytes
+from .wiresize import MARKER_NBYTES, MEMBERS_NBYTES, OBJECT_OVERHEAD, Traffic, expected_payload_nbytes
 
 ENV_PRICES = "DILOCO_PRICES"
 ROW_NBYTES = 1500  # one replica's metrics row for a round (JSON)
@@ -57,28 +57,6 @@ def load_prices() -> dict[str, Any]:
 
 
 @dataclass
-class Traffic:
-    """Bytes and requests (the same names as a round row's `requests`)."""
-
-    bytes_up: float = 0.0
-    bytes_down: float = 0.0
-    puts: float = 0.0
-    gets: float = 0.0
-    lists: float = 0.0
-    deletes: float = 0.0
-
-    @property
-    def requests(self) -> float:
-        return self.puts + self.gets + self.lists
-
-    def times(self, k: float) -> Traffic:
-        return Traffic(**{n: v * k for n, v in asdict(self).items()})
-
-    def plus(self, other: Traffic) -> Traffic:
-        return Traffic(**{n: v + getattr(other, n) for n, v in asdict(self).items()})
-
-
-@dataclass
 class Estimate:
     replicas: int
     lanes: int
@@ -103,7 +81,7 @@ class Estimate:
         for key in ("round", "first_round", "run", "bookkeeping"):
             t = getattr(self, key)
             if t is not None:
-                out[key]["requests"] = t.requests
+                out[key]["requests"] = t.request_count
         return out
 
 
@@ -186,15 +164,15 @@ def format_estimate(e: Estimate) -> str:
     head += f", {e.parameters:,} parameters ({e.parameters_from})"
     r = e.round
     lines = [head,
-             f"  per replica per round  up {_size(r.bytes_up)}, down {_size(r.bytes_down)}; {r.requests:,.0f} requests "
+             f"  per replica per round  up {_size(r.bytes_up)}, down {_size(r.bytes_down)}; {r.request_count:,.0f} requests "
              f"({r.puts:,.0f} PUT, {r.gets:,.0f} GET, {r.lists:,.0f} LIST)",
-             f"  per round (all)        {r.requests * e.replicas:,.0f} requests, {_size(r.bytes_down * e.replicas)} read"]
+             f"  per round (all)        {r.request_count * e.replicas:,.0f} requests, {_size(r.bytes_down * e.replicas)} read"]
     if e.run is None:
         lines.append("  whole run              set [diloco] total_steps for the run's totals and cost")
     else:
         t, c = e.run, e.cost
         lines.append(f"  whole run ({e.rounds} rounds) up {_size(t.bytes_up)}, down {_size(t.bytes_down)}; "
-                     f"{t.requests:,.0f} requests (checkpoints and metrics included)")
+                     f"{t.request_count:,.0f} requests (checkpoints and metrics included)")
         places = ", ".join(f"${v:,.2f} {k.removeprefix('transfer_').replace('_', '-')}" for k, v in c.items()
                            if k.startswith("transfer_"))
         local = (e.rendezvous or "file://").split(":", 1)[0] in ("file", "memory")

@@ -8,6 +8,7 @@ run's traffic with the same functions, without torch.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 
 CODECS = ("fp32", "bf16", "fp16", "int8", "int4", "topk")
 INT8_CHUNK = 2048    # int8: one fp32 absmax scale per 2,048 elements
@@ -18,6 +19,44 @@ TOPK_BLOCK = 4096    # topk: each 4,096-element block keeps its own top elements
 OBJECT_OVERHEAD = 13 + 160
 MARKER_NBYTES = 2          # a replica's "ready" marker
 MEMBERS_NBYTES = 13 + 200  # a round's members.json
+
+
+@dataclass
+class Traffic:
+    """Bytes and requests through the store: what a replica counts (`diloco_replica.transport`)
+    and what the estimate predicts (`diloco.estimate`), field for field.
+
+    `polls` are the GETs and LISTs made while waiting for other replicas (also counted in
+    `gets` and `lists`): their number follows the wait, not the protocol.
+    """
+
+    bytes_up: float = 0
+    bytes_down: float = 0
+    puts: float = 0
+    gets: float = 0
+    lists: float = 0
+    deletes: float = 0
+    polls: float = 0
+
+    @property
+    def request_count(self) -> float:
+        """Billed requests the protocol makes, polls left out (deletes are free on S3)."""
+        return self.puts + self.gets + self.lists - self.polls
+
+    def requests(self) -> dict[str, float]:
+        return {"puts": self.puts, "gets": self.gets, "lists": self.lists, "deletes": self.deletes, "polls": self.polls}
+
+    def snapshot(self) -> Traffic:
+        return Traffic(**asdict(self))
+
+    def since(self, before: Traffic) -> Traffic:
+        return Traffic(**{k: v - getattr(before, k) for k, v in asdict(self).items()})
+
+    def times(self, k: float) -> Traffic:
+        return Traffic(**{n: v * k for n, v in asdict(self).items()})
+
+    def plus(self, other: Traffic) -> Traffic:
+        return Traffic(**{n: v + getattr(other, n) for n, v in asdict(self).items()})
 
 
 def blocks(numel: int, size: int) -> int:

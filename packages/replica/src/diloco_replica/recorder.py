@@ -40,17 +40,25 @@ class Recorder:
         prefix = f"{self.ar.run_id}/metrics/r{r:08d}/"
         deadline = time.monotonic() + self.ar.round_timeout
         backoff = Backoff(self.ar.poll_interval, self.ar.poll_max)
+        # The raw store, not the counting one: this runs in the background, often inside the next
+        # round's exchange, whose row must count the exchange alone (diloco.estimate counts summaries
+        # with the run's bookkeeping).
+        store = self.ar.store.store
+
+        def names_now() -> list[str]:
+            return [m["path"][len(prefix):] for m in store.list(prefix)]
+
         try:
-            names = self.ar.store.list_names(prefix)
+            names = names_now()
             while not {f"rank-{m}.json" for m in members} <= set(names) and backoff.sleep(deadline):
-                names = self.ar.store.list_names(prefix)
+                names = names_now()
             rows = []
             for name in names:
-                raw = self.ar.store.get(prefix + name)
+                raw = store.get(prefix + name)
                 if raw is not None:
                     rows.append(RoundMetrics.from_json(raw))
             summary = RoundSummary.from_rows(r, rows)
-            self.ar.store.put(summary_key(self.ar.run_id, r), summary.to_json(), create_only=True)
+            store.put(summary_key(self.ar.run_id, r), summary.to_json(), create_only=True)
             if summary.diverged:
                 self.log(f"round {r}: replicas {summary.diverged['minority']} hold a global state different from "
                          f"{summary.diverged['majority']}")

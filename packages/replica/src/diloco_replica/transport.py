@@ -13,29 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from diloco.store import Store
-
-
-@dataclass
-class Traffic:
-    """Object bytes and requests through the store, as the round protocol counts them."""
-
-    bytes_up: int = 0
-    bytes_down: int = 0
-    puts: int = 0
-    gets: int = 0
-    lists: int = 0
-    deletes: int = 0
-    polls: int = 0  # of the GETs and LISTs, those made while waiting for others (they scale with the wait)
-
-    def snapshot(self) -> Traffic:
-        return Traffic(**self.__dict__)
-
-    def since(self, before: Traffic) -> Traffic:
-        return Traffic(**{k: getattr(self, k) - getattr(before, k) for k in self.__dict__})
-
-    def requests(self) -> dict[str, int]:
-        return {"puts": self.puts, "gets": self.gets, "lists": self.lists, "deletes": self.deletes,
-                "polls": self.polls}
+from diloco.wiresize import Traffic
 
 
 class CountingStore:
