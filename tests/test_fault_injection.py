@@ -5,7 +5,8 @@ The harness aims each kill at a phase — inner steps ("compute"), uploading the
 the replica runtime's fault-injection phase marker (DILOCO_FAULT_PHASE_FILE /
 DILOCO_FAULT_PHASE_DELAY, which stretches each sync phase so a kill can land inside it).
 
-DILOCO_FAULT_RUNS and DILOCO_FAULT_KILLS scale the SIGKILL soak (CI runs the default 2 × 3).
+DILOCO_FAULT_RUNS and DILOCO_FAULT_KILLS scale the SIGKILL soak (CI runs the default 1 × 3;
+`DILOCO_FAULT_RUNS=10` is the documented longer soak).
 
 `test_mixed_fault_soak` mixes every fault kind in each run, on an s3:// rendezvous (moto behind
 a proxy that answers a share of requests with 503 SlowDown / 500 InternalError): SIGKILLs aimed
@@ -35,7 +36,7 @@ import pytest
 
 from conftest import on_s3, tiny_spec
 
-FAULT_RUNS = int(os.environ.get("DILOCO_FAULT_RUNS", "2"))
+FAULT_RUNS = int(os.environ.get("DILOCO_FAULT_RUNS", "1"))
 KILLS_PER_RUN = int(os.environ.get("DILOCO_FAULT_KILLS", "3"))
 PHASES = ["compute", "upload", "reduce", "gather"]
 STEPS, H = 300, 25
@@ -167,7 +168,8 @@ SYNC_MODES = {
 @pytest.mark.parametrize("mode", SYNC_MODES)
 def test_a_replica_killed_mid_round_rejoins_in_every_sync_mode(tmp_path, mode):
     spec = spec_for(tmp_path)
-    spec.write_text(spec.read_text().replace('transport = "fp32"', SYNC_MODES[mode]))
+    text = spec.read_text().replace('transport = "fp32"', SYNC_MODES[mode])
+    spec.write_text(text.replace(f"total_steps = {STEPS}", f"total_steps = {STEPS // 2}"))  # enough rounds after the kill
     state, phase_dir = tmp_path / "state", tmp_path / "phases"
     phase_dir.mkdir()
     env = {"DILOCO_FAULT_PHASE_FILE": str(phase_dir / "phase-{rank}"), "DILOCO_FAULT_PHASE_DELAY": "0.15"}

@@ -26,7 +26,7 @@ GOOD = 'backend = "local"\nreplicas = 2\nentrypoint = "job:main"\n'
     (GOOD + "[diloco]\ntransport = 'int3'\n", "`diloco.transport` must be one of"),
     (GOOD + "[diloco]\nsync_every = 50\nfragments = 3\n", "`diloco.fragments` (3) must divide `diloco.sync_every` (50)"),
     (GOOD + "[diloco]\ntopk_density = 0\n", "`diloco.topk_density` must be at least"),
-    (GOOD + "rendezvous = 'ftp://x'\n", "`rendezvous` must be an s3:// or file:// URI"),
+    (GOOD + "rendezvous = 'ftp://x'\n", "`rendezvous` must be a file://, memory://, s3://, gs://, az://"),
     (GOOD + "rendezvous = 'memory://shared'\n", "lives in one process's memory"),
     (GOOD + "[args]\npath = 'x'\n", "`args.path` would be exported as PATH"),
     (GOOD + "[args]\nAWS_REGION = 'x'\n", "exported as AWS_REGION"),

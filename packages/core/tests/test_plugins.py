@@ -6,6 +6,7 @@ leaves in site-packages, and what importlib.metadata reads — no install step n
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,22 @@ def test_every_hook_is_documented():
     for name in hooks:
         assert getattr(hookspecs, name).__doc__, name
         assert name in readme, f"{name} is not documented in packages/core/README.md"
+
+
+def test_backends_name_lists_options_from_the_executor(cli, tmp_path):
+    out = cli("backends", "local", check_rc=0).stdout
+    assert "grace_period" in out and "float" in out and "5.0" in out
+    assert "seconds between SIGTERM and SIGKILL" in out
+    assert "CUDA_VISIBLE_DEVICES=devices[r % len]" in out  # help text is not taken for markup
+    data = json.loads(cli("backends", "local", "--json", check_rc=0).stdout)
+    by_name = {o["name"]: o for o in data["options"]}
+    assert by_name["grace_period"] == {"name": "grace_period", "type": "float", "default": 5.0, "required": False,
+                                       "help": "seconds between SIGTERM and SIGKILL when a replica is cancelled."}
+    assert by_name["devices"]["type"] == "Sequence[int | str]" and by_name["devices"]["default"] is None
+    # a third-party backend with no docstring still lists its options (without help)
+    site = tmp_path / "site"
+    make_plugin(site, "diloco-backend-acme", "acme_plugin", "acme")
+    acme = json.loads(cli("backends", "acme", "--json", env={"PYTHONPATH": str(site)}, check_rc=0).stdout)
+    assert acme["distribution"] == "diloco-backend-acme"
+    bad = cli("backends", "nosuch")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "not installed" in bad.stderr

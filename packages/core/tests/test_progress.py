@@ -93,6 +93,28 @@ def test_prices_are_overridable_and_checked(tmp_path, monkeypatch):
         load_prices()
 
 
+def test_the_rendezvous_scheme_picks_the_clouds_prices(tmp_path, monkeypatch):
+    spec = parse_spec({"backend": "local", "replicas": 2, "entrypoint": "m:f",
+                       "diloco": {"parameters": 10_000_000, "total_steps": 1000}})
+    by_cloud = {}
+    for uri, cloud in (("s3://b/p", "aws"), ("gs://b/p", "gcp"), ("az://c/p", "azure"),
+                       ("abfss://c@acct.dfs.core.windows.net/p", "azure"),
+                       ("https://acct.blob.core.windows.net/c/p", "azure"), ("file:///tmp/x", "aws")):
+        spec.rendezvous = uri
+        est = estimate(spec)
+        assert est.prices["cloud"] == cloud, uri
+        by_cloud[cloud] = est.cost
+        assert f"prices                 {cloud}, " in format_estimate(est)
+    # the same traffic read over the internet costs what each cloud's egress price says
+    assert by_cloud["gcp"]["transfer_internet"] / by_cloud["aws"]["transfer_internet"] == pytest.approx(0.12 / 0.09)
+    assert by_cloud["azure"]["requests"] > by_cloud["aws"]["requests"]
+    override = tmp_path / "p.toml"
+    override.write_text("[gcp.transfer]\ninternet = 0.08\n[transfer]\ncross_region = 0.01\n")
+    monkeypatch.setenv("DILOCO_PRICES", str(override))
+    assert load_prices("gcp")["transfer"] == {"same_region": 0.0, "cross_region": 0.01, "internet": 0.08}
+    assert load_prices("aws")["transfer"]["internet"] == 0.09
+
+
 def test_a_third_party_sink_is_found_through_the_hook_and_gets_every_round(tmp_path, monkeypatch):
     from diloco import hookimpl, plugins
     from diloco.sinks import open_sinks

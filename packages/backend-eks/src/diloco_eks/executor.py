@@ -30,11 +30,29 @@ from .status import index_status, pod_index, terminated, waiting_problem
 
 
 class EksExecutor:
-    """Options ([backend] table): image (required), namespace, command, service_account,
-    runtime_class, node_selector, tolerations, cpu, memory, ttl_seconds_after_finished,
-    per_index, index_retries, gpu_types, labels; and how to reach the cluster: kubeconfig,
-    context (default: the current one, or in-cluster config), api_url (a plain URL, e.g. an
-    API proxy or an emulator in tests)."""
+    """One Kubernetes Indexed Job per attempt, one pod per rank (see the README for the manifest).
+
+    Args:
+        image: the container image holding diloco-replica (packages/replica/Dockerfile builds one); required.
+        namespace: the namespace Jobs and Secrets are created in.
+        command: the container command; default ["diloco-replica"] (a command entrypoint replaces it).
+        service_account: serviceAccountName of the pods (IRSA / workload identity for the store); not created.
+        runtime_class: runtimeClassName (gVisor, Kata); referenced, never created.
+        node_selector: extra nodeSelector labels (yours win over the GPU's instance type).
+        tolerations: pod tolerations; default with a GPU: nvidia.com/gpu Exists NoSchedule.
+        cpu: CPU request per pod, e.g. "8".
+        memory: memory request per pod, e.g. "64Gi".
+        ttl_seconds_after_finished: seconds a finished Job stays before Kubernetes deletes it.
+        per_index: one pod per index with its own backoff (backoffLimitPerIndex), so one rank can be relaunched alone;
+            false: the whole Job fails fast and restarts as a gang.
+        index_retries: retries Kubernetes itself gives each index before diloco relaunches it.
+        gpu_types: more GPU names, e.g. { L4 = { count = 1, instance_type = "g6.xlarge" } }.
+        labels: extra labels on Jobs and pods.
+        kubeconfig: kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or in-cluster config).
+        context: kubeconfig context (default: the current one).
+        api_url: a plain API server URL instead of a kubeconfig (an API proxy, or an emulator in tests).
+        cache_seconds: how long one read of the cluster's Jobs and pods serves polls of every rank.
+    """
 
     backend_name = "eks"
     supports_inter_replica_network = True
@@ -280,8 +298,11 @@ class EksExecutor:
         pod = self._pod_for(handle)
         term = terminated(pod) if pod else None
         code = term.get("exitCode") if term else None
-        if status is ReplicaStatus.SUCCEEDED:
-            return ReplicaResult(handle.rank, status, code if code is not None else 0, None, None, handle.attempt)
+        if status is ReplicaStatus.SUCCEEDED:  # the entrypoint's return value travels in the pod's log, as JSON
+            from diloco.runner import result_from_log
+
+            result = result_from_log(self.stream_logs(handle, n_lines=20)) if pod else None
+            return ReplicaResult(handle.rank, status, code if code is not None else 0, None, result, handle.attempt)
         error = self._errors.get((md["job"], md["index"]))
         if error is None:
             job = self._job(md["namespace"], md["job"]) or {}

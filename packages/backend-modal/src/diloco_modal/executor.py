@@ -60,12 +60,29 @@ def dashboard_url(object_id: str) -> str:
 
 
 class ModalExecutor:
-    """Options ([backend] table). Sandbox mode: app_name (default "diloco"), environment, image
-    (a registry image holding diloco-replica; default debian_slim + pip), python_version, pip,
-    requirements, include_workdir, secrets (named Modal secrets), volumes ({path = volume name}),
-    bucket_mounts ({path = {bucket, bucket_endpoint_url, key_prefix, secret, read_only}}), cpu,
-    memory (MiB), region, cloud, gpu_types. Function mode: function ('module:fn', 'app/fn', or from
-    Python the decorated function itself), deploy."""
+    """Replicas as Modal Sandboxes (default) or as calls of a Modal Function (`function`).
+
+    Args:
+        workdir: the directory shipped into each container (the spec's directory by default).
+        function: function mode: 'module:fn' (deployed with the run), 'app-name/fn' (already deployed), or from
+            Python the decorated function itself.
+        deploy: function mode: deploy the function's app before launching.
+        app_name: the Modal app sandboxes run under.
+        environment: the Modal environment (default: the profile's).
+        image: a registry image holding diloco-replica (packages/replica/Dockerfile); default debian_slim + pip.
+        python_version: Python of the default image.
+        pip: extra pip requirements for the default image.
+        requirements: a requirements file for the default image.
+        include_workdir: ship workdir into the container.
+        secrets: names of Modal secrets to attach (the store's credentials, for example).
+        volumes: Modal volumes to mount, {path = volume name}.
+        bucket_mounts: cloud buckets to mount, {path = {bucket, bucket_endpoint_url, key_prefix, secret, read_only}}.
+        cpu: CPU cores per container.
+        memory: memory per container in MiB.
+        region: Modal region(s) to run in.
+        cloud: Modal cloud provider to run on (aws, gcp, oci).
+        gpu_types: GPU names accepted besides Modal's own list.
+    """
 
     backend_name = "modal"
     supports_inter_replica_network = False

@@ -49,10 +49,29 @@ def _boto3():
 
 
 class SageMakerExecutor:
-    """Options ([backend] table): role (execution role ARN), region, image (an ECR image with
-    diloco-replica) or pytorch_version (+ py_version; the official image, `images` extra), pip,
-    instance_type, volume_size_gb, spot, max_wait, keep_alive (warm pool seconds), subnets,
-    security_groups, s3_prefix, output_path, include_workdir, tags, secret_refs."""
+    """One SageMaker training job per replica and attempt (see the README for the request).
+
+    Args:
+        workdir: the directory uploaded as the job's source (the spec's directory by default).
+        role: the execution role ARN the jobs run as; required.
+        region: AWS region (default: AWS_REGION or the profile's).
+        image: an ECR image holding diloco-replica (packages/replica/Dockerfile); or use pytorch_version.
+        pytorch_version: the official SageMaker PyTorch image of this version (the `images` extra).
+        py_version: Python of that image, e.g. "py311".
+        pip: extra pip requirements installed when the job starts.
+        instance_type: overrides the instance type the spec's `gpu` picks.
+        volume_size_gb: the instance's EBS volume in GB.
+        spot: managed spot training.
+        max_wait: seconds a spot job may wait and run in all (default: timeout + 1 h).
+        keep_alive: warm pool seconds (0-3600), so a relaunched replica skips provisioning; not with spot.
+        subnets: VPC subnets (with security_groups).
+        security_groups: VPC security groups (with subnets).
+        s3_prefix: where source and outputs go (default: s3://<rendezvous bucket>/diloco-sagemaker).
+        output_path: the jobs' S3OutputPath (default: <s3_prefix>/<run>/output).
+        include_workdir: upload workdir as the job's source.
+        tags: extra tags on every job.
+        secret_refs: {ENV_NAME = Secrets Manager ARN} resolved in the container, never in the request.
+    """
 
     backend_name = "sagemaker"
     supports_inter_replica_network = False

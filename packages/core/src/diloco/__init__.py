@@ -1,5 +1,8 @@
 """diloco: DiLoCo training on whatever GPUs you can rent.
 
+From Python: `diloco.launch(spec)` returns a `diloco.Run`; `diloco.attach(run_id)` finds one from
+any process (see `diloco.api`).
+
 Importing this package loads no plugin, no torch and no cloud SDK, and almost nothing else:
 every replica imports it on start, so names are resolved lazily (PEP 562). Backends are
 discovered on first use (`diloco.plugins.backends()`).
@@ -10,6 +13,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
+    "Run": "api", "attach": "api", "launch": "api", "runs": "api",
     "ReplicaContext": "context",
     "BackendError": "errors", "DilocoError": "errors", "SpecError": "errors", "UserError": "errors",
     "hookimpl": "hookspecs",

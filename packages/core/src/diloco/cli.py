@@ -34,20 +34,47 @@ def main() -> None:
 
 
 @main.command()
-def backends() -> None:
-    """List installed backends: name, distribution, version."""
+@click.argument("name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+def backends(name: str | None, as_json: bool) -> None:
+    """List installed backends; with NAME, that backend's [backend] options (name, type, default, help)."""
     from rich.console import Console
     from rich.table import Table
 
-    from .plugins import backends as found, broken_plugins
+    from .plugins import backends as found, broken_plugins, get_backend
 
+    console = Console(width=140, highlight=False)
+    if name:
+        from .options import backend_options
+
+        info = get_backend(name)
+        options = backend_options(info.cls)
+        if as_json:
+            click.echo(json.dumps({"backend": info.name, "distribution": info.distribution, "version": info.version,
+                                   "options": [o.to_dict() for o in options]}, indent=2, default=str))
+            return
+        console.print(f"{info.name} ({info.distribution} {info.version}): options for the spec's [backend] table",
+                      markup=False)
+        from rich.text import Text
+
+        table = Table("option", "type", "default", "help")
+        for o in options:  # Text: a type like list[str] or a help's [r] is not rich markup
+            default = "(required)" if o.required else "-" if o.default is None else json.dumps(o.default, default=str)
+            table.add_row(*(Text(x) for x in (o.name, o.type, default, o.help)))
+        console.print(table)
+        return
+    infos = list(found().values())
+    if as_json:
+        click.echo(json.dumps([{"backend": i.name, "distribution": i.distribution, "version": i.version}
+                               for i in infos], indent=2))
+        return
     table = Table("backend", "distribution", "version")
-    for info in found().values():
+    for info in infos:
         table.add_row(info.name, info.distribution, info.version)
-    console = Console(width=120)
     console.print(table)
     for b in broken_plugins():
         console.print(f"plugin {b.name} from {b.distribution} failed to load: {b.error}", style="red", markup=False)
+    console.print("options of one backend: diloco backends NAME", markup=False)
 
 
 @main.command()
@@ -74,27 +101,30 @@ def dryrun(spec_path: str, fmt: str) -> None:
         click.echo(json.dumps(plan.request, indent=2))
 
 
-def _supervise(sup, on_interrupt: str) -> None:
+def _supervise(handle, on_interrupt: str, printer) -> None:
+    """Supervise `handle` (a `diloco.api.Run`) in this process, showing its progress; exit with
+    the run's outcome."""
     from rich.console import Console
 
     from .failures import cause
-    from .supervisor import GroupState, RunFailed
+    from .supervisor import RunFailed
 
     console = Console(highlight=False, soft_wrap=True)
+    run_id = handle.id
     try:
         try:
-            state = sup.run(start=sup.state is GroupState.INIT)
+            state = handle.supervise(on_tick=printer)
         finally:
-            if hasattr(sup.on_tick, "close"):
-                sup.on_tick.close()  # the live progress display, if any, before the outcome lines
+            printer.close()  # the live progress display, if any, before the outcome lines
     except RunFailed as exc:
-        console.print(f"run {sup.record.run_id} FAILED: {exc}", style="bold red", markup=False)
+        console.print(f"run {run_id} FAILED: {exc}", style="bold red", markup=False)
         for rank, err in sorted(exc.errors.items()):
             if err:
                 console.print(f"  rank {rank}: {cause(err)}", style="red", markup=False)
-        console.print(f"  full errors: diloco status {sup.record.run_id}", markup=False)
+        console.print(f"  full errors: diloco status {run_id}", markup=False)
         sys.exit(1)
     except KeyboardInterrupt:
+        record, sup = handle.record, handle.supervisor
         choice = on_interrupt
         if choice == "ask":
             choice = "cancel"
@@ -105,19 +135,19 @@ def _supervise(sup, on_interrupt: str) -> None:
                 except (click.Abort, EOFError):
                     choice = "cancel"
         if choice == "detach":
-            sup.record.event("detached", pid=os.getpid())
-            console.print(f"detached; replicas keep running. Reattach: diloco resume {sup.record.run_id}",
-                          markup=False)
+            record.event("detached", pid=os.getpid())
+            console.print(f"detached; replicas keep running. Reattach: diloco resume {run_id}", markup=False)
             sys.exit(130)
         console.print("cancelling…", markup=False)
-        sup.record.request_cancel()
-        sup.tick()
+        record.request_cancel()
+        if sup is not None:
+            sup.tick()
         sys.exit(130)
-    if state is GroupState.STOPPED:
-        console.print(f"run {sup.record.run_id} was cancelled", style="yellow", markup=False)
+    if state == "STOPPED":
+        console.print(f"run {run_id} was cancelled", style="yellow", markup=False)
         sys.exit(1)
-    console.print(f"run {sup.record.run_id} SUCCEEDED", style="bold green", markup=False)
-    _show_artifacts(sup.record, console)
+    console.print(f"run {run_id} SUCCEEDED", style="bold green", markup=False)
+    _show_artifacts(handle.record, console)
 
 
 def _show_artifacts(record, console) -> None:
@@ -145,17 +175,16 @@ _INTERRUPT = click.option("--on-interrupt", type=click.Choice(["ask", "cancel", 
 @_INTERRUPT
 def run(spec_path: str, on_interrupt: str) -> None:
     """Launch a run from SPEC, supervise it, and wait for it to end."""
+    from . import api
     from .display import ProgressPrinter
     from .estimate import estimate, format_estimate
-    from .launcher import new_run
-    from .spec import load_spec
 
-    spec = load_spec(spec_path)
-    sup = new_run(spec)
-    click.echo(f"run {sup.record.run_id}: {spec.replicas} × {spec.backend}, store {sup.launch.rendezvous}")
+    spec = api.load(spec_path)
+    handle = api.launch(spec, background=False)
+    sup = handle.supervisor
+    click.echo(f"run {handle.id}: {spec.replicas} × {spec.backend}, store {sup.launch.rendezvous}")
     click.echo(format_estimate(estimate(spec)), nl=False)
-    sup.on_tick = ProgressPrinter(sup.record, spec=spec)
-    _supervise(sup, on_interrupt)
+    _supervise(handle, on_interrupt, ProgressPrinter(sup.record, spec=spec))
 
 
 @main.command()
@@ -163,56 +192,13 @@ def run(spec_path: str, on_interrupt: str) -> None:
 @_INTERRUPT
 def resume(run_id: str, on_interrupt: str) -> None:
     """Reattach to a run whose launcher died or detached, and supervise it to the end."""
+    from . import api
     from .display import ProgressPrinter
-    from .launcher import resume_run
-    from .state import RunRecord
 
-    record = RunRecord.load(run_id)
-    if record.data.get("state") in ("SUCCEEDED", "FAILED", "STOPPED"):
-        raise UserError(f"run {record.run_id} already ended ({record.data['state']}); nothing to resume")
-    _refuse_if_supervised(record)
-    sup = resume_run(record)
-    record.event("resumed", pid=os.getpid())
-    printer = ProgressPrinter(record)
+    handle = api.attach(run_id)
+    printer = ProgressPrinter(handle.record)
     printer.skip_existing()
-    sup.on_tick = printer
-    _supervise(sup, on_interrupt)
-
-
-def _launcher_alive(record) -> bool:
-    """Whether some launcher still supervises the run.
-
-    On this host the process decides (its pid, and its start time against a recycled pid): a
-    launcher paused past its heartbeat is still alive. On another host only the heartbeat can.
-    """
-    import socket
-
-    from .state import process_start_ticks
-    from .supervisor import HEARTBEAT_STALE
-
-    launcher = record.data.get("launcher") or {}
-    pid, beat = launcher.get("pid"), launcher.get("heartbeat", 0)
-    if not pid or (pid == os.getpid() and launcher.get("host") == socket.gethostname()):
-        return False
-    if launcher.get("host") == socket.gethostname():
-        ticks = process_start_ticks(int(pid))
-        if ticks is None:
-            return False
-        return launcher.get("start_ticks") in (None, -1) or ticks in (-1, launcher["start_ticks"])
-    interval = float((record.data.get("spec") or {}).get("restart", {}).get("monitor_interval", 1.0))
-    return time.time() - beat <= max(HEARTBEAT_STALE, 10 * interval)
-
-
-def _refuse_if_supervised(record) -> None:
-    if _launcher_alive(record):
-        raise UserError(f"run {record.run_id} is still supervised by process {record.data['launcher']['pid']}; "
-                        "stop that launcher first (or wait for it)")
-
-
-def _current_handles(record):
-    from .protocol import ReplicaHandle
-
-    return [ReplicaHandle.from_dict(r["handle"]) for r in record.data.get("ranks", []) if r.get("handle")]
+    _supervise(handle, on_interrupt, printer)
 
 
 @main.command()
@@ -227,23 +213,19 @@ def status(run_id: str, as_json: bool, n_events: int, timeline: bool, n_rounds: 
     """Show a run's state, each rank's live status, progress, recent events and round metrics."""
     from rich.console import Console
 
+    from . import api
     from .display import status_table
-    from .state import RunRecord
 
-    record = RunRecord.load(run_id)
+    handle = api.attach(run_id)
+    record = handle.record
     if follow:
-        return _follow_run(record)
-    live: dict[int, str] = {}
+        return _follow_run(handle)
     try:
-        from .launcher import executor_for
-
-        executor = executor_for(record)
-        for h in _current_handles(record):
-            live[h.rank] = executor.poll(h).value
+        live = handle.live()
     except UserError as exc:
         live = {}
         click.echo(f"warning: cannot poll replicas live ({exc}); showing recorded statuses", err=True)
-    view = _run_view(record)
+    view = handle.view()
     if as_json:
         view.pop("rounds_objects")
         click.echo(json.dumps({"record": record.data, "live": live, **view}, indent=2, default=str))
@@ -256,60 +238,15 @@ def status(run_id: str, as_json: bool, n_events: int, timeline: bool, n_rounds: 
     _print_status_body(console, record, view, n_events)
 
 
-def _run_view(record) -> dict:
-    """What status shows besides the ranks: events, rounds, progress, timeline, estimate, traffic."""
-    from dataclasses import asdict
-
-    from .metrics import read_rounds
-    from .progress import progress_of, timeline_rows
-
-    ended = record.data.get("state") in ("SUCCEEDED", "FAILED", "STOPPED")
-    rounds = read_rounds(record.data.get("launch", {}).get("rendezvous"), record.run_id, cache_dir=record.dir,
-                         final=ended)
-    events = record.events()
-    return {"events": events, "rounds": [asdict(r) for r in rounds], "rounds_objects": rounds,
-            "progress": progress_of(record.data, events, time.time()).to_dict(),
-            "timeline": timeline_rows(rounds), **_estimate_view(record, rounds)}
-
-
-def _estimate_view(record, rounds) -> dict:
-    """The spec's estimate (with the measured model size if the spec gave none), and the traffic the
-    replicas counted, over the same rounds, for comparison."""
-    from .estimate import estimate
-    from .spec import RunSpec
-
-    counted = {"rounds": len(rounds), "bytes_up": 0, "bytes_down": 0}
-    for s in rounds:
-        for row in s.rows:
-            counted["bytes_up"] += row.get("bytes_up", 0)
-            counted["bytes_down"] += row.get("bytes_down", 0)
-            for k, v in (row.get("requests") or {}).items():
-                counted[k] = counted.get(k, 0) + v
-    try:
-        spec = RunSpec.from_dict(record.data["spec"])
-        measured = next((s.parameters for s in reversed(rounds) if s.parameters), None)
-        if spec.diloco.get("parameters") or not measured:
-            est = estimate(spec)
-        else:
-            est = estimate(spec, parameters=measured, parameters_from="measured at round 1")
-    except (KeyError, TypeError, UserError):
-        return {"estimate": None, "counted": counted}
-    out = est.to_dict()
-    if est.round is not None and rounds:
-        n = len(rounds)
-        same = est.first_round.plus(est.round.times(n - 1)).times(est.replicas)
-        out["for_counted_rounds"] = {"bytes_up": same.bytes_up, "bytes_down": same.bytes_down, "puts": same.puts,
-                                     "gets": same.gets, "lists": same.lists, "requests": same.request_count}
-    return {"estimate": out, "counted": counted}
-
-
 def _print_status_body(console, record, view: dict, n_events: int) -> None:
     from .display import format_any, format_round, health_warnings
     from .progress import Progress, progress_line
 
     rounds = view["rounds_objects"]
     ended = record.data.get("state") in ("SUCCEEDED", "FAILED", "STOPPED")
-    if not ended and not _launcher_alive(record):
+    from .api import launcher_alive
+
+    if not ended and not launcher_alive(record):
         console.print(f"no launcher is supervising this run: diloco resume {record.run_id}", style="yellow",
                       markup=False)
     if record.data.get("failure"):
@@ -354,20 +291,20 @@ def _print_timeline(console, shown: list, rounds: list) -> None:
         console.print(line, markup=False)
 
 
-def _follow_run(record) -> None:
+def _follow_run(handle) -> None:
     """`status --follow`: the run's events and live progress until it ends, from any shell."""
     from .display import ProgressPrinter
-    from .state import RunRecord
 
+    record = handle.record
     printer = ProgressPrinter(record)
     try:
         while True:
-            record.data = RunRecord.load(record.run_id).data
+            record.data = handle.record.data
             printer()
             if record.data.get("state") in ("SUCCEEDED", "FAILED", "STOPPED"):
                 printer()
                 break
-            if not _launcher_alive(record) and time.time() - float(record.data.get("updated_at", 0)) > 30:
+            if not handle.supervised() and time.time() - float(record.data.get("updated_at", 0)) > 30:
                 printer.close()
                 raise UserError(f"no launcher is supervising run {record.run_id}; progress stopped at its last "
                                 f"event (diloco resume {record.run_id})")
@@ -387,25 +324,11 @@ def _follow_run(record) -> None:
 @click.option("--follow", "-f", is_flag=True, help="Keep printing new output until the replica ends.")
 def logs(run_id: str, rank: int | None, attempt: int | None, n_lines: int, follow: bool) -> None:
     """Print replicas' output."""
-    from .launcher import executor_for
-    from .protocol import ReplicaHandle
-    from .state import RunRecord
+    from . import api
 
-    record = RunRecord.load(run_id)
-    executor = executor_for(record)
-    ranks = record.data.get("ranks", [])
-    if rank is not None and not any(r["rank"] == rank for r in ranks):
-        raise UserError(f"run {record.run_id} has no rank {rank} (ranks 0..{len(ranks) - 1})")
-    chosen = [r for r in ranks if rank is None or r["rank"] == rank]
-    handles = []
-    for r in chosen:
-        history = [ReplicaHandle.from_dict(h) for h in r.get("history", [])]
-        if attempt is not None:
-            history = [h for h in history if h.attempt == attempt]
-            if not history:
-                raise UserError(f"rank {r['rank']} has no attempt {attempt}")
-        if history:
-            handles.append(history[-1])
+    handle = api.attach(run_id)
+    handles = handle.log_handles(rank, attempt)
+    executor = handle.executor()
     if follow:
         if len(handles) != 1:
             raise UserError("--follow needs one replica: add --rank R")
@@ -450,20 +373,11 @@ def _follow(executor, handle, n_lines: int) -> None:
 @click.argument("run_id", metavar="RUN")
 def cancel(run_id: str) -> None:
     """Stop every replica of a run (idempotent), from any shell."""
-    from .launcher import executor_for
-    from .state import RunRecord
+    from . import api
 
-    record = RunRecord.load(run_id)
-    record.request_cancel()
-    executor = executor_for(record)
-    handles = _current_handles(record)
-    for h in handles:
-        executor.cancel(h)
-    if not _launcher_alive(record) and record.data.get("state") not in ("SUCCEEDED", "FAILED", "STOPPED"):
-        record.data["state"] = "STOPPED"
-        record.save()
-        record.event("run_cancelled", by="diloco cancel")
-    click.echo(f"cancelled run {record.run_id} ({len(handles)} replicas)")
+    handle = api.attach(run_id)
+    n = handle.cancel()
+    click.echo(f"cancelled run {handle.id} ({n} replicas)")
 
 
 @main.command(name="list")
@@ -475,16 +389,14 @@ def list_runs(limit: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from .state import iter_runs
+    from . import api
 
     table = Table("run", "backend", "replicas", "state", "created")
-    for i, record in enumerate(iter_runs()):
-        if i >= limit:
-            break
-        spec = record.data.get("spec", {})
-        created = datetime.fromtimestamp(record.data.get("created_at", 0)).strftime("%Y-%m-%d %H:%M:%S")
-        table.add_row(record.run_id, spec.get("backend", "?"), str(spec.get("replicas", "?")),
-                      record.data.get("state", "?"), created)
+    for run in api.runs(limit):
+        data = run.record.data
+        spec = data.get("spec", {})
+        created = datetime.fromtimestamp(data.get("created_at", 0)).strftime("%Y-%m-%d %H:%M:%S")
+        table.add_row(run.id, spec.get("backend", "?"), str(spec.get("replicas", "?")), data.get("state", "?"), created)
     Console(width=140).print(table)
 
 

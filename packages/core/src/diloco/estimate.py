@@ -12,8 +12,8 @@ Outside the exchange a run also writes a metrics row per replica and round, one 
 round, and every `checkpoint_every` rounds a checkpoint of θ and the outer momentum (8 bytes
 per parameter across the replicas); those are counted in the run's totals as `bookkeeping`.
 
-Prices come from ``prices.toml`` beside this module (its date and source inside), or from the
-file named by DILOCO_PRICES.
+Prices come from ``prices.toml`` beside this module, one table per cloud (each with its date and
+source), chosen by the rendezvous URI's scheme, with the file named by DILOCO_PRICES over it.
 """
 
 from __future__ import annotations
@@ -32,9 +32,18 @@ ENV_PRICES = "DILOCO_PRICES"
 ROW_NBYTES = 1500  # one replica's metrics row for a round (JSON)
 
 
-def load_prices() -> dict[str, Any]:
-    """The price table: the packaged one, with DILOCO_PRICES's keys over it."""
-    prices = tomllib.loads(resources.files("diloco").joinpath("prices.toml").read_text())
+def cloud_of(uri: str | None) -> str:
+    """The cloud whose prices apply to a store URI (a local store is priced as the same run on aws)."""
+    from .store import CLOUD_SCHEMES
+
+    return CLOUD_SCHEMES.get((uri or "file://").split(":", 1)[0], "aws")
+
+
+def load_prices(cloud: str = "aws") -> dict[str, Any]:
+    """`cloud`'s price table: the packaged one, with DILOCO_PRICES's keys over it (its top-level
+    keys for whatever cloud is priced, its [<cloud>] table's for that cloud only)."""
+    tables = tomllib.loads(resources.files("diloco").joinpath("prices.toml").read_text())
+    prices = {**tables[cloud], "cloud": cloud}
     path = os.environ.get(ENV_PRICES)
     if path:
         try:
@@ -43,11 +52,13 @@ def load_prices() -> dict[str, Any]:
             raise UserError(f"{ENV_PRICES} names {path!r}, which does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise UserError(f"{ENV_PRICES} file {path!r} is not valid TOML: {exc}") from None
-        for key, value in override.items():
-            if isinstance(value, dict) and isinstance(prices.get(key), dict):
-                prices[key] = {**prices[key], **value}
-            else:
-                prices[key] = value
+        layers = [{k: v for k, v in override.items() if k not in tables}, override.get(cloud) or {}]
+        for layer in layers:
+            for key, value in layer.items():
+                if isinstance(value, dict) and isinstance(prices.get(key), dict):
+                    prices[key] = {**prices[key], **value}
+                else:
+                    prices[key] = value
         prices["source"] = f"{path} over the packaged table ({override.get('source', 'no source given')})"
     for table in ("requests", "transfer"):
         for key, value in prices.get(table, {}).items():
@@ -114,7 +125,7 @@ def estimate(spec: Any, *, parameters: int | None = None, parameters_from: str |
 
     est = Estimate(replicas=n, lanes=lanes, transport=d["transport"], fragments=k, sync_every=int(d["sync_every"]),
                    parameters=parameters, parameters_from=parameters_from if parameters else None,
-                   total_steps=total, rounds=rounds, prices=prices if prices is not None else load_prices(),
+                   total_steps=total, rounds=rounds, prices=prices if prices is not None else load_prices(cloud_of(spec.rendezvous)),
                    poll_max=float(d.get("poll_max") or poll_defaults(spec.rendezvous)[1]), rendezvous=spec.rendezvous)
     if not parameters:
         return est
@@ -179,9 +190,10 @@ def format_estimate(e: Estimate) -> str:
         lines.append(f"  at list prices         requests ${c['requests']:,.2f}; reading the store: {places}")
         if local:
             lines.append("                         (this run's store is local: nothing is billed; that is the same "
-                         "run on S3)")
+                         f"run on {e.prices.get('cloud', 'aws')})")
     per_hour = 3600 / e.poll_max * e.prices.get("requests", {}).get("list", 0) / 1000
     lines.append(f"  waiting costs polls    at most {3600 / e.poll_max:,.0f} LIST per replica-hour spent waiting "
                  f"(${per_hour:,.3f})")
-    lines.append(f"  prices                 {e.prices.get('as_of', '?')}: {e.prices.get('source', '?')}")
+    lines.append(f"  prices                 {e.prices.get('cloud', '?')}, {e.prices.get('as_of', '?')}: "
+                 f"{e.prices.get('source', '?')}")
     return "\n".join(lines) + "\n"

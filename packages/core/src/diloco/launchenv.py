@@ -20,14 +20,15 @@ REDACTED = "REDACTED"
 # Whole words of a variable name (HF_TOKEN, AWS_SECRET_ACCESS_KEY, WANDB_API_KEY), so that
 # TOKENIZERS_PARALLELISM is not mistaken for a secret.
 _SECRET_WORDS = {"SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS", "APIKEY", "PASSPHRASE"}
-_SECRET_PAIRS = {("API", "KEY"), ("ACCESS", "KEY"), ("PRIVATE", "KEY"), ("SESSION", "KEY"), ("SIGNING", "KEY")}
+_SECRET_PAIRS = {("API", "KEY"), ("ACCESS", "KEY"), ("PRIVATE", "KEY"), ("SESSION", "KEY"), ("SIGNING", "KEY"),
+                 ("ACCOUNT", "KEY"), ("SAS", "KEY")}  # AZURE_STORAGE_ACCOUNT_KEY, GOOGLE_SERVICE_ACCOUNT_KEY
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Variables an entrypoint arg must not overwrite (args are exported upper-cased): the process's
 # own plumbing, diloco's and torch's rank contract, and cloud credentials.
 RESERVED_ENV = {"PATH", "HOME", "USER", "SHELL", "PWD", "TMPDIR", "LANG", "TERM", "PYTHONPATH", "PYTHONHOME",
                 "PYTHONUNBUFFERED", "PYTHONSTARTUP", "PYTHONSAFEPATH", "REPLICA_RANK", "WORLD_SIZE", "RANK",
                 "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"}
-RESERVED_ENV_PREFIXES = ("LD_", "DILOCO_", "AWS_", "TORCHELASTIC_", "KUBERNETES_")
+RESERVED_ENV_PREFIXES = ("LD_", "DILOCO_", "AWS_", "AZURE_", "GOOGLE_", "TORCHELASTIC_", "KUBERNETES_")
 # Defaults for a replica of several processes. glibc keeps freed blocks under its dynamic mmap
 # threshold (up to 32 MB) in each process's heap; a lane's shards and broadcast chunks are that
 # size, so each of the L processes held on to what it freed and peak host memory per replica

@@ -102,13 +102,14 @@ def check_function_exists(ref: str, search_path: list[str]) -> None:
 
 
 class LocalProcessExecutor:
-    """Runs each replica as a local subprocess. Options ([backend] table of a spec):
+    """Runs each replica as a local subprocess, in its own process group.
 
-    workdir: directory replicas start in; it is prepended to PYTHONPATH so `module:function`
-        entrypoints next to the spec import (default: the spec's directory / the cwd).
-    grace_period: seconds between SIGTERM and SIGKILL on cancel (default 5).
-    devices: GPU ids to spread ranks over (rank r gets CUDA_VISIBLE_DEVICES=devices[r % len]).
-    state_dir: where logs and result files live (default: diloco's state dir).
+    Args:
+        workdir: directory replicas start in; prepended to PYTHONPATH so `module:function`
+            entrypoints next to the spec import (default: the spec's directory).
+        grace_period: seconds between SIGTERM and SIGKILL when a replica is cancelled.
+        devices: GPU ids to spread ranks over (rank r gets CUDA_VISIBLE_DEVICES=devices[r % len]).
+        state_dir: where logs and result files live (default: diloco's state dir).
     """
 
     backend_name = "local"

@@ -26,8 +26,7 @@ from urllib.parse import urlparse
 
 from . import envvars
 from .errors import UserError
-
-SCHEMES = ("file", "s3", "memory")
+from .store import SCHEMES, scheme_list
 CONFIG_KEYS = {"rendezvous"}
 
 
@@ -74,14 +73,14 @@ def shares_launcher_filesystem(executor: Any) -> bool:
 
 def check_rendezvous(uri: str, *, backend: str, shared_disk: bool, source: str) -> str:
     """Refuse a URI some replicas could not reach; return it unchanged otherwise."""
-    how = (f"set `rendezvous = \"s3://bucket/prefix\"` in the spec, or a default in {envvars.ENV_RENDEZVOUS} "
-           f"or {config_path()}")
+    how = (f"set `rendezvous = \"s3://bucket/prefix\"` (or gs://, az://) in the spec, or a default in "
+           f"{envvars.ENV_RENDEZVOUS} or {config_path()}")
     scheme = urlparse(uri).scheme
     if scheme not in SCHEMES:
-        raise UserError(f"{source}: `rendezvous` must be a file://, s3:// or memory:// URI, got {uri!r}")
+        raise UserError(f"{source}: `rendezvous` must be a {scheme_list()} URI, got {uri!r}")
     if scheme == "memory":
         raise UserError(f"{source}: rendezvous {uri!r} lives in one process's memory and every replica is its own "
-                        f"process, so each would train alone; use file:// (local backend) or s3://")
+                        f"process, so each would train alone; use file:// (local backend) or s3://, gs://, az://")
     if scheme == "file" and not shared_disk:
         raise UserError(f"{source}: rendezvous {uri!r} is a directory on this machine, which {backend!r} replicas "
                         f"do not see (each would train alone on its own disk); {how}")
@@ -100,5 +99,5 @@ def resolve_rendezvous(spec_uri: str | None, *, backend: str, executor: Any, run
     if shared:
         return (run_dir / "store").as_uri()
     raise UserError(f"{source}: backend {backend!r} runs replicas on other machines, so they need a shared object "
-                    f"store to meet in: set `rendezvous = \"s3://bucket/prefix\"` in the spec, or a default in "
-                    f"{envvars.ENV_RENDEZVOUS} or {config_path()}")
+                    f"store to meet in: set `rendezvous = \"s3://bucket/prefix\"` (or gs://, az://) in the spec, "
+                    f"or a default in {envvars.ENV_RENDEZVOUS} or {config_path()}")

@@ -32,7 +32,7 @@ from typing import Any
 from .errors import SpecError, UserError
 from .launchenv import check_entrypoint_args, is_secret_name, parse_entrypoint
 from .procgroup import resolve_processes
-from .rendezvous import SCHEMES
+from .store import SCHEMES, scheme_list
 from .sinks import check_metrics
 from .wiresize import CODECS
 
@@ -239,7 +239,7 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", base_dir: Pat
         if not _ENV_NAME.match(name):
             raise SpecError(f"{where}: `secrets` entry {name!r} is not an environment variable name")
     if top["rendezvous"] and not _URI.match(top["rendezvous"]):
-        raise SpecError(f"{where}: `rendezvous` must be an s3:// or file:// URI, got {top['rendezvous']!r}")
+        raise SpecError(f"{where}: `rendezvous` must be a {scheme_list()} URI, got {top['rendezvous']!r}")
     try:
         check_entrypoint_args(top["args"])
     except UserError as exc:

@@ -4,12 +4,24 @@
   through a temporary file and a rename, so readers never see a partial object.
 - ``s3://bucket/prefix``: any S3-compatible endpoint; credentials, region and endpoint come
   from the usual AWS variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,
-  AWS_REGION / AWS_DEFAULT_REGION, AWS_ENDPOINT_URL). An http:// endpoint is allowed (moto,
-  MinIO on a private network).
+  AWS_PROFILE, AWS_REGION / AWS_DEFAULT_REGION, AWS_ENDPOINT_URL). An http:// endpoint is
+  allowed (moto, MinIO on a private network).
+- ``gs://bucket/prefix``: Google Cloud Storage; credentials from GOOGLE_SERVICE_ACCOUNT (a key
+  file path), GOOGLE_SERVICE_ACCOUNT_KEY (the key itself), GOOGLE_APPLICATION_CREDENTIALS, or
+  the instance's metadata server.
+- Azure Blob: ``az://container/prefix`` (also ``azure://``, ``adl://``, ``abfs://``, ``abfss://``),
+  ``abfss://container@account.dfs.core.windows.net/prefix`` and
+  ``https://account.blob.core.windows.net/container/prefix`` (or ``.dfs.``); the account and
+  credentials from AZURE_STORAGE_ACCOUNT_NAME, AZURE_STORAGE_ACCOUNT_KEY / AZURE_STORAGE_SAS_KEY /
+  AZURE_STORAGE_TOKEN, a service principal (AZURE_CLIENT_ID, AZURE_CLIENT_SECRET, AZURE_TENANT_ID),
+  workload identity (AZURE_FEDERATED_TOKEN_FILE) or managed identity. AZURE_STORAGE_USE_EMULATOR=true
+  (with AZURITE_BLOB_STORAGE_URL) talks to Azurite.
 - ``memory://``: in-process, for unit tests.
 
-`Store` wraps the obstore object with the few operations diloco needs and a key prefix, so
-callers address objects by run-relative keys.
+Cloud URIs are parsed by obstore's `from_url`, the one parser of every form each cloud writes,
+which also reads each cloud's variables; the URI's path becomes the store's key prefix there, so
+callers address objects by run-relative keys. Create-only puts are If-None-Match on S3 and
+Azure and ifGenerationMatch=0 on GCS; `verify_store` proves the store honours them.
 """
 
 from __future__ import annotations
@@ -29,6 +41,12 @@ _MEMORY_STORES: dict[str, Any] = {}
 # LIST/GET is billed and throttled (~5,500 GET/s per prefix), so start at 50 ms and back off to 1 s.
 POLL_BY_SCHEME = {"file": (0.005, 0.05), "memory": (0.005, 0.05), "s3": (0.05, 1.0)}
 
+# Schemes of object stores replicas on other machines can share (a cloud's), by cloud.
+CLOUD_SCHEMES = {"s3": "aws", "gs": "gcp", "az": "azure", "azure": "azure", "adl": "azure", "abfs": "azure",
+                 "abfss": "azure", "https": "azure"}
+AZURE_HTTPS_HOSTS = (".blob.core.windows.net", ".dfs.core.windows.net")
+SCHEMES = ("file", "memory", *CLOUD_SCHEMES)
+
 
 def poll_defaults(uri: str | None) -> tuple[float, float]:
     """(first wait, longest wait) between polls of the store at `uri` (a cloud store's if unknown)."""
@@ -42,14 +60,11 @@ class ObjectExists(Exception):
 
 @dataclass
 class Store:
-    """An object store plus a key prefix. Keys are '/'-separated, relative to the prefix."""
+    """An obstore store (its prefix inside) and the URI it was opened from. Keys are
+    '/'-separated and run-relative."""
 
     raw: Any
-    prefix: str
     uri: str
-
-    def _key(self, key: str) -> str:
-        return f"{self.prefix}/{key}" if self.prefix else key
 
     def put(self, key: str, data: bytes | memoryview | list[bytes | memoryview], *,
             create_only: bool = False) -> None:
@@ -58,7 +73,7 @@ class Store:
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
         try:
-            obstore.put(self.raw, self._key(key), data, mode="create" if create_only else "overwrite")
+            obstore.put(self.raw, key, data, mode="create" if create_only else "overwrite")
         except (AlreadyExistsError, PreconditionError) as exc:
             raise ObjectExists(key) from exc
 
@@ -67,7 +82,7 @@ class Store:
         import obstore
 
         try:
-            return memoryview(obstore.get(self.raw, self._key(key)).bytes())
+            return memoryview(obstore.get(self.raw, key).bytes())
         except FileNotFoundError:
             return None
 
@@ -75,32 +90,28 @@ class Store:
         """Objects under `prefix` (run-relative paths in 'path'), optionally after `offset`."""
         import obstore
 
-        kwargs = {"offset": self._key(offset)} if offset else {}
-        strip = len(self.prefix) + 1 if self.prefix else 0
-        for batch in obstore.list(self.raw, self._key(prefix), **kwargs):
-            for meta in batch:
-                yield {**meta, "path": meta["path"][strip:]}
+        kwargs = {"offset": offset} if offset else {}
+        for batch in obstore.list(self.raw, prefix, **kwargs):
+            yield from batch
 
     def list_dirs(self, prefix: str) -> list[str]:
         """The immediate "directories" under `prefix` (run-relative, no trailing slash)."""
         import obstore
 
-        strip = len(self.prefix) + 1 if self.prefix else 0
-        found = obstore.list_with_delimiter(self.raw, self._key(prefix.rstrip("/")))
-        return [p[strip:] for p in found["common_prefixes"]]
+        return list(obstore.list_with_delimiter(self.raw, prefix.rstrip("/"))["common_prefixes"])
 
     def delete(self, key: str) -> None:
         import obstore
 
         try:
-            obstore.delete(self.raw, self._key(key))
+            obstore.delete(self.raw, key)
         except FileNotFoundError:
             pass
 
 
 def open_store(uri: str) -> Store:
     """Open the store a rendezvous URI names; a clear UserError for anything unusable."""
-    from obstore.store import LocalStore, MemoryStore, S3Store
+    from obstore.store import LocalStore, MemoryStore
 
     parsed = urlparse(uri)
     if parsed.scheme == "file":
@@ -108,26 +119,55 @@ def open_store(uri: str) -> Store:
         if not path.startswith("/"):
             raise UserError(f"rendezvous {uri!r}: file:// URIs need an absolute path (file:///abs/dir)")
         os.makedirs(path, exist_ok=True)
-        return Store(LocalStore(path), "", uri)
+        return Store(LocalStore(path), uri)
     if parsed.scheme == "memory":
         name = parsed.netloc + parsed.path
         if name not in _MEMORY_STORES:
             _MEMORY_STORES[name] = MemoryStore()
-        return Store(_MEMORY_STORES[name], "", uri)
-    if parsed.scheme == "s3":
-        if not parsed.netloc:
-            raise UserError(f"rendezvous {uri!r} names no bucket: write s3://bucket/prefix")
-        config: dict[str, Any] = {}
+        return Store(_MEMORY_STORES[name], uri)
+    if parsed.scheme not in CLOUD_SCHEMES:
+        raise UserError(f"rendezvous {uri!r}: unsupported scheme {parsed.scheme!r}; use {scheme_list()}")
+    return Store(_open_cloud(uri, parsed), uri)
+
+
+def scheme_list() -> str:
+    return ", ".join(f"{s}://" for s in SCHEMES if s != "https") + " or https://<account>.blob.core.windows.net"
+
+
+def _open_cloud(uri: str, parsed: Any) -> Any:
+    """The obstore store for an s3/gs/Azure URI, its prefix inside."""
+    from obstore.store import from_url
+
+    cloud = CLOUD_SCHEMES[parsed.scheme]
+    if parsed.scheme == "https" and not parsed.hostname.endswith(AZURE_HTTPS_HOSTS):
+        raise UserError(f"rendezvous {uri!r}: an https:// rendezvous must be an Azure Blob URL "
+                        f"(https://<account>.blob.core.windows.net/<container>/<prefix>)")
+    if not parsed.netloc or (parsed.scheme == "https" and not parsed.path.strip("/")):
+        what = {"aws": "bucket", "gcp": "bucket", "azure": "container"}[cloud]
+        raise UserError(f"rendezvous {uri!r} names no {what}: write {parsed.scheme}://{what}/prefix")
+    config: dict[str, Any] = {}
+    client_options: dict[str, Any] | None = None
+    if cloud == "aws":
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         if endpoint:
             config["endpoint"] = endpoint
         if region:
             config["region"] = region
-        client_options = {"allow_http": True} if endpoint and endpoint.startswith("http://") else None
-        raw = S3Store(parsed.netloc, config=config, client_options=client_options)
-        return Store(raw, parsed.path.strip("/"), uri)
-    raise UserError(f"rendezvous {uri!r}: unsupported scheme {parsed.scheme!r}; use file://, s3:// or memory://")
+        if endpoint and endpoint.startswith("http://"):
+            client_options = {"allow_http": True}
+    try:
+        return from_url(uri, config=config or None, client_options=client_options)
+    except Exception as exc:  # obstore's errors carry a multi-line debug dump: keep its first line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"rendezvous {uri!r}: cannot open the store: {first}{_CREDENTIAL_HINT[cloud]}") from None
+
+
+_CREDENTIAL_HINT = {
+    "aws": "",
+    "gcp": " (set GOOGLE_SERVICE_ACCOUNT to a key file, or GOOGLE_APPLICATION_CREDENTIALS)",
+    "azure": " (set AZURE_STORAGE_ACCOUNT_NAME and a credential such as AZURE_STORAGE_ACCOUNT_KEY)",
+}
 
 
 def verify_store(store: Store, run_id: str, who: str) -> None:

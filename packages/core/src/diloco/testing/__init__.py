@@ -75,6 +75,14 @@ class ExecutorConformance(abc.ABC):
         assert isinstance(executor.backend_name, str) and executor.backend_name
         assert isinstance(executor.supports_rank_relaunch, bool)
 
+    def test_every_option_is_documented(self):
+        """`diloco backends NAME` shows each [backend] option's help, read from the executor's
+        docstring (`Args:`): an option without one leaves its users guessing."""
+        from diloco.options import backend_options
+
+        missing = [o.name for o in backend_options(type(self.make_executor())) if not o.help]
+        assert not missing, f"options without help in the executor's Args: docstring: {missing}"
+
     def test_handles_in_rank_order_and_results_shape(self):
         executor = self.make_executor()
         handles = self.launch(executor, REPORT)

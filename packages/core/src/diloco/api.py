@@ -1,0 +1,333 @@
+"""diloco from Python: launch a run from a spec, follow it, and attach to it from anywhere.
+
+For notebooks and sweep scripts, with the CLI's powers; the CLI is built on this module::
+
+    import diloco
+
+    run = diloco.launch("examples/tiny-lm/diloco.toml")        # or a dict shaped like the TOML
+    run.wait()                                                 # "SUCCEEDED" (RunFailed if it failed)
+    run.rounds()[-1].members, run.results()
+
+    same = diloco.attach(run.id)                               # from another process or machine's shell
+    same.progress().percent, same.logs(rank=0), same.cancel()
+
+A `Run` holds no state of its own: every method reads the run's record (run.json, events.jsonl
+under the state dir), its object store (round metrics), or its backend (live statuses, logs), so
+a `Run` from `attach` in another process sees exactly what the launching one does.
+
+`launch` supervises in a background thread of this process and returns once the replicas are
+launched; if this process ends first (a notebook kernel restarted), the replicas keep running
+and `diloco resume RUN` (or `attach(id).supervise()`) takes supervision over. `supervise()`
+runs it in the calling thread instead, as `diloco run` does.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from .errors import UserError
+from .state import RunRecord
+
+FINAL_STATES = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+def load(spec: str | Path | Mapping[str, Any], *, base_dir: str | Path | None = None) -> Any:
+    """A `RunSpec` from a spec file's path or from a dict shaped like the TOML (relative paths in
+    it resolve against `base_dir`, default the working directory)."""
+    from .spec import RunSpec, load_spec, parse_spec
+
+    if isinstance(spec, RunSpec):
+        return spec
+    if isinstance(spec, Mapping):
+        return parse_spec(spec, source="<spec dict>", base_dir=Path(base_dir) if base_dir else None)
+    return load_spec(spec)
+
+
+def launch(spec: str | Path | Mapping[str, Any], *, base_dir: str | Path | None = None,
+           background: bool = True) -> Run:
+    """Validate the spec, record the run and (with `background`) launch and supervise it in a
+    daemon thread; returns once the replicas are launched. `background=False` only records the
+    run: call `supervise()` to launch and supervise in the calling thread."""
+    from .launcher import new_run
+
+    sup = new_run(load(spec, base_dir=base_dir))
+    run = Run(sup.record.run_id, root=sup.record.dir.parent.parent)
+    run.supervisor = sup
+    if background:
+        sup.start()  # launch errors surface here, in the caller's thread
+        run._thread = threading.Thread(target=run._supervise_quietly, name=f"diloco-{run.id}", daemon=True)
+        run._thread.start()
+    return run
+
+
+def attach(run_id: str) -> Run:
+    """The run with this id (a unique prefix is enough), as recorded under the state dir."""
+    return Run(RunRecord.load(run_id).run_id)
+
+
+def runs(limit: int | None = None) -> list[Run]:
+    """Recorded runs, newest first."""
+    from .state import iter_runs
+
+    out = []
+    for record in iter_runs():
+        if limit is not None and len(out) >= limit:
+            break
+        out.append(Run(record.run_id, record=record))
+    return out
+
+
+class Run:
+    """One recorded run; see the module docstring."""
+
+    def __init__(self, run_id: str, *, root: Path | None = None, record: RunRecord | None = None):
+        self.id = run_id
+        self._root = root
+        self._record = record
+        self.supervisor: Any = None  # set when this process launched or took over the run
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def __repr__(self) -> str:
+        return f"<diloco.Run {self.id} {self.state}>"
+
+    # -- the record ---------------------------------------------------------------------------
+
+    @property
+    def record(self) -> RunRecord:
+        """The run's record, re-read (another process may be supervising it)."""
+        if self.supervisor is not None:
+            return self.supervisor.record
+        self._record = RunRecord.load(self.id, self._root)
+        return self._record
+
+    @property
+    def state(self) -> str:
+        """INIT, HEALTHY, UNHEALTHY, or one of the final states SUCCEEDED, FAILED, STOPPED."""
+        return str(self.record.data.get("state", "UNKNOWN"))
+
+    @property
+    def spec(self) -> Any:
+        from .spec import RunSpec
+
+        return RunSpec.from_dict(self.record.data["spec"])
+
+    @property
+    def done(self) -> bool:
+        return self.state in FINAL_STATES
+
+    def ranks(self) -> list[Any]:
+        """Each rank's `diloco.supervisor.RankState`: status, attempt handle, restarts, last error, result."""
+        from .supervisor import RankState
+
+        return [RankState.from_dict(r) for r in self.record.data.get("ranks", [])]
+
+    def results(self) -> list[Any]:
+        """What each rank's entrypoint returned (JSON data; None where a rank returned nothing or failed)."""
+        return [r.result for r in self.ranks()]
+
+    def events(self) -> list[dict[str, Any]]:
+        return self.record.events()
+
+    def rounds(self) -> list[Any]:
+        """Each completed round's `diloco.metrics.RoundSummary`, read from the run's store."""
+        from .metrics import read_rounds
+
+        record = self.record
+        return read_rounds(record.data.get("launch", {}).get("rendezvous"), record.run_id, cache_dir=record.dir,
+                           final=record.data.get("state") in FINAL_STATES)
+
+    def progress(self) -> Any:
+        """`diloco.progress.Progress`: global step / total, round, rate, ETA, members, restarts."""
+        from .progress import progress_of
+
+        record = self.record
+        return progress_of(record.data, record.events(), time.time())
+
+    def supervised(self) -> bool:
+        """Whether some launcher process still supervises the run (see `launcher_alive`)."""
+        return launcher_alive(self.record)
+
+    # -- the backend --------------------------------------------------------------------------
+
+    def executor(self) -> Any:
+        from .launcher import executor_for
+
+        return executor_for(self.record)
+
+    def handles(self) -> list[Any]:
+        """The current attempt's handle of every rank that has one."""
+        from .protocol import ReplicaHandle
+
+        return [ReplicaHandle.from_dict(r["handle"]) for r in self.record.data.get("ranks", []) if r.get("handle")]
+
+    def live(self) -> dict[int, str]:
+        """Each rank's status as its backend reports it now."""
+        executor = self.executor()
+        return {h.rank: executor.poll(h).value for h in self.handles()}
+
+    def log_handles(self, rank: int | None = None, attempt: int | None = None) -> list[Any]:
+        """The handle whose output `logs` reads, for each chosen rank (latest attempt by default)."""
+        from .protocol import ReplicaHandle
+
+        ranks = self.record.data.get("ranks", [])
+        if rank is not None and not any(r["rank"] == rank for r in ranks):
+            raise UserError(f"run {self.id} has no rank {rank} (ranks 0..{len(ranks) - 1})")
+        handles = []
+        for r in ranks:
+            if rank is not None and r["rank"] != rank:
+                continue
+            history = [ReplicaHandle.from_dict(h) for h in r.get("history", [])]
+            if attempt is not None:
+                history = [h for h in history if h.attempt == attempt]
+                if not history:
+                    raise UserError(f"rank {r['rank']} has no attempt {attempt}")
+            if history:
+                handles.append(history[-1])
+        return handles
+
+    def logs(self, rank: int | None = None, *, attempt: int | None = None, lines: int = 200) -> dict[int, str]:
+        """The last `lines` of output of each chosen rank's attempt, by rank."""
+        executor = self.executor()
+        return {h.rank: executor.stream_logs(h, n_lines=lines) for h in self.log_handles(rank, attempt)}
+
+    def cancel(self) -> int:
+        """Stop every replica (idempotent, from any process); returns how many were told to stop.
+
+        The supervising launcher, if any, sees the request and records STOPPED; with none, the
+        record is marked STOPPED here."""
+        record = self.record
+        record.request_cancel()
+        executor = self.executor()
+        handles = self.handles()
+        for h in handles:
+            executor.cancel(h)
+        supervised_here = self._thread is not None and self._thread.is_alive()
+        if not supervised_here and not launcher_alive(record) and record.data.get("state") not in FINAL_STATES:
+            record.data["state"] = "STOPPED"
+            record.save()
+            record.event("run_cancelled", by="diloco cancel")
+        return len(handles)
+
+    # -- supervision --------------------------------------------------------------------------
+
+    def supervise(self, on_tick: Callable[[Any], None] | None = None) -> str:
+        """Launch (if not yet launched) and supervise the run in this thread until it ends; take
+        over a run whose launcher died. Returns the final state; raises RunFailed on failure."""
+        from .launcher import resume_run
+        from .supervisor import GroupState
+
+        if self.supervisor is None:
+            record = self.record
+            if record.data.get("state") in FINAL_STATES:
+                raise UserError(f"run {self.id} already ended ({record.data['state']}); nothing to resume")
+            if launcher_alive(record):
+                raise UserError(f"run {self.id} is still supervised by process {record.data['launcher']['pid']}; "
+                                "stop that launcher first (or wait for it)")
+            self.supervisor = resume_run(record)
+            record.event("resumed", pid=os.getpid())
+        if on_tick is not None:
+            self.supervisor.on_tick = on_tick
+        return self.supervisor.run(start=self.supervisor.state is GroupState.INIT).value
+
+    def _supervise_quietly(self) -> None:
+        try:
+            self.supervisor.run(start=False)
+        except BaseException as exc:  # RunFailed and anything else: `wait` re-raises it in the caller
+            self._error = exc
+
+    def wait(self, timeout: float | None = None, *, poll: float = 1.0) -> str:
+        """Block until the run ends; return its final state. Raises RunFailed if it failed,
+        TimeoutError after `timeout` seconds. Works on attached runs too (it follows the record)."""
+        from .supervisor import RunFailed
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"run {self.id} still {self.state} after {timeout}s")
+            if self._error is not None and not isinstance(self._error, RunFailed):
+                raise self._error
+        while not self.done:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run {self.id} still {self.state} after {timeout}s")
+            time.sleep(poll)
+        record = self.record
+        if record.data["state"] == "FAILED":
+            raise RunFailed(record.data.get("failure", "run failed"),
+                            {r["rank"]: r.get("last_error") for r in record.data.get("ranks", [])})
+        return record.data["state"]
+
+    # -- what `diloco status --json` prints ---------------------------------------------------
+
+    def view(self) -> dict[str, Any]:
+        """Events, round summaries (as dicts), progress, timeline rows, the estimate and the
+        traffic the replicas counted."""
+        from .progress import progress_of, timeline_rows
+
+        record = self.record
+        rounds = self.rounds()
+        events = record.events()
+        return {"events": events, "rounds": [asdict(r) for r in rounds], "rounds_objects": rounds,
+                "progress": progress_of(record.data, events, time.time()).to_dict(),
+                "timeline": timeline_rows(rounds), **estimate_view(record, rounds)}
+
+
+def launcher_alive(record: RunRecord) -> bool:
+    """Whether some launcher still supervises the run.
+
+    On this host the process decides (its pid, and its start time against a recycled pid): a
+    launcher paused past its heartbeat is still alive. On another host only the heartbeat can.
+    """
+    from .state import process_start_ticks
+    from .supervisor import HEARTBEAT_STALE
+
+    launcher = record.data.get("launcher") or {}
+    pid, beat = launcher.get("pid"), launcher.get("heartbeat", 0)
+    if not pid or (pid == os.getpid() and launcher.get("host") == socket.gethostname()):
+        return False
+    if launcher.get("host") == socket.gethostname():
+        ticks = process_start_ticks(int(pid))
+        if ticks is None:
+            return False
+        return launcher.get("start_ticks") in (None, -1) or ticks in (-1, launcher["start_ticks"])
+    interval = float((record.data.get("spec") or {}).get("restart", {}).get("monitor_interval", 1.0))
+    return time.time() - beat <= max(HEARTBEAT_STALE, 10 * interval)
+
+
+def estimate_view(record: RunRecord, rounds: list[Any]) -> dict[str, Any]:
+    """The spec's estimate (with the measured model size if the spec gave none), and the traffic
+    the replicas counted, over the same rounds, for comparison."""
+    from .estimate import estimate
+    from .spec import RunSpec
+
+    counted = {"rounds": len(rounds), "bytes_up": 0, "bytes_down": 0}
+    for s in rounds:
+        for row in s.rows:
+            counted["bytes_up"] += row.get("bytes_up", 0)
+            counted["bytes_down"] += row.get("bytes_down", 0)
+            for k, v in (row.get("requests") or {}).items():
+                counted[k] = counted.get(k, 0) + v
+    try:
+        spec = RunSpec.from_dict(record.data["spec"])
+        measured = next((s.parameters for s in reversed(rounds) if s.parameters), None)
+        if spec.diloco.get("parameters") or not measured:
+            est = estimate(spec)
+        else:
+            est = estimate(spec, parameters=measured, parameters_from="measured at round 1")
+    except (KeyError, TypeError, UserError):
+        return {"estimate": None, "counted": counted}
+    out = est.to_dict()
+    if est.round is not None and rounds:
+        n = len(rounds)
+        same = est.first_round.plus(est.round.times(n - 1)).times(est.replicas)
+        out["for_counted_rounds"] = {"bytes_up": same.bytes_up, "bytes_down": same.bytes_down, "puts": same.puts,
+                                     "gets": same.gets, "lists": same.lists, "requests": same.request_count}
+    return {"estimate": out, "counted": counted}

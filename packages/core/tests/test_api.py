@@ -1,0 +1,83 @@
+"""The Python API (`diloco.launch`, `diloco.attach`): what a notebook or sweep script sees.
+
+Replicas are real local processes; "another process" is a real second Python process attaching
+by run id, as a second notebook or shell would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import diloco
+from diloco.errors import SpecError
+from diloco.supervisor import RunFailed
+
+
+def spec_dict(project, **over):
+    spec = {"name": "api", "backend": "local", "replicas": 3, "entrypoint": "job:main", "workdir": str(project),
+            "args": {"steps": 3}, "restart": {"monitor_interval": 0.1, "policy": "never"}}
+    spec.update(over)
+    return spec
+
+
+def attach_from_another_process(run_id: str, code: str) -> str:
+    """Run `code` with `run` bound to diloco.attach(run_id) in a fresh interpreter; its stdout."""
+    prog = f"import diloco, json\nrun = diloco.attach({run_id!r})\n{code}\n"
+    return subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, check=True,
+                          env=os.environ.copy(), timeout=60).stdout
+
+
+def test_launch_from_a_dict_waits_and_returns_every_ranks_result(project, state_dir):
+    run = diloco.launch(spec_dict(project))
+    assert run.wait(timeout=60) == "SUCCEEDED" and run.done
+    results = run.results()
+    assert [r["rank"] for r in results] == [0, 1, 2]
+    assert len({r["pid"] for r in results}) == 3  # three real processes
+    assert [r.status for r in run.ranks()] == ["succeeded"] * 3
+    assert "rank 2/3 step 2" in run.logs(rank=2)[2]
+    assert {e["event"] for e in run.events()} >= {"launch", "run_succeeded"}
+    # another process sees the same run, by id
+    out = attach_from_another_process(run.id, "print(json.dumps([run.state, run.results(), run.progress().to_dict()]))")
+    state, results_there, progress = json.loads(out)
+    assert state == "SUCCEEDED" and results_there == results and "step" in progress
+
+
+def test_launch_from_a_spec_file_and_a_failure_raises_with_every_ranks_error(project, state_dir):
+    (project / "diloco.toml").write_text('backend = "local"\nreplicas = 2\nentrypoint = "job:main"\n'
+                                         '[args]\nfail_rank = 1\n[restart]\npolicy = "never"\nmonitor_interval = 0.1\n')
+    run = diloco.launch(project / "diloco.toml")
+    with pytest.raises(RunFailed) as failed:
+        run.wait(timeout=60)
+    assert "exploded on rank 1" in (failed.value.errors[1] or "")
+    assert run.state == "FAILED"
+    with pytest.raises(RunFailed):  # and so does waiting from another Run object on the same id
+        diloco.attach(run.id).wait(timeout=10)
+
+
+def test_cancel_from_another_process_stops_a_running_run(project, state_dir):
+    run = diloco.launch(spec_dict(project, args={"steps": 2000, "delay": 0.05}))
+    deadline = time.monotonic() + 30
+    while set(run.live().values()) != {"running"} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert attach_from_another_process(run.id, "print(run.cancel())").strip() == "3"
+    assert run.wait(timeout=60) == "STOPPED"
+    assert set(run.live().values()) <= {"cancelled", "failed"}
+    assert [r.id for r in diloco.runs(limit=1)] == [run.id]
+
+
+def test_attach_takes_a_unique_prefix_and_bad_input_is_a_clear_error(project, state_dir):
+    run = diloco.launch(spec_dict(project))
+    run.wait(timeout=60)
+    assert diloco.attach(run.id[:-3]).id == run.id
+    with pytest.raises(diloco.UserError, match="no run 'nope'"):
+        diloco.attach("nope")
+    with pytest.raises(SpecError, match="`replicas` must be"):
+        diloco.launch(spec_dict(project, replicas="three"))
+    with pytest.raises(diloco.UserError, match="nothing to resume"):
+        diloco.attach(run.id).supervise()
