@@ -33,7 +33,7 @@ def attach_from_another_process(run_id: str, code: str) -> str:
                           env=os.environ.copy(), timeout=60).stdout
 
 
-def test_launch_from_a_dict_waits_and_returns_every_ranks_result(project, state_dir):
+def test_launch_from_a_dict_waits_and_returns_every_ranks_result(project, state_dir, cli):
     run = diloco.launch(spec_dict(project))
     assert run.wait(timeout=60) == "SUCCEEDED" and run.done
     results = run.results()
@@ -42,6 +42,10 @@ def test_launch_from_a_dict_waits_and_returns_every_ranks_result(project, state_
     assert [r.status for r in run.ranks()] == ["succeeded"] * 3
     assert "rank 2/3 step 2" in run.logs(rank=2)[2]
     assert {e["event"] for e in run.events()} >= {"launch", "run_succeeded"}
+    status = run.status()  # what `diloco status RUN --json` prints, from the same code
+    assert json.loads(cli("status", run.id, "--json", check_rc=0).stdout).keys() == status.keys()
+    assert status["live"] == {0: "succeeded", 1: "succeeded", 2: "succeeded"} and status["live_error"] is None
+    json.dumps(status)
     # another process sees the same run, by id
     out = attach_from_another_process(run.id, "print(json.dumps([run.state, run.results(), run.progress().to_dict()]))")
     state, results_there, progress = json.loads(out)

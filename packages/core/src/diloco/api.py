@@ -138,9 +138,12 @@ class Run:
 
     def rounds(self) -> list[Any]:
         """Each completed round's `diloco.metrics.RoundSummary`, read from the run's store."""
+        return self._rounds_of(self.record)
+
+    @staticmethod
+    def _rounds_of(record: RunRecord) -> list[Any]:
         from .metrics import read_rounds
 
-        record = self.record
         return read_rounds(record.data.get("launch", {}).get("rendezvous"), record.run_id, cache_dir=record.dir,
                            final=record.data.get("state") in FINAL_STATES)
 
@@ -164,14 +167,24 @@ class Run:
 
     def handles(self) -> list[Any]:
         """The current attempt's handle of every rank that has one."""
+        return self._handles_of(self.record)
+
+    @staticmethod
+    def _handles_of(record: RunRecord) -> list[Any]:
         from .protocol import ReplicaHandle
 
-        return [ReplicaHandle.from_dict(r["handle"]) for r in self.record.data.get("ranks", []) if r.get("handle")]
+        return [ReplicaHandle.from_dict(r["handle"]) for r in record.data.get("ranks", []) if r.get("handle")]
 
     def live(self) -> dict[int, str]:
         """Each rank's status as its backend reports it now."""
-        executor = self.executor()
-        return {h.rank: executor.poll(h).value for h in self.handles()}
+        return self._live_of(self.record)
+
+    @staticmethod
+    def _live_of(record: RunRecord) -> dict[int, str]:
+        from .launcher import executor_for
+
+        executor = executor_for(record)
+        return {h.rank: executor.poll(h).value for h in Run._handles_of(record)}
 
     def log_handles(self, rank: int | None = None, attempt: int | None = None) -> list[Any]:
         """The handle whose output `logs` reads, for each chosen rank (latest attempt by default)."""
@@ -203,10 +216,12 @@ class Run:
 
         The supervising launcher, if any, sees the request and records STOPPED; with none, the
         record is marked STOPPED here."""
+        from .launcher import executor_for
+
         record = self.record
         record.request_cancel()
-        executor = self.executor()
-        handles = self.handles()
+        executor = executor_for(record)
+        handles = self._handles_of(record)
         for h in handles:
             executor.cancel(h)
         supervised_here = self._thread is not None and self._thread.is_alive()
@@ -265,17 +280,29 @@ class Run:
                             {r["rank"]: r.get("last_error") for r in record.data.get("ranks", [])})
         return record.data["state"]
 
-    # -- what `diloco status --json` prints ---------------------------------------------------
+    # -- what `diloco status` shows ----------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """What `diloco status RUN --json` prints, as JSON-ready data: the record, each rank's live
+        status (`live_error` says why there is none), events, rounds, progress, timeline rows,
+        the estimate and the traffic the replicas counted."""
+        out = self.view()
+        out.pop("rounds_objects")
+        return out
 
     def view(self) -> dict[str, Any]:
-        """Events, round summaries (as dicts), progress, timeline rows, the estimate and the
-        traffic the replicas counted."""
+        """`status()` plus the rounds as `RoundSummary` objects (`rounds_objects`), for renderers."""
         from .progress import progress_of, timeline_rows
 
-        record = self.record
-        rounds = self.rounds()
+        record = self.record  # read once: every part below describes the same moment
+        try:
+            live, live_error = self._live_of(record), None
+        except UserError as exc:  # the backend's SDK or credentials are missing in this shell
+            live, live_error = {}, str(exc)
+        rounds = self._rounds_of(record)
         events = record.events()
-        return {"events": events, "rounds": [asdict(r) for r in rounds], "rounds_objects": rounds,
+        return {"record": record.data, "live": live, "live_error": live_error, "events": events,
+                "rounds": [asdict(r) for r in rounds], "rounds_objects": rounds,
                 "progress": progress_of(record.data, events, time.time()).to_dict(),
                 "timeline": timeline_rows(rounds), **estimate_view(record, rounds)}
 

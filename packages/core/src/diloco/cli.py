@@ -220,15 +220,13 @@ def status(run_id: str, as_json: bool, n_events: int, timeline: bool, n_rounds: 
     record = handle.record
     if follow:
         return _follow_run(handle)
-    try:
-        live = handle.live()
-    except UserError as exc:
-        live = {}
-        click.echo(f"warning: cannot poll replicas live ({exc}); showing recorded statuses", err=True)
     view = handle.view()
+    live = view["live"]
+    if view["live_error"]:
+        click.echo(f"warning: cannot poll replicas live ({view['live_error']}); showing recorded statuses", err=True)
     if as_json:
         view.pop("rounds_objects")
-        click.echo(json.dumps({"record": record.data, "live": live, **view}, indent=2, default=str))
+        click.echo(json.dumps(view, indent=2, default=str))
         return
     console = Console(width=140, highlight=False)
     if timeline:
