@@ -9,7 +9,7 @@ For notebooks and sweep scripts, with the CLI's powers; the CLI is built on this
     run.rounds()[-1].members, run.results()
 
     same = diloco.attach(run.id)                               # from another process or machine's shell
-    same.progress().percent, same.logs(rank=0), same.cancel()
+    same.progress().step, same.logs(rank=0), same.cancel()
 
 A `Run` holds no state of its own: every method reads the run's record (run.json, events.jsonl
 under the state dir), its object store (round metrics), or its backend (live statuses, logs), so
@@ -33,9 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
-from .state import RunRecord
-
-FINAL_STATES = ("SUCCEEDED", "FAILED", "STOPPED")
+from .state import FINAL_STATES, RunRecord
 
 
 def load(spec: str | Path | Mapping[str, Any], *, base_dir: str | Path | None = None) -> Any:
@@ -80,17 +78,16 @@ def runs(limit: int | None = None) -> list[Run]:
     for record in iter_runs():
         if limit is not None and len(out) >= limit:
             break
-        out.append(Run(record.run_id, record=record))
+        out.append(Run(record.run_id))
     return out
 
 
 class Run:
     """One recorded run; see the module docstring."""
 
-    def __init__(self, run_id: str, *, root: Path | None = None, record: RunRecord | None = None):
+    def __init__(self, run_id: str, *, root: Path | None = None):
         self.id = run_id
         self._root = root
-        self._record = record
         self.supervisor: Any = None  # set when this process launched or took over the run
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -105,8 +102,7 @@ class Run:
         """The run's record, re-read (another process may be supervising it)."""
         if self.supervisor is not None:
             return self.supervisor.record
-        self._record = RunRecord.load(self.id, self._root)
-        return self._record
+        return RunRecord.load(self.id, self._root)
 
     @property
     def state(self) -> str:

@@ -13,6 +13,7 @@ import time
 import click
 
 from .errors import BackendError, UserError
+from .state import FINAL_STATES
 
 
 class _Group(click.Group):
@@ -241,7 +242,7 @@ def _print_status_body(console, record, view: dict, n_events: int) -> None:
     from .progress import Progress, progress_line
 
     rounds = view["rounds_objects"]
-    ended = record.data.get("state") in ("SUCCEEDED", "FAILED", "STOPPED")
+    ended = record.data.get("state") in FINAL_STATES
     from .api import launcher_alive
 
     if not ended and not launcher_alive(record):
@@ -299,7 +300,7 @@ def _follow_run(handle) -> None:
         while True:
             record.data = handle.record.data
             printer()
-            if record.data.get("state") in ("SUCCEEDED", "FAILED", "STOPPED"):
+            if record.data.get("state") in FINAL_STATES:
                 printer()
                 break
             if not handle.supervised() and time.time() - float(record.data.get("updated_at", 0)) > 30:

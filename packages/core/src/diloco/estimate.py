@@ -34,9 +34,9 @@ ROW_NBYTES = 1500  # one replica's metrics row for a round (JSON)
 
 def cloud_of(uri: str | None) -> str:
     """The cloud whose prices apply to a store URI (a local store is priced as the same run on aws)."""
-    from .store import CLOUD_SCHEMES
+    from .store import CLOUD_SCHEMES, scheme_of
 
-    return CLOUD_SCHEMES.get((uri or "file://").split(":", 1)[0], "aws")
+    return CLOUD_SCHEMES.get(scheme_of(uri), "aws")
 
 
 def load_prices(cloud: str = "aws") -> dict[str, Any]:
@@ -125,7 +125,8 @@ def estimate(spec: Any, *, parameters: int | None = None, parameters_from: str |
 
     est = Estimate(replicas=n, lanes=lanes, transport=d["transport"], fragments=k, sync_every=int(d["sync_every"]),
                    parameters=parameters, parameters_from=parameters_from if parameters else None,
-                   total_steps=total, rounds=rounds, prices=prices if prices is not None else load_prices(cloud_of(spec.rendezvous)),
+                   total_steps=total, rounds=rounds,
+                   prices=prices if prices is not None else load_prices(cloud_of(spec.rendezvous)),
                    poll_max=float(d.get("poll_max") or poll_defaults(spec.rendezvous)[1]), rendezvous=spec.rendezvous)
     if not parameters:
         return est
@@ -186,7 +187,9 @@ def format_estimate(e: Estimate) -> str:
                      f"{t.request_count:,.0f} requests (checkpoints and metrics included)")
         places = ", ".join(f"${v:,.2f} {k.removeprefix('transfer_').replace('_', '-')}" for k, v in c.items()
                            if k.startswith("transfer_"))
-        local = (e.rendezvous or "file://").split(":", 1)[0] in ("file", "memory")
+        from .store import scheme_of
+
+        local = scheme_of(e.rendezvous) in ("file", "memory")
         lines.append(f"  at list prices         requests ${c['requests']:,.2f}; reading the store: {places}")
         if local:
             lines.append("                         (this run's store is local: nothing is billed; that is the same "

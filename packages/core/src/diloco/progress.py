@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .metrics import PHASES, RoundSummary
+from .state import FINAL_STATES
 
 ETA_WINDOW = 10  # rounds the step rate (and so the ETA) is measured over
 
@@ -47,7 +48,7 @@ def progress_of(data: dict[str, Any], events: list[dict[str, Any]], now: float) 
     """Progress from a run record's data and its events (oldest first)."""
     launches = [e for e in events if e.get("event") == "launch"]
     start = launches[0]["t"] if launches else data.get("created_at", now)
-    ended = data.get("state") in ("SUCCEEDED", "FAILED", "STOPPED")
+    ended = data.get("state") in FINAL_STATES
     last_t = events[-1]["t"] if ended and events else now
     p = Progress(state=str(data.get("state", "?")), replicas=int((data.get("launch") or {}).get("n_replicas") or 0),
                  restarts=int(data.get("restarts_used", 0)), preemptions=int(data.get("preemptions_used", 0)),
@@ -83,7 +84,7 @@ def progress_line(p: Progress) -> str:
     parts = [f"step {p.step:,}{total}", f"round {p.round}"]
     if p.tokens_per_s:
         parts.append(f"{p.tokens_per_s:,.0f} tok/s")
-    if p.state in ("SUCCEEDED", "FAILED", "STOPPED"):
+    if p.state in FINAL_STATES:
         parts.append(p.state.lower())
     else:
         parts.append(f"ETA {clock(p.eta_s)}" if p.total_steps else "ETA ? (no total_steps)")

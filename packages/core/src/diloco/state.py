@@ -22,6 +22,10 @@ from .errors import RunNotFound
 ENV_STATE_DIR = "DILOCO_STATE_DIR"
 
 
+# A run in one of these states has ended: nothing will change its record again.
+FINAL_STATES = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
 def state_dir() -> Path:
     """$DILOCO_STATE_DIR, else the user's state dir (e.g. ~/.local/state/diloco)."""
     override = os.environ.get(ENV_STATE_DIR)

@@ -48,10 +48,14 @@ AZURE_HTTPS_HOSTS = (".blob.core.windows.net", ".dfs.core.windows.net")
 SCHEMES = ("file", "memory", *CLOUD_SCHEMES)
 
 
+def scheme_of(uri: str | None) -> str:
+    """A rendezvous URI's scheme; none given means the local default, file://."""
+    return (uri or "file://").split(":", 1)[0]
+
+
 def poll_defaults(uri: str | None) -> tuple[float, float]:
     """(first wait, longest wait) between polls of the store at `uri` (a cloud store's if unknown)."""
-    scheme = (uri or "file://").split(":", 1)[0]
-    return POLL_BY_SCHEME.get(scheme, POLL_BY_SCHEME["s3"])
+    return POLL_BY_SCHEME.get(scheme_of(uri), POLL_BY_SCHEME["s3"])
 
 
 class ObjectExists(Exception):

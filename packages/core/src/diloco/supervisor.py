@@ -51,7 +51,7 @@ from typing import Any
 
 from .failures import code_failure_signature, is_config_error, is_preemption, shorten
 from .protocol import ReplicaHandle, ReplicaResult, ReplicaStatus, ServerlessExecutor
-from .state import RunRecord, process_start_ticks
+from .state import FINAL_STATES, RunRecord, process_start_ticks
 
 
 HEARTBEAT_EVERY = 5.0  # seconds between record saves while nothing changes
@@ -71,7 +71,7 @@ class GroupState(str, Enum):
 
     @property
     def is_final(self) -> bool:
-        return self in (GroupState.SUCCEEDED, GroupState.FAILED, GroupState.STOPPED)
+        return self.value in FINAL_STATES
 
 
 class RunFailed(Exception):
