@@ -1,9 +1,9 @@
 """Launch overhead of the local backend, against bare interpreter starts in the same run.
 
 For N = 1, 4, 16 replicas of a no-op entrypoint:
-  to_running_s:  launch_replicas() called → every replica has entered its entrypoint
+  to_running_s:  submit(plan) called → every replica has entered its entrypoint
                  (the runner's "started" marker, written just before the call);
-  to_done_s:     launch_replicas() called → every replica's result is on disk;
+  to_done_s:     submit(plan) called → every replica's result is on disk;
   bare_parallel_s: N bare `python -c pass` started together and all exited;
   overhead_s:    to_done_s − bare_parallel_s: what diloco adds beyond starting interpreters.
 Prints one JSON object. Target: overhead ≤ 0.3 s.
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from diloco.local import LocalProcessExecutor
+from diloco.testing import launch
 
 REPEATS = int(os.environ.get("BENCH_REPEATS", "3"))
 
@@ -36,7 +37,7 @@ def bare_parallel(n: int) -> float:
 def launch_once(ex: LocalProcessExecutor, n: int, run_id: str) -> tuple[float, float]:
     t0_wall = time.time()
     t0 = time.perf_counter()
-    handles = ex.launch_replicas(n, "diloco.testing.entrypoints:noop", {}, run_id=run_id, timeout=120)
+    handles = launch(ex, n, "diloco.testing.entrypoints:noop", {}, run_id=run_id, timeout=120)
     started = [Path(h.metadata["stem"] + ".started.json") for h in handles]
     results = [Path(h.metadata["stem"] + ".result.json") for h in handles]
     while not all(p.exists() for p in results):

@@ -32,7 +32,7 @@ def cloud(tmp_path):
     from diloco_modal.testing import FakeModal
 
     fake = FakeModal(tmp_path / "modal-cloud", image_paths={CODE_DIR: str(ROOT / "examples" / "tiny-lm")},
-                     grace_seconds=3.0)
+                     grace_seconds=10.0)  # a loaded test machine took over 3 s to stop a replica
     yield fake
     deadline = time.monotonic() + 15
     while fake.live_processes() and time.monotonic() < deadline:
@@ -89,6 +89,14 @@ def test_tiny_lm_through_modal_survives_a_kill_and_a_preemption(tmp_path, cloud,
     launcher, run_id = start(cloud, state, "run", str(spec))
     wait_for_round(state, run_id, 2)
     ids = {r["rank"]: r["handle"]["metadata"]["id"] for r in record_of(state, run_id)["ranks"]}
+    # what the dry run showed is what was created (its run id aside); the secrets' values only in the container
+    planned = json.loads(json.dumps(plan["sandboxes"][0]).replace(plan["sandboxes"][0]["tags"]["diloco-run"], run_id))
+    created = json.loads((cloud.root / "objects" / ids[0] / "spec.json").read_text())
+    for key in ("command", "name", "tags", "timeout", "workdir", "gpu"):
+        assert created[key] == planned[key], key
+    forwarded = {k: v for k, v in created["env"].items() if k in planned["secrets"]["forwarded"]}
+    assert {k: v for k, v in created["env"].items() if k not in forwarded} == planned["env"]
+    assert set(forwarded) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} and "REDACTED" not in forwarded.values()
     assert cloud.kill(ids[2], signal.SIGKILL)  # a crashed container
     assert cloud.preempt(ids[1])  # Modal takes a GPU sandbox's machine away
     out, _ = launcher.communicate(timeout=600)

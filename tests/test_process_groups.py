@@ -23,6 +23,7 @@ import pytest
 from conftest import ROOT
 
 from diloco.local import LocalProcessExecutor
+from diloco.testing import launch
 from diloco.metrics import read_rounds
 
 pytest.importorskip("torch")
@@ -43,13 +44,11 @@ def run_replicas(tmp_path: Path, name: str, *, processes: int, parallel: str = "
     trace = tmp_path / f"trace-{name}"
     trace.mkdir()
     store = (tmp_path / f"store-{name}").as_uri()
-    ex = LocalProcessExecutor(workdir=str(Path(__file__).parent), grace_period=2)
+    ex = LocalProcessExecutor(grace_period=2)
     run_id = f"pg-{name}"
-    handles = ex.launch_replicas(n, "lane_jobs:train_traced", {"trace_dir": str(trace), "steps": steps,
-                                                                "parallel": parallel},
-                                 run_id=run_id, rendezvous=store, timeout=600,
-                                 env={"DILOCO_SETTINGS": json.dumps(SETTINGS), **(env or {})},
-                                 **({"processes_per_replica": processes} if processes > 1 else {}))
+    handles = launch(ex, n, "lane_jobs:train_traced", {"trace_dir": str(trace), "steps": steps, "parallel": parallel},
+                     run_id=run_id, rendezvous=store, timeout=600, workdir=str(Path(__file__).parent),
+                     env={"DILOCO_SETTINGS": json.dumps(SETTINGS), **(env or {})}, processes_per_replica=processes)
     results = ex.collect(handles, timeout=600)
     for r, h in zip(results, handles):
         assert r.status == "succeeded", f"rank {r.rank}: {r.error}\n{ex.stream_logs(h, n_lines=80)}"
@@ -92,8 +91,8 @@ def test_every_process_of_every_replica_holds_the_same_model_after_every_round(
         assert row.bytes_up == pytest.approx(b.bytes_up, rel=0.01) and row.bytes_down == pytest.approx(b.bytes_down, rel=0.01)
         assert row.tokens == b.tokens  # the replica's tokens: both processes' halves of its batch
         for replica_row in row.rows:  # O(N) requests per lane per round (N = 2): two lanes, ≤ 30 each
-            assert sum(replica_row["requests"].values()) <= 2 * 30, replica_row["requests"]
-        assert "+" in row.rows[0]["state_digest"]  # one digest per lane, all compared across replicas
+            assert sum(replica_row.requests.values()) <= 2 * 30, replica_row.requests
+        assert "+" in row.rows[0].state_digest  # one digest per lane, all compared across replicas
         assert row.diverged is None
 
 

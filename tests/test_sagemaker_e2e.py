@@ -73,13 +73,16 @@ def test_tiny_lm_on_sagemaker_survives_a_failed_job_and_a_spot_interruption(tmp_
     spec = sm_spec(tmp_path, s3, steps=200, sync_every=25, restart="backoff = 0.2\nmax_restarts_per_rank = 3")
     dry = sm_cli(plane, state, "dryrun", str(spec))
     assert dry.returncode == 0, dry.stderr
-    request = json.loads(dry.stdout[dry.stdout.index("{"):])
-    assert len(request["jobs"]) == 4 and request["secrets_manager"]["forwarded"] == ["AWS_ACCESS_KEY_ID",
+    shown = dry.stdout[dry.stdout.index("{"):]
+    planned = json.loads(shown)
+    assert len(planned["jobs"]) == 4 and planned["secrets_manager"]["forwarded"] == ["AWS_ACCESS_KEY_ID",
                                                                                     "AWS_SECRET_ACCESS_KEY"]
     assert "testing" not in dry.stdout.replace("diloco_sagemaker.testing", "")  # no credential value shown
     launcher, run_id = start(plane, state, "run", str(spec))
     wait_for_round(state, run_id, 2)
     jobs = {r["rank"]: r["handle"]["metadata"]["job"] for r in record_of(state, run_id)["ranks"]}
+    dry_id = next(t["Value"] for t in planned["jobs"][0]["Tags"] if t["Key"] == "diloco-run")
+    assert [plane.received(jobs[r]) for r in range(4)] == json.loads(shown.replace(dry_id, run_id))["jobs"]  # as shown
     assert plane.kill(jobs[2], signal.SIGKILL)  # the job fails (an OOM kill, a bad node)
     assert plane.interrupt(jobs[1])  # spot capacity reclaimed: SageMaker retries the job itself
     out, _ = launcher.communicate(timeout=600)

@@ -4,6 +4,7 @@ kube-apiserver exists here; see diloco_eks.testing for what the stand-in does)."
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -13,10 +14,11 @@ import time
 import pytest
 
 from diloco.errors import BackendError, UserError
-from diloco.testing import ExecutorConformance, process_alive
+from diloco.testing import ExecutorConformance, launch, plan_for, process_alive
 from diloco_eks import EksExecutor
 
 RUNNER = ["python", "-m", "diloco.runner"]  # the container command when diloco-replica is not installed
+REPORT = "diloco.testing.entrypoints:report"
 
 
 class TestEksConformance(ExecutorConformance):
@@ -39,7 +41,7 @@ def test_forbidden_names_the_verb_and_resource(cluster):
         "message": 'jobs.batch is forbidden: User "dev" cannot create resource "jobs" in API group "batch"'}
     ex = EksExecutor(image="img", namespace="locked", api_url=cluster.url, command=RUNNER)
     with pytest.raises(BackendError) as err:
-        ex.launch_replicas(2, "diloco.testing.entrypoints:report", run_id="forbidden-run")
+        launch(ex, 2, REPORT, run_id="forbidden-run")
     msg = str(err.value)
     assert "forbids create jobs.batch in namespace 'locked'" in msg and 'cannot create resource "jobs"' in msg
 
@@ -50,13 +52,13 @@ def test_no_kubeconfig_is_a_clear_user_error(tmp_path, monkeypatch):
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     ex = EksExecutor(image="img")
     with pytest.raises(UserError, match="no Kubernetes credentials"):
-        ex.launch_replicas(1, "diloco.testing.entrypoints:report", run_id="nocreds")
+        launch(ex, 1, REPORT, run_id="nocreds")
 
 
 def test_image_pull_failure_is_surfaced_in_poll_and_logs(cluster):
     ex = EksExecutor(image="registry.example.com/does-not-exist:1", namespace="pull", api_url=cluster.url,
                      command=RUNNER, cache_seconds=0.05)
-    (h,) = ex.launch_replicas(1, "diloco.testing.entrypoints:report", run_id="pull-fail")
+    (h,) = launch(ex, 1, REPORT, run_id="pull-fail")
     deadline = time.monotonic() + 20
     while ex.poll(h) != "failed" and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -68,7 +70,7 @@ def test_image_pull_failure_is_surfaced_in_poll_and_logs(cluster):
 
 def test_cancel_deletes_the_job_and_its_pods_processes(cluster):
     ex = EksExecutor(image="img", namespace="cancel", api_url=cluster.url, command=RUNNER, cache_seconds=0.05)
-    handles = ex.launch_replicas(3, "diloco.testing.entrypoints:sleep", {"seconds": 300}, run_id="cancel-me")
+    handles = launch(ex, 3, "diloco.testing.entrypoints:sleep", {"seconds": 300}, run_id="cancel-me")
     deadline = time.monotonic() + 20
     while not all(ex.poll(h) == "running" for h in handles) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -109,3 +111,78 @@ def test_diloco_run_through_eks_with_a_relaunched_rank(cluster, tmp_path):
                           capture_output=True, text=True, env=env)
     assert "first attempt of rank 1 dies" in logs.stdout
 
+
+
+def _record_creates(monkeypatch, ex, fail_on_job=None):
+    """Record the body of every create call the executor makes (then make it for real), and
+    optionally refuse the creation of one Job as the API would."""
+    created, real = [], ex.api.call
+
+    def call(verb, resource, namespace, fn, *args, **kwargs):
+        if verb == "create":
+            body = copy.deepcopy(args[1])
+            created.append(body)
+            if body["kind"] == "Job" and body["metadata"]["name"] == fail_on_job:
+                raise BackendError(f"Kubernetes API error 422 on create jobs.batch in {namespace!r}: refused")
+        return real(verb, resource, namespace, fn, *args, **kwargs)
+
+    monkeypatch.setattr(ex.api, "call", call)
+    return created
+
+
+def test_submit_creates_exactly_the_plan_with_secret_values_added(cluster, monkeypatch):
+    ex = EksExecutor(image="img", namespace="exact", api_url=cluster.url, command=RUNNER, cache_seconds=0.05)
+    shown = ["python", "-c", "import os; print('token=' + os.environ['HF_TOKEN'])"]
+    plan = plan_for(ex, 2, shown, run_id="exact-run", secret_env={"HF_TOKEN": "hf-secret-value"})
+    planned = copy.deepcopy(plan.body)
+    created = _record_creates(monkeypatch, ex)
+    handles = ex.submit(plan)
+    secret, job = planned
+    assert secret["stringData"] == {"HF_TOKEN": "REDACTED"}
+    assert created == [{**secret, "stringData": {"HF_TOKEN": "hf-secret-value"}}, job]  # the plan, values added
+    assert plan.body == planned  # submitting never changes (or fills in) the plan itself
+    assert [h.rank for h in handles] == [0, 1] and {h.metadata["job"] for h in handles} == {job["metadata"]["name"]}
+    assert [h.metadata["index"] for h in handles] == [0, 1]
+    assert all(h.metadata["secret"] == secret["metadata"]["name"] for h in handles)
+    assert "hf-secret-value" not in json.dumps([h.to_dict() for h in handles])
+    results = ex.collect(handles, timeout=60)
+    assert [r.status for r in results] == ["succeeded"] * 2, [r.error for r in results]
+    assert "token=hf-secret-value" in ex.stream_logs(handles[1])  # the pod read the real value from the Secret
+
+
+def test_relaunch_of_two_ranks_submits_a_job_each_in_request_order(cluster, monkeypatch):
+    ex = EksExecutor(image="img", namespace="relaunch", api_url=cluster.url, command=RUNNER, cache_seconds=0.05)
+    plan = plan_for(ex, 3, REPORT, run_id="two-ranks", ranks=[2, 0], attempt=1)
+    created = _record_creates(monkeypatch, ex)
+    handles = ex.submit(plan)
+    assert created == plan.body and [d["kind"] for d in created] == ["Job", "Job"]
+    assert [(h.rank, h.attempt, h.metadata["index"]) for h in handles] == [(2, 1, 0), (0, 1, 0)]
+    assert [h.metadata["job"] for h in handles] == [d["metadata"]["name"] for d in plan.body]
+    results = ex.collect(handles, timeout=60)
+    assert [(r.rank, r.status, r.result["rank"], r.result["attempt"]) for r in results] == [
+        (2, "succeeded", 2, 1), (0, "succeeded", 0, 1)]
+
+
+def test_a_refused_job_undoes_what_was_started(cluster, monkeypatch):
+    """Rank 2's Job is refused: rank 0's Job (already created) is deleted with its Secret, and
+    rank 2's Secret, which no Job owns, is deleted too."""
+    from kubernetes.client.exceptions import ApiException
+
+    ex = EksExecutor(image="img", namespace="undo", api_url=cluster.url, command=RUNNER, cache_seconds=0.05)
+    plan = plan_for(ex, 3, "diloco.testing.entrypoints:sleep", {"seconds": 300}, run_id="undo-run", ranks=[0, 2],
+                    attempt=1, secret_env={"HF_TOKEN": "hf-secret-value"})
+    jobs = [d["metadata"]["name"] for d in plan.body if d["kind"] == "Job"]
+    secrets = [d["metadata"]["name"] for d in plan.body if d["kind"] == "Secret"]
+    assert len(jobs) == len(secrets) == 2
+    created = _record_creates(monkeypatch, ex, fail_on_job=jobs[1])
+    with pytest.raises(BackendError) as err:
+        ex.submit(plan)
+    msg = str(err.value)
+    assert "launching rank 2 on Kubernetes failed" in msg and "refused" in msg
+    assert "the 1 Job(s) already started were cancelled" in msg
+    assert [d["metadata"]["name"] for d in created] == [secrets[0], jobs[0], secrets[1], jobs[1]]
+    for read, name in [(cluster.batch.read_namespaced_job, jobs[0]), (cluster.core.read_namespaced_secret, secrets[0]),
+                       (cluster.core.read_namespaced_secret, secrets[1])]:
+        with pytest.raises(ApiException) as gone:
+            read(name, "undo", _preload_content=False)
+        assert gone.value.status == 404, name

@@ -7,8 +7,10 @@ import json
 import pytest
 import yaml
 
-from diloco.errors import UserError
-from diloco_eks import EksExecutor
+from diloco.errors import SpecError, UserError
+from diloco.legacy import make_executor
+from diloco.testing import plan_for
+from diloco_eks import EksExecutor, EksOptions
 from diloco_eks.manifest import dns_label, job_name, resolve_gpu
 
 FIELD = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
@@ -16,10 +18,9 @@ FIELD = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 
 def plan(n=4, ranks=None, attempt=0, gpu=None, args=None, env=None, secret_env=None, entrypoint="train:main", **opts):
     ex = EksExecutor(image=opts.pop("image", "example.com/img:1"), **opts)
-    docs = ex.dryrun(n, entrypoint, args if args is not None else {"lr": 0.5, "name": "x", "nested": {"a": 1}},
-                     run_id="Tiny_LM-20260101-000000-ab12", rendezvous="s3://bucket/runs", gpu=gpu, timeout=7200,
-                     ranks=ranks, attempt=attempt, env=env, secret_env=secret_env).request
-    return docs
+    return plan_for(ex, n, entrypoint, args if args is not None else {"lr": 0.5, "name": "x", "nested": {"a": 1}},
+                    run_id="tiny-lm-20260101-000000-ab12", rendezvous="s3://bucket/runs", gpu=gpu, timeout=7200,
+                    ranks=ranks, attempt=attempt, env=env, secret_env=secret_env).body
 
 
 def env_of(job):
@@ -52,7 +53,9 @@ def test_per_index_failures_and_disruptions():
         "action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
     (classic,) = plan(per_index=False)
     assert classic["spec"]["backoffLimit"] == 0 and "backoffLimitPerIndex" not in classic["spec"]
-    assert EksExecutor(image="i", per_index=False).supports_rank_relaunch is False
+    assert EksExecutor(image="i", per_index=False).capabilities.relaunches_one_rank is False
+    assert EksExecutor(image="i").capabilities.relaunches_one_rank is True
+    assert EksExecutor(EksOptions(image="i", per_index=False)).capabilities.relaunches_one_rank is False
 
 
 def test_relaunch_of_one_rank_is_its_own_job_with_a_literal_rank():
@@ -163,13 +166,13 @@ def test_job_names_are_valid_dns_labels(run_id):
 
 def test_missing_image_is_a_clear_error():
     with pytest.raises(UserError, match="needs \\[backend\\] image"):
-        EksExecutor().dryrun(2, "train:main")
+        plan_for(EksExecutor(), 2, "train:main")
 
 
 def test_a_replica_of_several_processes_runs_torchrun_on_its_gpus():
     ex = EksExecutor(image="example.com/img:1")
-    (job,) = ex.dryrun(2, "train:main", {}, run_id="r-1", rendezvous="s3://b/runs", gpu="H100:8",
-                       processes_per_replica=8).request
+    (job,) = plan_for(ex, 2, "train:main", {}, run_id="r-1", rendezvous="s3://b/runs", gpu="H100:8",
+                      processes_per_replica=8).body
     pod = job["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["command"][:3] == ["python", "-m", "diloco_replica.torchrun"]
@@ -181,14 +184,72 @@ def test_a_replica_of_several_processes_runs_torchrun_on_its_gpus():
     assert pod["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
     env = env_of(job)
     assert env["DILOCO_REPLICAS"]["value"] == "2" and "WORLD_SIZE" not in env  # torchrun sets torch's own
-    (single,) = ex.dryrun(2, "train:main", {}, run_id="r-1", rendezvous="s3://b/runs", gpu="H100:8").request
+    (single,) = plan_for(ex, 2, "train:main", {}, run_id="r-1", rendezvous="s3://b/runs", gpu="H100:8").body
     assert env_of(single)["WORLD_SIZE"]["value"] == "2" and "volumes" not in single["spec"]["template"]["spec"]
 
 
 def test_more_processes_than_gpus_or_a_custom_command_is_a_clear_error():
     ex = EksExecutor(image="example.com/img:1")
     with pytest.raises(UserError, match='needs a GPU per process.*gpu = "A10G:4"'):
-        ex.dryrun(2, "train:main", {}, run_id="r-1", rendezvous="s3://b/runs", gpu="A10G:2", processes_per_replica=4)
+        plan_for(ex, 2, "train:main", {}, run_id="r-1", rendezvous="s3://b/runs", gpu="A10G:2",
+                 processes_per_replica=4)
     with pytest.raises(UserError, match="command replaces the replica's launcher"):
-        EksExecutor(image="x:1", command=["my-launcher"]).dryrun(2, "train:main", {}, run_id="r-1",
-                                                                 rendezvous="s3://b/runs", processes_per_replica=2)
+        plan_for(EksExecutor(image="x:1", command=["my-launcher"]), 2, "train:main", {}, run_id="r-1",
+                 rendezvous="s3://b/runs", processes_per_replica=2)
+
+
+def test_relaunch_of_several_ranks_is_one_job_each_in_request_order():
+    docs = plan(ranks=[3, 1], attempt=2, secret_env={"HF_TOKEN": "hf-secret"})
+    assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [
+        ("Secret", "tiny-lm-20260101-000000-ab12-r3-a2-env"), ("Job", "tiny-lm-20260101-000000-ab12-r3-a2"),
+        ("Secret", "tiny-lm-20260101-000000-ab12-r1-a2-env"), ("Job", "tiny-lm-20260101-000000-ab12-r1-a2")]
+    assert env_of(docs[3])["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == docs[2]["metadata"]["name"]
+
+
+def test_plan_is_the_yaml_documents_and_deterministic():
+    ex = EksExecutor(image="example.com/img:1", namespace="ml")
+    first = plan_for(ex, 2, "train:main", {"lr": 0.1}, run_id="r-1", secret_env={"HF_TOKEN": "hf-secret-value"})
+    again = plan_for(EksExecutor(image="example.com/img:1", namespace="ml"), 2, "train:main", {"lr": 0.1},
+                     run_id="r-1", secret_env={"HF_TOKEN": "hf-secret-value"})
+    assert first.format == "yaml" and first.backend_name == "eks"
+    assert list(yaml.safe_load_all(first.render())) == first.body == again.body
+    assert "&id" not in first.render()  # plain documents, no YAML anchors
+    assert "hf-secret-value" not in first.render()
+
+
+def test_options_are_declared_with_the_old_defaults():
+    opts = EksExecutor().options
+    assert isinstance(opts, EksOptions) and opts == EksOptions()
+    assert (opts.image, opts.namespace, opts.command, opts.tolerations, opts.ttl_seconds_after_finished,
+            opts.per_index, opts.index_retries, opts.cache_seconds) == (None, "default", None, None, 3600, True, 0, 0.5)
+    assert (opts.node_selector, opts.gpu_types, opts.labels) == ({}, {}, {})
+    assert (opts.kubeconfig, opts.context, opts.api_url) == (None, None, None)
+    assert EksExecutor(EksOptions(namespace="ml"), cache_seconds=2).options == EksOptions(namespace="ml",
+                                                                                          cache_seconds=2.0)
+
+
+@pytest.mark.parametrize("table, key", [
+    ({"command": "diloco-replica"}, "backend.command"),  # a string where a list goes
+    ({"node_selector": ["zone=a"]}, "backend.node_selector"),
+    ({"cache_seconds": float("nan")}, "backend.cache_seconds"),
+    ({"cache_seconds": float("inf")}, "backend.cache_seconds"),
+    ({"cache_seconds": -1}, "backend.cache_seconds"),
+    ({"index_retries": -1}, "backend.index_retries"),
+    ({"index_retries": 1.5}, "backend.index_retries"),
+    ({"ttl_seconds_after_finished": -5}, "backend.ttl_seconds_after_finished"),
+    ({"per_index": "yes"}, "backend.per_index"),
+    ({"namespace": "Not_A_Name"}, "backend.namespace"),
+    ({"imag": "x"}, "backend.imag"),
+])
+def test_bad_backend_option_is_one_line_naming_the_key(table, key):
+    with pytest.raises(SpecError) as err:
+        make_executor(EksExecutor, {"image": "example.com/img:1", **table}, source="diloco.toml")
+    msg = str(err.value)
+    assert f"`{key}`" in msg and len(msg.splitlines()) == 1 and msg.startswith("diloco.toml")
+
+
+def test_bad_option_from_python_is_refused_too():
+    with pytest.raises(SpecError, match="backend.index_retries"):
+        EksExecutor(image="i", index_retries=-1)
+    with pytest.raises(ValueError, match="backend.namespace"):
+        EksExecutor(image="i", namespace="UPPER")

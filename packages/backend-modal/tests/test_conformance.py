@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.testing import ExecutorConformance
+from diloco.testing import ExecutorConformance, launch
 from diloco_modal.executor import ModalExecutor
 
 
@@ -38,7 +38,11 @@ class TestFunctionModeConformance(ExecutorConformance):
         self.app_dir = app_dir
 
     def make_executor(self):
-        return ModalExecutor(function="replica_app:replica", deploy=True, workdir=str(self.app_dir))
+        return ModalExecutor(function="replica_app:replica", deploy=True)
+
+    def launch(self, executor, entrypoint, args=None, **kwargs):
+        kwargs.setdefault("workdir", str(self.app_dir))  # the spec's directory, where the function's module is
+        return super().launch(executor, entrypoint, args, **kwargs)
 
 
 FUNCTION_APP = '''
@@ -61,7 +65,7 @@ def test_a_failed_create_at_rank_k_cancels_the_ranks_already_started(fake_modal)
     fake_modal.fail_creates_after(1)
     with pytest.raises(BackendError, match=r"launching rank 1 on Modal failed: .*no GPU capacity.*the 1 replica\(s\) "
                                            r"already started were cancelled"):
-        ModalExecutor().launch_replicas(3, "diloco.testing.entrypoints:sleep", {"seconds": 60}, run_id="r1")
+        launch(ModalExecutor(), 3, "diloco.testing.entrypoints:sleep", {"seconds": 60}, run_id="r1")
     (started,) = fake_modal.objects("sb-")
     from diloco_modal.testing import FakeSandbox
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from diloco.errors import UserError
+from diloco.testing import plan_for
 from diloco_modal.definition import CODE_DIR, build_image, build_mounts, modal_gpu
 from diloco_modal.executor import ModalExecutor
 
@@ -96,13 +97,14 @@ def test_the_definition_builds_real_modal_objects_without_a_token(tmp_path, monk
     import modal
 
     monkeypatch.delenv("MODAL_TOKEN_ID", raising=False)
-    plan = ModalExecutor(workdir=str(tmp_path), volumes={"/data": "corpus"},
-                         bucket_mounts={"/b": {"bucket": "ckpts", "read_only": True}}).dryrun(2, EP, run_id="r1").request
+    plan = plan_for(ModalExecutor(volumes={"/data": "corpus"},
+                                  bucket_mounts={"/b": {"bucket": "ckpts", "read_only": True}}),
+                    2, EP, run_id="r1", workdir=str(tmp_path)).body
     image = build_image(modal, plan["image"])
     mounts = build_mounts(modal, plan["sandboxes"][0], None)
     assert isinstance(image, modal.Image)
     assert isinstance(mounts["/data"], modal.Volume) and isinstance(mounts["/b"], modal.CloudBucketMount)
-    registry = ModalExecutor(image="ghcr.io/me/train:1").dryrun(1, EP, run_id="r1").request["image"]
+    registry = plan_for(ModalExecutor(image="ghcr.io/me/train:1"), 1, EP, run_id="r1").body["image"]
     assert registry["base"] == {"registry": "ghcr.io/me/train:1"} and registry["pip"] == []
     assert isinstance(build_image(modal, registry), modal.Image)
 

@@ -9,11 +9,14 @@ import types
 import pytest
 
 from conftest import ROLE
-from diloco.errors import UserError
+from diloco.errors import SpecError, UserError
+from diloco.legacy import make_executor
 from diloco.protocol import ReplicaStatus
+from diloco.testing import plan_for
 from diloco_sagemaker import status as st
 from diloco_sagemaker.executor import SageMakerExecutor
 from diloco_sagemaker.instances import instance_type
+from diloco_sagemaker.options import SageMakerOptions
 from diloco_sagemaker.request import job_name
 
 IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/diloco:1"
@@ -23,10 +26,10 @@ RDV = "s3://bucket/runs"
 def plan(monkeypatch, n=2, **kw):
     monkeypatch.setenv("AWS_REGION", "eu-west-1")
     launch = {k: kw.pop(k) for k in ("gpu", "timeout", "env", "secret_env", "processes_per_replica", "ranks",
-                                      "attempt") if k in kw}
+                                      "attempt", "workdir") if k in kw}
     ex = SageMakerExecutor(**{"role": ROLE, "image": IMAGE, **kw})
-    return ex.dryrun(n, "train:main", {"lr": 0.1}, run_id="tiny-lm-20261122-101010-ab12", rendezvous=RDV,
-                     **launch).request
+    return plan_for(ex, n, "train:main", {"lr": 0.1}, run_id="tiny-lm-20261122-101010-ab12", rendezvous=RDV,
+                    **launch).body
 
 
 @pytest.mark.parametrize("gpu,expected", [
@@ -106,7 +109,7 @@ def test_secrets_never_reach_the_job_environment(monkeypatch):
 @pytest.mark.parametrize("kw,words", [
     ({"role": "diloco-role"}, "not an IAM role ARN"),
     ({"spot": True, "keep_alive": 60}, "does not work with spot"),
-    ({"keep_alive": 7200}, "keep_alive must be 0..3600"),
+    ({"keep_alive": 7200}, "`backend.keep_alive` must be at most 3600"),
     ({"subnets": ["subnet-1"]}, "needs both `subnets` and `security_groups`"),
     ({"s3_prefix": "gs://b/p"}, "must be an s3:// URI"),
     ({"image": IMAGE, "pytorch_version": "2.8"}, "not both"),
@@ -114,6 +117,64 @@ def test_secrets_never_reach_the_job_environment(monkeypatch):
 def test_bad_options_are_one_line_naming_the_key(kw, words):
     with pytest.raises(UserError, match=words):
         SageMakerExecutor(**{"role": ROLE, **kw})
+
+
+@pytest.mark.parametrize("table,key,words", [
+    ({"subnets": "subnet-1"}, "subnets", "must be list[str], got 'subnet-1' (a string)"),
+    ({"pip": "torch"}, "pip", "must be list[str]"),
+    ({"keep_alive": 7200}, "keep_alive", "must be at most 3600"),
+    ({"keep_alive": -1}, "keep_alive", "must be at least 0"),
+    ({"volume_size_gb": 0}, "volume_size_gb", "must be at least 1"),
+    ({"volume_size_gb": 1.5}, "volume_size_gb", "must be int"),
+    ({"max_wait": float("inf")}, "max_wait", "must be a finite number"),
+    ({"max_wait": float("nan")}, "max_wait", "must be a finite number"),
+    ({"spot": "yes"}, "spot", "must be bool"),
+    ({"tags": {"team": 1}}, "tags", "must be dict[str, str]"),
+    ({"workdir": "."}, "workdir", "unknown key"),  # the code comes from the request's workdir, not an option
+])
+def test_a_bad_backend_option_is_one_line_naming_the_key(table, key, words):
+    with pytest.raises(SpecError) as err:
+        make_executor(SageMakerExecutor, {"role": ROLE, **table}, source="spec.toml")
+    text = str(err.value)
+    assert len(text.splitlines()) == 1 and f"`backend.{key}`" in text and words in text, text
+
+
+def test_the_executor_declares_its_options_and_capabilities():
+    assert SageMakerExecutor.Options is SageMakerOptions
+    caps = SageMakerExecutor.capabilities
+    assert caps.relaunches_one_rank and caps.process_groups and caps.status_detail
+    assert not caps.shares_launcher_filesystem and not caps.inter_replica_network
+    given = SageMakerOptions(role=ROLE, image=IMAGE, spot=True)
+    assert SageMakerExecutor(given).options is given
+    assert SageMakerExecutor(given, spot=False).options.spot is False  # overrides on top, checked again
+    built = make_executor(SageMakerExecutor, {"role": ROLE, "image": IMAGE, "keep_alive": 60})
+    assert built.options == SageMakerOptions(role=ROLE, image=IMAGE, keep_alive=60)
+    with pytest.raises(UserError, match="does not work with spot"):  # check() runs on options given whole too
+        SageMakerExecutor(SageMakerOptions(role=ROLE, spot=True, keep_alive=60))
+
+
+def test_the_workdir_shipped_is_the_requests(monkeypatch, tmp_path):
+    body = plan(monkeypatch, n=1, workdir=str(tmp_path))
+    assert body["code"] == {"s3_uri": "s3://bucket/diloco-sagemaker/tiny-lm-20261122-101010-ab12/code/",
+                            "workdir": str(tmp_path)}
+    assert plan(monkeypatch, n=1, workdir=str(tmp_path), include_workdir=False)["code"]["workdir"] is None
+    assert plan(monkeypatch, n=1)["code"]["workdir"] is None  # no workdir in the request: nothing shipped
+
+
+def test_relaunching_one_rank_plans_only_that_job(monkeypatch):
+    body = plan(monkeypatch, n=4, ranks=[2], attempt=3)
+    assert [j["TrainingJobName"] for j in body["jobs"]] == ["tiny-lm-20261122-101010-ab12-r2-a3"]
+    env = body["jobs"][0]["Environment"]
+    assert env["REPLICA_RANK"] == "2" and env["DILOCO_REPLICAS"] == "4"
+
+
+def test_a_dry_run_without_a_role_plans_but_submitting_needs_one(monkeypatch):
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    ex = SageMakerExecutor(image=IMAGE)
+    planned = plan_for(ex, 1, "train:main", rendezvous=RDV, run_id="norole-1")
+    assert planned.body["jobs"][0]["RoleArn"].startswith("<[backend] role")
+    with pytest.raises(UserError, match=r"\[backend\] role is needed"):
+        ex.submit(planned)  # before any AWS call: no credentials are needed to get this far
 
 
 @pytest.mark.parametrize("kw,launch,words", [
@@ -132,13 +193,13 @@ def test_no_region_is_one_line(monkeypatch, tmp_path):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     with pytest.raises(UserError, match="no AWS region: set \\[backend\\] region"):
-        SageMakerExecutor(role=ROLE, image=IMAGE).dryrun(1, "train:main", rendezvous=RDV)
+        plan_for(SageMakerExecutor(role=ROLE, image=IMAGE), 1, "train:main", rendezvous=RDV)
 
 
 def test_no_s3_prefix_without_an_s3_rendezvous(monkeypatch):
     monkeypatch.setenv("AWS_REGION", "us-east-1")
     with pytest.raises(UserError, match="s3_prefix is needed"):
-        SageMakerExecutor(role=ROLE, image=IMAGE).dryrun(1, "train:main", rendezvous="gs://b/runs")
+        plan_for(SageMakerExecutor(role=ROLE, image=IMAGE), 1, "train:main", rendezvous="gs://b/runs")
 
 
 def test_the_official_pytorch_image_through_the_images_extra(monkeypatch):
@@ -147,13 +208,13 @@ def test_the_official_pytorch_image_through_the_images_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "sagemaker.core.image_uris", None)  # the extra is not installed
     monkeypatch.setitem(sys.modules, "sagemaker.core", None)
     with pytest.raises(UserError, match=r"pip install 'diloco-backend-sagemaker\[images\]'"):
-        ex.dryrun(1, "train:main", rendezvous=RDV, gpu="H100")
+        plan_for(ex, 1, "train:main", rendezvous=RDV, gpu="H100")
     calls = []
     core = types.ModuleType("sagemaker.core")
     core.image_uris = types.SimpleNamespace(retrieve=lambda *a, **k: calls.append((a, k)) or "763.dkr/pytorch:2.8")
     monkeypatch.setitem(sys.modules, "sagemaker", types.ModuleType("sagemaker"))
     monkeypatch.setitem(sys.modules, "sagemaker.core", core)
-    job = ex.dryrun(1, "train:main", rendezvous=RDV, gpu="H100").request["jobs"][0]
+    job = plan_for(ex, 1, "train:main", rendezvous=RDV, gpu="H100").body["jobs"][0]
     assert job["AlgorithmSpecification"]["TrainingImage"] == "763.dkr/pytorch:2.8"
     assert calls == [(("pytorch", "us-west-2"), {"version": "2.8", "py_version": "py312",
                                                   "instance_type": "ml.p5.48xlarge", "image_scope": "training"})]

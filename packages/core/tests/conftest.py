@@ -58,3 +58,16 @@ def write_spec(directory: Path, text: str, name: str = "diloco.toml") -> Path:
     path = directory / name
     path.write_text(text)
     return path
+
+
+def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05) -> bool:
+    """Poll `predicate` until it holds or `timeout` passes; its last value. Tests wait on a
+    condition, never for a fixed time."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

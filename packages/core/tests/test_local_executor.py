@@ -14,7 +14,7 @@ import pytest
 
 from diloco.local import LocalProcessExecutor
 from diloco.protocol import ReplicaHandle
-from diloco.testing import ExecutorConformance, process_alive
+from diloco.testing import ExecutorConformance, launch, process_alive
 
 from conftest import write_spec
 
@@ -103,14 +103,14 @@ def test_cancel_from_second_process_kills_whole_tree(cli, project, state_dir):
 
 
 def test_timeout_is_enforced_and_kills_the_tree(tmp_path):
-    ex = LocalProcessExecutor(workdir=str(tmp_path))
+    ex = LocalProcessExecutor()
     (tmp_path / "hang.py").write_text(
         "import subprocess, sys, time\n"
         "def main(ctx):\n"
         "    p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
         "    print('child', p.pid, flush=True)\n"
         "    time.sleep(600)\n")
-    (h,) = ex.launch_replicas(1, "hang:main", {}, timeout=1.5, run_id="t-timeout")
+    (h,) = launch(ex, 1, "hang:main", {}, timeout=1.5, run_id="t-timeout", workdir=str(tmp_path))
     (res,) = ex.collect([h], timeout=30)
     assert res.status == "failed" and res.exit_code == 124 and "timed out after 1.5s" in res.error
     child = int(ex.stream_logs(h).split("child ")[1].split()[0])
@@ -121,13 +121,13 @@ def test_command_entrypoint_and_env_contract(tmp_path):
     script = tmp_path / "show.py"
     script.write_text("import os\nprint(os.environ['MY_RANK'], os.environ['WORLD_SIZE'], os.environ['LR'],"
                       " os.environ['DILOCO_RENDEZVOUS'])\n")
-    ex = LocalProcessExecutor(workdir=str(tmp_path))
-    handles = ex.launch_replicas(2, ["python", str(script)], {"rank_env": "MY_RANK", "lr": 0.5},
-                                 rendezvous="file:///tmp/x", run_id="t-cmd")
+    ex = LocalProcessExecutor()
+    handles = launch(ex, 2, ["python", str(script)], {"rank_env": "MY_RANK", "lr": 0.5},
+                     rendezvous="file:///tmp/x", run_id="t-cmd", workdir=str(tmp_path))
     results = ex.collect(handles, timeout=30)
     assert [r.status for r in results] == ["succeeded", "succeeded"]
     assert ex.stream_logs(handles[1]).strip() == "1 2 0.5 file:///tmp/x"
-    (bad,) = ex.launch_replicas(1, ["python", "-c", "raise SystemExit(3)"], run_id="t-cmd2")
+    (bad,) = launch(ex, 1, ["python", "-c", "raise SystemExit(3)"], run_id="t-cmd2", workdir=str(tmp_path))
     (res,) = ex.collect([bad], timeout=30)
     assert res.status == "failed" and res.exit_code == 3
 
@@ -135,8 +135,8 @@ def test_command_entrypoint_and_env_contract(tmp_path):
 def test_killed_replica_is_failed_with_reason(tmp_path):
     (tmp_path / "slow.py").write_text("import time\ndef main(ctx):\n    print('working', flush=True)\n"
                                       "    time.sleep(600)\n")
-    ex = LocalProcessExecutor(workdir=str(tmp_path))
-    (h,) = ex.launch_replicas(1, "slow:main", run_id="t-kill")
+    ex = LocalProcessExecutor()
+    (h,) = launch(ex, 1, "slow:main", run_id="t-kill", workdir=str(tmp_path))
     assert _wait(lambda: ex.poll(h) == "running")
     os.kill(h.metadata["pid"], signal.SIGKILL)
     (res,) = ex.collect([h], timeout=10)

@@ -7,6 +7,8 @@ leaves in site-packages, and what importlib.metadata reads — no install step n
 from __future__ import annotations
 
 import json
+
+import pytest
 import subprocess
 import sys
 from pathlib import Path
@@ -108,8 +110,9 @@ def test_backends_name_lists_options_from_the_executor(cli, tmp_path):
     data = json.loads(cli("backends", "local", "--json", check_rc=0).stdout)
     by_name = {o["name"]: o for o in data["options"]}
     assert by_name["grace_period"] == {"name": "grace_period", "type": "float", "default": 5.0, "required": False,
-                                       "help": "seconds between SIGTERM and SIGKILL when a replica is cancelled."}
-    assert by_name["devices"]["type"] == "Sequence[int | str]" and by_name["devices"]["default"] is None
+                                       "help": "seconds between SIGTERM and SIGKILL when a replica is cancelled",
+                                       "choices": [], "min": 0, "max": None}
+    assert by_name["devices"]["type"] == "list[int | str]" and by_name["devices"]["default"] == []
     # a third-party backend with no docstring still lists its options (without help)
     site = tmp_path / "site"
     make_plugin(site, "diloco-backend-acme", "acme_plugin", "acme")
@@ -117,3 +120,45 @@ def test_backends_name_lists_options_from_the_executor(cli, tmp_path):
     assert acme["distribution"] == "diloco-backend-acme"
     bad = cli("backends", "nosuch")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "not installed" in bad.stderr
+
+
+@pytest.mark.parametrize("table, expected", [
+    ({"devices": "0,1"}, "`backend.devices` must be list[int | str], got '0,1' (a string)"),
+    ({"grace_period": float("inf")}, "`backend.grace_period` must be a finite number"),
+    ({"grace_period": float("nan")}, "`backend.grace_period` must be a finite number"),
+    ({"grace_period": -1}, "`backend.grace_period` must be at least 0"),
+    ({"grace_period": "5"}, "`backend.grace_period` must be float, got '5' (a string)"),
+    ({"state_dir": ["a"]}, "`backend.state_dir` must be str, got ['a'] (an array)"),
+    ({"grace": 1}, "unknown key `backend.grace` for backend 'local' (allowed: devices, grace_period, state_dir"),
+])
+def test_backend_table_is_checked_against_the_declared_options(table, expected):
+    from diloco.errors import SpecError
+    from diloco.legacy import make_executor
+    from diloco.local import LocalProcessExecutor
+
+    with pytest.raises(SpecError) as err:
+        make_executor(LocalProcessExecutor, table, source="spec.toml")
+    assert str(err.value).startswith("spec.toml: ") and expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_backend_table_errors_reach_the_cli_as_one_line(cli, project):
+    spec = project / "diloco.toml"
+    spec.write_text('entrypoint = "job:main"\nreplicas = 2\n[backend]\nname = "local"\ndevices = "0"\n')
+    for cmd in ("run", "dryrun"):
+        proc = cli(cmd, str(spec))
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert "`backend.devices` must be list[int | str]" in proc.stderr
+
+
+def test_first_contract_options_are_still_listed_and_checked(cli, tmp_path):
+    from diloco.errors import SpecError
+    from diloco.legacy import FirstContractExecutor as Adapter, describe_backend_options, make_executor
+    from diloco.testing.firstcontract import FirstContractExecutor
+
+    listed = {o.name: o for o in describe_backend_options(FirstContractExecutor)}
+    assert listed["grace_period"].default == 2.0 and "SIGTERM" in listed["grace_period"].help
+    executor = make_executor(FirstContractExecutor, {"grace_period": 1.0}, workdir=str(tmp_path))
+    assert isinstance(executor, Adapter) and executor.inner.workdir == str(tmp_path)  # workdir passed as before
+    assert executor.capabilities.relaunches_one_rank and not executor.capabilities.process_groups
+    with pytest.raises(SpecError, match="unknown key `backend.nope`"):
+        make_executor(FirstContractExecutor, {"nope": 1})

@@ -19,20 +19,11 @@ from diloco.spec import parse_spec
 
 OLD_PLUGIN = '''
 from diloco import hookimpl
-from diloco.local import LocalProcessExecutor
+from diloco.testing.firstcontract import FirstContractExecutor
 
-class OldExecutor(LocalProcessExecutor):
-    """A third-party executor written before processes_per_replica existed."""
+class OldExecutor(FirstContractExecutor):
+    """A third-party executor written before processes_per_replica existed (its launch_replicas has no such keyword)."""
     backend_name = "old"
-    def launch_replicas(self, n_replicas, entrypoint, entrypoint_args=None, *, gpu=None, timeout=3600, run_id=None,
-                        rendezvous=None, ranks=None, attempt=0, env=None, secret_env=None):
-        return super().launch_replicas(n_replicas, entrypoint, entrypoint_args, gpu=gpu, timeout=timeout,
-                                       run_id=run_id, rendezvous=rendezvous, ranks=ranks, attempt=attempt, env=env,
-                                       secret_env=secret_env)
-    def dryrun(self, n_replicas, entrypoint, entrypoint_args=None, *, gpu=None, timeout=3600, run_id=None,
-               rendezvous=None, ranks=None, attempt=0, env=None, secret_env=None):
-        return super().dryrun(n_replicas, entrypoint, entrypoint_args, gpu=gpu, timeout=timeout, run_id=run_id,
-                              rendezvous=rendezvous, ranks=ranks, attempt=attempt, env=env, secret_env=secret_env)
 
 @hookimpl
 def diloco_register_executors():

@@ -17,12 +17,18 @@ from conftest import write_spec
 REMOTE_PLUGIN = '''
 from diloco import hookimpl
 from diloco.local import LocalProcessExecutor
+from diloco.protocol import Capabilities
+from diloco.testing.firstcontract import FirstContractExecutor
 
-class FarAwayExecutor(LocalProcessExecutor):
+class FarAwayExecutor(FirstContractExecutor):
     backend_name = "faraway"
     shares_launcher_filesystem = None  # says nothing
 
-class KwargsExecutor(LocalProcessExecutor):
+class DeclaredRemoteExecutor(LocalProcessExecutor):
+    backend_name = "declared-remote"
+    capabilities = Capabilities(relaunches_one_rank=True, process_groups=True)  # no shared disk declared
+
+class KwargsExecutor(FirstContractExecutor):
     backend_name = "kwargs"
     def __init__(self, **options):
         self.seen_workdir = options.get("workdir")
@@ -34,7 +40,7 @@ class KwargsExecutor(LocalProcessExecutor):
 
 @hookimpl
 def diloco_register_executors():
-    return [FarAwayExecutor, KwargsExecutor]
+    return [FarAwayExecutor, DeclaredRemoteExecutor, KwargsExecutor]
 '''
 
 
@@ -55,6 +61,9 @@ def test_file_rendezvous_refused_for_a_backend_on_other_machines(cli, project, r
                                'rendezvous = "file:///tmp/shared-store"\n')
     for cmd in ("run", "dryrun"):
         one_line_error(cli(cmd, str(spec), env=remote_env), "which 'faraway' replicas do not see")
+        declared = write_spec(project, 'backend = "declared-remote"\nreplicas = 2\nentrypoint = "job:main"\n'
+                                       'rendezvous = "file:///tmp/shared-store"\n', name="declared.toml")
+        one_line_error(cli(cmd, str(declared), env=remote_env), "which 'declared-remote' replicas do not see")
     assert not (state_dir / "runs").exists() or not any((state_dir / "runs").iterdir())
 
 

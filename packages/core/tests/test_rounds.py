@@ -83,7 +83,8 @@ def test_status_of_a_finished_run_reads_its_cache_and_warns(cli, state_dir, tmp_
 def test_supervisor_turns_summaries_into_events(state_dir, tmp_path):
     from diloco.local import LocalProcessExecutor
     from diloco.state import RunRecord
-    from diloco.supervisor import LaunchArgs, Supervisor
+    from diloco.request import LaunchRequest
+    from diloco.supervisor import Supervisor
 
     store_uri = (tmp_path / "store").as_uri()
     store = open_store(store_uri)
@@ -93,16 +94,15 @@ def test_supervisor_turns_summaries_into_events(state_dir, tmp_path):
     write_round(store, run, 1, [row(1, 0, [0])])
     write_round(store, run, 2, [row(2, 0, [0], incidents=[incident])])
     record = RunRecord.create(run, {"state": "HEALTHY"})
-    args = LaunchArgs(n_replicas=2, entrypoint="x:y", entrypoint_args={}, gpu=None, timeout=60, run_id=run,
-                      rendezvous=store_uri, env={})
-    sup = Supervisor(LocalProcessExecutor(), record, args, {})
-    assert sup._record_rounds(final=True)
+    request = LaunchRequest(run_id=run, n_replicas=2, entrypoint="x:y", timeout=60, rendezvous=store_uri)
+    sup = Supervisor(LocalProcessExecutor(), record, request, {})
+    assert sup.rounds.poll(final=True)
     events = [e["event"] for e in record.events()]
     assert events == ["round", "training_alone", "round", "incident"]
-    assert sup.health["alone"]["through_round"] == 2
+    assert sup.rounds.health["alone"]["through_round"] == 2
     write_round(store, run, 3, [row(3, 0, [0, 1], digest="a"), row(3, 1, [0, 1], digest="b")])
-    assert sup._record_rounds(final=True)
+    assert sup.rounds.poll(final=True)
     kinds = [e["event"] for e in record.events()]
-    assert kinds[-2:] == ["round", "diverged"] and "alone" not in sup.health  # they met at last
+    assert kinds[-2:] == ["round", "diverged"] and "alone" not in sup.rounds.health  # they met at last
     sup.save()
     assert RunRecord.load(run).data["last_round"] == 3  # saved, so a resumed launcher starts after it

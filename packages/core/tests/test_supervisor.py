@@ -13,7 +13,7 @@ import pytest
 
 from diloco.testing import process_alive
 
-from conftest import write_spec
+from conftest import wait_until, write_spec
 
 FLAKY = '''
 import os, sys, time
@@ -70,8 +70,7 @@ def test_restarts_exhausted_stops_everything_and_lists_each_rank_error(cli, proj
     assert "below min_replicas=3" in data["record"]["failure"]
     assert any(e["event"] == "give_up" and e["rank"] == 1 for e in data["events"])
     pids = [int(p.read_text()) for p in markers.glob("*.pid")]
-    time.sleep(0.5)
-    assert not any(process_alive(p) for p in pids)
+    assert wait_until(lambda: not any(process_alive(p) for p in pids), timeout=10)
 
 
 def test_min_replicas_lets_the_survivors_finish(cli, project):
@@ -117,14 +116,21 @@ def test_launcher_killed_then_resumed_finishes_the_run(cli, project, state_dir):
 def test_backend_without_rank_relaunch_is_supervised_as_a_gang(tmp_path):
     from diloco.local import LocalProcessExecutor
     from diloco.state import RunRecord
-    from diloco.supervisor import LaunchArgs, Supervisor
+    from diloco.protocol import Capabilities
+    from diloco.request import LaunchRequest
+    from diloco.supervisor import Supervisor
+    from diloco.testing.firstcontract import FirstContractExecutor
 
     class NoRelaunch(LocalProcessExecutor):
+        capabilities = Capabilities(shares_launcher_filesystem=True)
+
+    class FirstContractNoRelaunch(FirstContractExecutor):
         supports_rank_relaunch = False
 
-    args = LaunchArgs(2, "x:y", {}, None, 60, "gang-fallback", None, {})
-    sup = Supervisor(NoRelaunch(), RunRecord.create("gang-fallback", {}), args, {"policy": "per-rank"})
-    assert sup.policy == "gang"
+    request = LaunchRequest(run_id="gang-fallback", n_replicas=2, entrypoint="x:y", timeout=60)
+    for executor in (NoRelaunch(), FirstContractNoRelaunch()):
+        sup = Supervisor(executor, RunRecord.create("gang-fallback", {}), request, {"policy": "per-rank"})
+        assert sup.policy == "gang"
 
 
 @pytest.mark.parametrize("choice", ["detach", "cancel"])
@@ -145,12 +151,11 @@ def test_ctrl_c_detaches_or_cancels_as_asked(cli, project, state_dir, choice):
         assert f"diloco resume {run_id}" in out and all(process_alive(p) for p in pids)
         cli("cancel", run_id, check_rc=0)
     else:
-        time.sleep(0.5)
-        assert not any(process_alive(p) for p in pids)
+        assert wait_until(lambda: not any(process_alive(p) for p in pids), timeout=10)
         assert _record(cli, run_id)["record"]["state"] == "STOPPED"
 
 
-def test_logs_follow_streams_until_the_replica_ends(cli, project):
+def test_logs_follow_streams_until_the_replica_ends(cli, project, state_dir):
     (project / "talk.py").write_text("import time\ndef main(ctx):\n    for i in range(6):\n"
                                      "        print(f'line {i}', flush=True)\n        time.sleep(0.3)\n")
     spec = write_spec(project, 'backend = "local"\nreplicas = 1\nentrypoint = "talk:main"\n', name="talk.toml")
@@ -158,7 +163,8 @@ def test_logs_follow_streams_until_the_replica_ends(cli, project):
                                 stderr=subprocess.STDOUT, text=True,
                                 env=dict(os.environ))
     run_id = launcher.stdout.readline().split()[1].rstrip(":")
-    time.sleep(0.5)
+    record = state_dir / "runs" / run_id / "run.json"
+    assert wait_until(lambda: record.exists() and json.loads(record.read_text()).get("ranks", [{}])[0].get("handle"))
     follow = cli("logs", run_id, "--rank", "0", "--follow", check_rc=0)
     assert follow.stdout.splitlines() == [f"line {i}" for i in range(6)]
     launcher.wait(timeout=30)
@@ -171,9 +177,14 @@ def test_a_quiet_run_keeps_its_heartbeat_fresh(cli, project, state_dir):
                                 stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     try:
         run_id = launcher.stdout.readline().split()[1].rstrip(":")
-        time.sleep(7)
-        beat = json.loads((state_dir / "runs" / run_id / "run.json").read_text())["launcher"]["heartbeat"]
-        assert time.time() - beat < 6
+        record = state_dir / "runs" / run_id / "run.json"
+
+        def beat() -> float:
+            return json.loads(record.read_text())["launcher"]["heartbeat"]
+
+        assert wait_until(lambda: record.exists() and "running" in record.read_text())
+        first = beat()  # from here nothing changes but the heartbeat (the replica works for 9 s)
+        assert wait_until(lambda: beat() > first, timeout=8), "no heartbeat while the run was quiet"
         refused = cli("resume", run_id)
         assert refused.returncode == 2 and "still supervised by process" in refused.stderr
     finally:
@@ -223,9 +234,12 @@ def test_a_replica_the_platform_retries_itself_is_pending_not_failed(tmp_path):
     from diloco.local import LocalProcessExecutor
     from diloco.protocol import ReplicaStatus
     from diloco.state import RunRecord
-    from diloco.supervisor import GroupState, LaunchArgs, Supervisor
+    from diloco.protocol import Capabilities
+    from diloco.request import LaunchRequest
+    from diloco.supervisor import GroupState, Supervisor
 
     class SpotLike(LocalProcessExecutor):
+        capabilities = Capabilities(shares_launcher_filesystem=True, relaunches_one_rank=True, status_detail=True)
         polls_pending = 0
 
         def poll(self, handle):
@@ -240,7 +254,8 @@ def test_a_replica_the_platform_retries_itself_is_pending_not_failed(tmp_path):
         def status_detail(self, handle):
             return "Interrupted: spot capacity was reclaimed (spot interruptions so far: 1)"
 
-    args = LaunchArgs(2, "diloco.testing.entrypoints:sleep", {"seconds": 2.0}, None, 60, "spot-like", None, {})
+    args = LaunchRequest(run_id="spot-like", n_replicas=2, entrypoint="diloco.testing.entrypoints:sleep",
+                         args={"seconds": 2.0}, timeout=60)
     record = RunRecord.create("spot-like", {})
     sup = Supervisor(SpotLike(), record, args, {"policy": "per-rank", "monitor_interval": 0.05, "max_restarts": 0})
     assert sup.run() is GroupState.SUCCEEDED

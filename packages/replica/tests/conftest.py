@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from diloco.local import LocalProcessExecutor
+from diloco.testing import launch
 
 HERE = Path(__file__).parent
 
@@ -27,16 +28,16 @@ class Replicas:
     """Launches entrypoints from replica_jobs.py as real processes and collects their results."""
 
     def __init__(self, run_id: str):
-        self.executor = LocalProcessExecutor(workdir=str(HERE), grace_period=1)
+        self.executor = LocalProcessExecutor(grace_period=1)
         self.run_id = run_id
         self.handles = []
 
     def launch(self, fn: str, n: int, *, rendezvous: str, settings: dict | None = None, args: dict | None = None,
                ranks=None, attempt: int = 0, env: dict | None = None, timeout: float = 300, processes: int = 1):
         extra = {"DILOCO_SETTINGS": json.dumps(settings or {}), **(env or {})}
-        handles = self.executor.launch_replicas(n, f"replica_jobs:{fn}", args or {}, run_id=self.run_id,
-                                                rendezvous=rendezvous, ranks=ranks, attempt=attempt, env=extra,
-                                                timeout=timeout, processes_per_replica=processes)
+        handles = launch(self.executor, n, f"replica_jobs:{fn}", args, run_id=self.run_id, rendezvous=rendezvous,
+                         ranks=ranks, attempt=attempt, env=extra, timeout=timeout, processes_per_replica=processes,
+                         workdir=str(HERE))
         self.handles += handles
         return handles
 

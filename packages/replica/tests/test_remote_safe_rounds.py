@@ -277,7 +277,7 @@ def test_a_reducer_that_moved_on_still_repairs_the_shard_a_slow_reader_found_cor
         def _reduce_shard(self, r, j, *a, **kw):
             mean = super()._reduce_shard(r, j, *a, **kw)
             if r == 1 and self.rank == 1:  # damaged at rest after it was published
-                key = self.keys.reduced(r, self.sid(j))
+                key = self.io.keys.reduced(r, self.io.sid(j))
                 blob = bytearray(store.get(key))
                 blob[-1] ^= 0xFF
                 store.put(key, bytes(blob))

@@ -1,4 +1,4 @@
-"""The Kubernetes objects a launch submits, built as plain dicts (no SDK needed).
+"""The Kubernetes objects a launch submits, built as plain dicts (no SDK needed): the plan's body.
 
 One Indexed Job per launch: completions = parallelism = number of ranks, completionMode
 Indexed, the completion index is the rank (REPLICA_RANK from the downward API), and deleting
@@ -12,19 +12,23 @@ import hashlib
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from diloco.errors import UserError
 from diloco.launchenv import Entrypoint
 from diloco.procgroup import replica_command
 from diloco.protocol import ENV_RANK
 
+if TYPE_CHECKING:
+    from diloco.request import LaunchRequest
+
+    from .options import EksOptions
+
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 LABEL_RUN = "diloco.dev/run-id"
 LABEL_RANK = "diloco.dev/rank"
 LABEL_ATTEMPT = "diloco.dev/attempt"
-REDACTED = "REDACTED"
 
 # Logical GPU name -> (GPUs per node, EKS instance type). Extend with the `gpu_types` option.
 GPU_TYPES: dict[str, dict[str, Any]] = {
@@ -92,26 +96,6 @@ def resolve_gpu(gpu: str | None, extra_types: Mapping[str, Mapping[str, Any]] | 
     return GpuRequest(name.upper(), count, entry.get("instance_type"))
 
 
-@dataclass
-class PodOptions:
-    """The [backend] options that shape every pod."""
-
-    image: str
-    namespace: str = "default"
-    command: list[str] | None = None
-    service_account: str | None = None
-    runtime_class: str | None = None
-    node_selector: dict[str, str] = field(default_factory=dict)
-    tolerations: list[dict[str, Any]] | None = None
-    cpu: str | None = None
-    memory: str | None = None
-    ttl_seconds_after_finished: int = 3600
-    per_index: bool = True
-    index_retries: int = 0
-    gpu_types: dict[str, dict[str, Any]] = field(default_factory=dict)
-    labels: dict[str, str] = field(default_factory=dict)
-
-
 def _env_list(env: Mapping[str, str], secret_names: Sequence[str], secret_ref: str | None,
               rank_vars: Sequence[str], from_annotation: bool) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
@@ -129,7 +113,7 @@ def _env_list(env: Mapping[str, str], secret_names: Sequence[str], secret_ref: s
 def build_job(*, name: str, run_id: str, attempt: int, ranks: Sequence[int], n_replicas: int,
               entrypoint: Entrypoint, env: Mapping[str, str], rank_env: str, secret_names: Sequence[str],
               secret_ref: str | None, timeout: float | None, gpu: GpuRequest | None,
-              opts: PodOptions, processes: int = 1) -> dict[str, Any]:
+              opts: EksOptions, processes: int = 1) -> dict[str, Any]:
     """The Job for `ranks` of a world of `n_replicas` (all of them, or one relaunched rank).
 
     With `processes` L > 1 each pod runs torchrun over L processes (`diloco.procgroup`), gets
@@ -171,9 +155,9 @@ def build_job(*, name: str, run_id: str, attempt: int, ranks: Sequence[int], n_r
     node_selector = {}
     if gpu and gpu.instance_type:
         node_selector[INSTANCE_TYPE_LABEL] = gpu.instance_type
-    node_selector.update(opts.node_selector)  # the user's selectors win on conflicts
+    node_selector.update(opts.node_selector or {})  # the user's selectors win on conflicts
     tolerations = opts.tolerations if opts.tolerations is not None else ([GPU_TOLERATION] if gpu else [])
-    labels = {**opts.labels, LABEL_RUN: label_value(run_id), LABEL_ATTEMPT: str(attempt)}
+    labels = {**(opts.labels or {}), LABEL_RUN: label_value(run_id), LABEL_ATTEMPT: str(attempt)}
     if not whole:
         labels[LABEL_RANK] = str(ranks[0])
     pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
@@ -193,7 +177,7 @@ def build_job(*, name: str, run_id: str, attempt: int, ranks: Sequence[int], n_r
         "parallelism": n,
         "completionMode": "Indexed",
         "ttlSecondsAfterFinished": opts.ttl_seconds_after_finished,
-        "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},  # a copy: no YAML anchors
     }
     if opts.per_index:
         # One failed index fails alone (the others keep training); the supervisor relaunches it.
@@ -214,3 +198,44 @@ def build_secret(*, name: str, run_id: str, namespace: str, values: Mapping[str,
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": {"name": name, "namespace": namespace, "labels": {LABEL_RUN: label_value(run_id)}},
             "stringData": dict(values)}
+
+
+def launch_documents(request: LaunchRequest, opts: EksOptions) -> list[dict[str, Any]]:
+    """What a launch submits, in order: for each Job, its env Secret (values REDACTED: `submit`
+    fills them in) and then the Job. The whole world is one Job; a relaunch of some ranks is one
+    Job per rank. One Secret per Job, so relaunches of different ranks never share (or delete)
+    each other's."""
+    if not opts.image:
+        raise UserError("the eks backend needs [backend] image: a container image with your code and "
+                        "diloco-replica installed")
+    gpu = resolve_gpu(request.gpu, opts.gpu_types)
+    rank_env = str(request.args.get("rank_env", ENV_RANK))
+    env = request.replica_env(0)  # the rank's own variables are set per Job by `build_job`
+    env.pop("PYTHONPATH", None)
+    literal = {k: v for k, v in env.items() if k not in request.secrets}
+    groups = [list(request.ranks)] if request.all_ranks else [[r] for r in request.ranks]
+    docs: list[dict[str, Any]] = []
+    for group in groups:
+        name = job_name(request.run_id, request.attempt, None if request.all_ranks else group[0])
+        secret_ref = f"{name}-env" if request.secrets else None
+        if secret_ref:
+            docs.append(build_secret(name=secret_ref, run_id=request.run_id, namespace=opts.namespace,
+                                     values=request.secrets.redacted()))
+        docs.append(build_job(name=name, run_id=request.run_id, attempt=request.attempt, ranks=group,
+                              n_replicas=request.n_replicas, entrypoint=request.entrypoint, env=literal,
+                              rank_env=rank_env, secret_names=request.secrets.names, secret_ref=secret_ref,
+                              timeout=request.timeout, gpu=gpu, opts=opts,
+                              processes=request.processes_per_replica))
+    return docs
+
+
+def job_ranks(job: Mapping[str, Any]) -> list[int]:
+    """The ranks a planned Job starts, in index order: its rank label (a relaunch), else 0..completions-1."""
+    rank = (job["metadata"].get("labels") or {}).get(LABEL_RANK)
+    return [int(rank)] if rank is not None else list(range(int(job["spec"]["completions"])))
+
+
+def secret_refs(job: Mapping[str, Any]) -> set[str]:
+    """The Secrets a Job's containers read their environment from."""
+    return {e["valueFrom"]["secretKeyRef"]["name"] for c in job["spec"]["template"]["spec"]["containers"]
+            for e in c.get("env") or [] if "secretKeyRef" in (e.get("valueFrom") or {})}

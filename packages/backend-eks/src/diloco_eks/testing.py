@@ -59,6 +59,7 @@ class SimulatedCluster:
         self._threads: list[threading.Thread] = []
         self.errors: list[BaseException] = []
         self.error_traces: list[str] = []
+        self._stop_control = threading.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -79,11 +80,15 @@ class SimulatedCluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
+        # the controller first, the API server last: a reconcile still running when the server
+        # stopped met "connection refused" and was reported as the test's error
+        self._stop_control.set()
+        server, controller = self._threads
+        controller.join(timeout=10)
         for pod in list(self._pods.values()):
             self._kill(pod, signal.SIGKILL)
-        for t in self._threads:
-            t.join(timeout=10)
+        self._stop.set()
+        server.join(timeout=10)
 
     def _serve(self) -> None:
         import kmock
@@ -127,7 +132,7 @@ class SimulatedCluster:
     # -- the controller loop -----------------------------------------------------------------
 
     def _control(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop_control.is_set():
             try:
                 self._reconcile()
             except Exception as exc:  # keep controlling; surface in the test's teardown if asserted
@@ -268,8 +273,14 @@ class SimulatedCluster:
                   "completedIndexes": format_indexes(done), "failedIndexes": format_indexes(failed) or None,
                   "conditions": conditions or None}
         if status != self._jobs[key].get("_last_status"):
+            from kubernetes.client.exceptions import ApiException
+
             self._jobs[key]["_last_status"] = status
-            self.batch.patch_namespaced_job_status(name, ns, {"status": status}, _preload_content=False)
+            try:
+                self.batch.patch_namespaced_job_status(name, ns, {"status": status}, _preload_content=False)
+            except ApiException as exc:
+                if exc.status != 404:  # deleted since this pass listed it: the next pass removes its pods
+                    raise
 
     def _kill(self, pod: _Pod, sig: int) -> None:
         if pod.proc is not None and pod.proc.poll() is None:

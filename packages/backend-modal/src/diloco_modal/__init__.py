@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .replica import run_replica
 
-__all__ = ["ModalExecutor", "run_replica"]
+__all__ = ["ModalExecutor", "ModalOptions", "run_replica"]
 
 
 def __getattr__(name: str):
@@ -16,4 +16,8 @@ def __getattr__(name: str):
         from .executor import ModalExecutor
 
         return ModalExecutor
+    if name == "ModalOptions":
+        from .options import ModalOptions
+
+        return ModalOptions
     raise AttributeError(name)

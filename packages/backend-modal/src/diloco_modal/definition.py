@@ -1,21 +1,22 @@
 """What a spec-built replica is on Modal, as plain data first and modal objects second.
 
-`SandboxOptions` holds the [backend] table's settings; `image_definition` and
-`sandbox_request` turn them (with the launch arguments) into JSON-able dicts, which is what
-`diloco dryrun` prints and what the tests check; `build_image` / `build_mounts` turn those
-dicts into modal objects only when launching. Nothing here talks to Modal's servers.
+`image_definition` and `sandbox_request` turn the [backend] options (`ModalOptions`) and the
+launch request into JSON-able dicts, which is what `diloco dryrun` prints and what the tests
+check; `build_image` / `build_mounts` turn those dicts into modal objects only when launching.
+Nothing here talks to Modal's servers.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from diloco.errors import UserError
 from diloco.launchenv import REDACTED
+
+from .options import ModalOptions
 
 CODE_DIR = "/root/diloco-workdir"  # where the spec's workdir lands inside every container
 MAX_TIMEOUT = 24 * 3600  # Modal's longest sandbox lifetime
@@ -26,25 +27,6 @@ GPU_TYPES = ("T4", "L4", "A10", "A10G", "L40S", "A100", "A100-40GB", "A100-80GB"
 # Ignored when the workdir is shipped: never upload a virtualenv, git history or caches.
 WORKDIR_IGNORE = [".git", ".venv", "venv", "__pycache__", "*.pyc", ".mypy_cache", ".pytest_cache", "node_modules"]
 CANCEL_TAG = "diloco-cancelled"
-
-
-@dataclass
-class SandboxOptions:
-    app_name: str = "diloco"
-    environment: str | None = None
-    image: str | None = None
-    python_version: str | None = None
-    pip: list[str] = field(default_factory=list)
-    requirements: str | None = None
-    include_workdir: bool = True
-    secrets: list[str] = field(default_factory=list)
-    volumes: dict[str, str] = field(default_factory=dict)
-    bucket_mounts: dict[str, dict[str, Any]] = field(default_factory=dict)
-    cpu: float | None = None
-    memory: int | None = None
-    region: str | list[str] | None = None
-    cloud: str | None = None
-    gpu_types: list[str] = field(default_factory=list)
 
 
 def modal_gpu(gpu: str | None, extra_types: list[str] | tuple[str, ...] = ()) -> str | None:
@@ -80,7 +62,7 @@ def _pinned(dist: str) -> str:
         return dist
 
 
-def image_definition(opts: SandboxOptions, workdir: str | None) -> dict[str, Any]:
+def image_definition(opts: ModalOptions, workdir: str | None) -> dict[str, Any]:
     """The container image, as data: a registry image (which must hold diloco-replica), or
     debian_slim with diloco and the user's packages; then the workdir's code at CODE_DIR."""
     if opts.image:
@@ -101,7 +83,7 @@ def image_definition(opts: SandboxOptions, workdir: str | None) -> dict[str, Any
     return out
 
 
-def sandbox_request(*, opts: SandboxOptions, command: list[str], name: str, tags: dict[str, str],
+def sandbox_request(*, opts: ModalOptions, command: list[str], name: str, tags: dict[str, str],
                     gpu: str | None, timeout: float, env: dict[str, str], secret_names: list[str],
                     workdir_shipped: bool) -> dict[str, Any]:
     """The keyword arguments of one `modal.Sandbox.create` call, as data (secret values left out:

@@ -1,9 +1,10 @@
 """What a replica is on SageMaker, as data: one CreateTrainingJob request per replica attempt.
 
-Nothing here talks to AWS. `JobOptions` holds the [backend] table; `training_job_request`
-turns it and the launch arguments into the exact request `create_training_job` receives (and
-`diloco dryrun` prints). Topology: one training job per replica, InstanceCount 1 — per-rank
-status, per-rank relaunch and independent spot interruptions; replicas meet only through S3.
+Nothing here talks to AWS. `plan_body` turns the `[backend]` options (`SageMakerOptions`) and a
+`LaunchRequest` into the plan: the code's S3 prefix, the Secrets Manager names, and the exact
+requests `create_training_job` receives (`training_job_request`), which `diloco dryrun` prints.
+Topology: one training job per replica, InstanceCount 1 — per-rank status, per-rank relaunch
+and independent spot interruptions; replicas meet only through S3.
 """
 
 from __future__ import annotations
@@ -11,68 +12,24 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
 from diloco.errors import UserError
 from diloco.procgroup import replica_command
+from diloco.request import LaunchRequest
 
 from .bootstrap import CHANNEL, ML_ROOT, PIP_ENV, SECRET_REFS_ENV
+from .instances import instance_type
+from .options import SageMakerOptions
 
 BOOTSTRAP_FILE = "bootstrap.py"
 ENTRYPOINT = ["python", f"{ML_ROOT}/input/data/{CHANNEL}/{BOOTSTRAP_FILE}"]
 RUN_TAG, RANK_TAG, ATTEMPT_TAG = "diloco-run", "diloco-rank", "diloco-attempt"
 MAX_RUNTIME = 28 * 24 * 3600  # SageMaker's longest MaxRuntimeInSeconds
-MAX_KEEP_ALIVE = 3600
+SECRET_PREFIX = "diloco/"  # one Secrets Manager secret per run: diloco/<run id>
 MAX_ENV_VALUE, MAX_ENV_ENTRIES = 1024, 100
 _JOB_NAME = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
-_ROLE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$")
-
-
-@dataclass
-class JobOptions:
-    role: str | None = None
-    region: str | None = None
-    image: str | None = None
-    pytorch_version: str | None = None
-    py_version: str | None = None
-    pip: list[str] = field(default_factory=list)
-    instance_type: str | None = None
-    volume_size_gb: int = 100
-    spot: bool = False
-    max_wait: int | None = None
-    keep_alive: int = 0
-    subnets: list[str] = field(default_factory=list)
-    security_groups: list[str] = field(default_factory=list)
-    s3_prefix: str | None = None
-    output_path: str | None = None
-    include_workdir: bool = True
-    tags: dict[str, str] = field(default_factory=dict)
-    secret_refs: dict[str, str] = field(default_factory=dict)
-
-    def check(self) -> None:
-        """Everything checkable without AWS, each as one line naming the key."""
-        if self.role and not _ROLE_ARN.match(self.role):
-            raise UserError(f"[backend] role {self.role!r} is not an IAM role ARN "
-                            f"(arn:aws:iam::<account>:role/<name>): give the SageMaker execution role")
-        if self.image and self.pytorch_version:
-            raise UserError("[backend] set `image` or `pytorch_version`, not both")
-        if self.spot and self.keep_alive:
-            raise UserError("[backend] keep_alive (warm pools) does not work with spot = true on SageMaker; "
-                            "drop one of them")
-        if not 0 <= int(self.keep_alive) <= MAX_KEEP_ALIVE:
-            raise UserError(f"[backend] keep_alive must be 0..{MAX_KEEP_ALIVE} seconds, got {self.keep_alive}")
-        if bool(self.subnets) != bool(self.security_groups):
-            raise UserError("[backend] VPC config needs both `subnets` and `security_groups`")
-        for prefix_key in ("s3_prefix", "output_path"):
-            value = getattr(self, prefix_key)
-            if value and not value.startswith("s3://"):
-                raise UserError(f"[backend] {prefix_key} {value!r} must be an s3:// URI")
-        for var, ref in self.secret_refs.items():
-            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", var) or not ref:
-                raise UserError(f"[backend] secret_refs: {var!r} = {ref!r} must map a variable name to a "
-                                f"Secrets Manager secret id or ARN (optionally '#json-key')")
 
 
 def job_name(run_id: str, rank: int, attempt: int) -> str:
@@ -87,7 +44,7 @@ def job_name(run_id: str, rank: int, attempt: int) -> str:
     return name
 
 
-def default_prefix(opts: JobOptions, rendezvous: str | None) -> str:
+def default_prefix(opts: SageMakerOptions, rendezvous: str | None) -> str:
     """Where the run's code and outputs go: [backend] s3_prefix, else the rendezvous bucket."""
     if opts.s3_prefix:
         return opts.s3_prefix.rstrip("/")
@@ -98,7 +55,7 @@ def default_prefix(opts: JobOptions, rendezvous: str | None) -> str:
                     "rendezvous is not an s3:// URI")
 
 
-def code_uri(opts: JobOptions, rendezvous: str | None, run_id: str) -> str:
+def code_uri(opts: SageMakerOptions, rendezvous: str | None, run_id: str) -> str:
     """The input channel's prefix: the bootstrap and the workdir archive of this run."""
     return f"{default_prefix(opts, rendezvous)}/{run_id}/code/"
 
@@ -110,7 +67,7 @@ def _pinned(dist: str) -> str:
         return dist
 
 
-def resolve_image(opts: JobOptions, region: str, instance: str) -> str:
+def resolve_image(opts: SageMakerOptions, region: str, instance: str) -> str:
     """The training image: `image` as given, or the official PyTorch training image for
     `pytorch_version` through sagemaker-core's image_uris (the optional `images` extra)."""
     if opts.image:
@@ -131,7 +88,7 @@ def resolve_image(opts: JobOptions, region: str, instance: str) -> str:
         raise UserError(f"[backend] pytorch_version {opts.pytorch_version!r}: {exc}") from None
 
 
-def pip_packages(opts: JobOptions) -> list[str]:
+def pip_packages(opts: SageMakerOptions) -> list[str]:
     """What the bootstrap installs first: diloco itself on an official image, then `pip`."""
     base = [_pinned("diloco-core"), _pinned("diloco-replica")] if opts.pytorch_version else []
     return base + list(opts.pip)
@@ -148,7 +105,7 @@ def check_environment(env: dict[str, str]) -> None:
                             f"{len(v)}: move large entrypoint args or settings into a file in the workdir")
 
 
-def training_job_request(opts: JobOptions, *, name: str, region: str, image: str, instance: str,
+def training_job_request(opts: SageMakerOptions, *, name: str, region: str, image: str, instance: str,
                          env: dict[str, str], processes: int, timeout: float, code: str, output: str,
                          tags: dict[str, str]) -> dict[str, Any]:
     """One CreateTrainingJob request (env must already be free of secret values)."""
@@ -196,3 +153,37 @@ def bootstrap_env(refs: dict[str, str], packages: list[str]) -> dict[str, str]:
     if packages:
         out[PIP_ENV] = json.dumps(packages)
     return out
+
+
+def plan_body(opts: SageMakerOptions, request: LaunchRequest, region: str) -> dict[str, Any]:
+    """What the executor submits for `request`: the code's prefix (and the workdir shipped there),
+    the run's Secrets Manager secret (names, never values) and one CreateTrainingJob per rank."""
+    run_id, attempt = request.run_id, request.attempt
+    instance = instance_type(request.gpu, opts.instance_type)
+    image = resolve_image(opts, region, instance)
+    code = code_uri(opts, request.rendezvous, run_id)
+    output = opts.output_path or f"{default_prefix(opts, request.rendezvous)}/{run_id}/output"
+    forwarded = request.secrets.names
+    refs = {**{k: f"{SECRET_PREFIX}{run_id}#{k}" for k in forwarded}, **opts.secret_refs}
+    extra = bootstrap_env(refs, pip_packages(opts))
+    jobs = []
+    for rank in request.ranks:
+        env = request.replica_env(rank)
+        env.pop("PYTHONPATH", None)  # the bootstrap puts the unpacked workdir there
+        env.setdefault("AWS_REGION", region)
+        env.setdefault("AWS_DEFAULT_REGION", region)
+        env.update(extra)
+        jobs.append(training_job_request(
+            opts, name=job_name(run_id, rank, attempt), region=region, image=image, instance=instance, env=env,
+            processes=request.processes_per_replica, timeout=request.timeout, code=code, output=output,
+            tags={RUN_TAG: run_id, RANK_TAG: str(rank), ATTEMPT_TAG: str(attempt)}))
+    workdir = request.workdir if opts.include_workdir and request.workdir else None
+    return {"region": region, "code": {"s3_uri": code, "workdir": workdir},
+            "secrets_manager": {"secret": f"{SECRET_PREFIX}{run_id}" if forwarded else None,
+                                "forwarded": forwarded, "references": dict(opts.secret_refs)},
+            "jobs": jobs}
+
+
+def job_rank(job: dict[str, Any]) -> int:
+    """The rank a planned CreateTrainingJob request starts (its diloco-rank tag)."""
+    return int(next(t["Value"] for t in job["Tags"] if t["Key"] == RANK_TAG))

@@ -17,8 +17,10 @@ _EXPORTS = {
     "ReplicaContext": "context",
     "BackendError": "errors", "DilocoError": "errors", "SpecError": "errors", "UserError": "errors",
     "hookimpl": "hookspecs",
-    "LaunchPlan": "protocol", "ReplicaHandle": "protocol", "ReplicaResult": "protocol",
+    "Capabilities": "protocol", "Executor": "protocol", "ReplicaHandle": "protocol", "ReplicaResult": "protocol",
     "ReplicaStatus": "protocol", "ServerlessExecutor": "protocol",
+    "LaunchPlan": "request", "LaunchRequest": "request", "Secrets": "request",
+    "option": "options",
 }
 __all__ = sorted(_EXPORTS)
 

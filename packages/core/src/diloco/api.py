@@ -120,8 +120,8 @@ class Run:
         return self.state in FINAL_STATES
 
     def ranks(self) -> list[Any]:
-        """Each rank's `diloco.supervisor.RankState`: status, attempt handle, restarts, last error, result."""
-        from .supervisor import RankState
+        """Each rank's `diloco.rankstate.RankState`: status, attempt handle, restarts, last error, result."""
+        from .rankstate import RankState
 
         return [RankState.from_dict(r) for r in self.record.data.get("ranks", [])]
 
@@ -334,9 +334,9 @@ def estimate_view(record: RunRecord, rounds: list[Any]) -> dict[str, Any]:
     counted = {"rounds": len(rounds), "bytes_up": 0, "bytes_down": 0}
     for s in rounds:
         for row in s.rows:
-            counted["bytes_up"] += row.get("bytes_up", 0)
-            counted["bytes_down"] += row.get("bytes_down", 0)
-            for k, v in (row.get("requests") or {}).items():
+            counted["bytes_up"] += row.bytes_up
+            counted["bytes_down"] += row.bytes_down
+            for k, v in row.requests.items():
                 counted[k] = counted.get(k, 0) + v
     try:
         spec = RunSpec.from_dict(record.data["spec"])

@@ -46,10 +46,10 @@ def backends(name: str | None, as_json: bool) -> None:
 
     console = Console(width=140, highlight=False)
     if name:
-        from .options import backend_options
+        from .legacy import describe_backend_options
 
         info = get_backend(name)
-        options = backend_options(info.cls)
+        options = describe_backend_options(info.cls)
         if as_json:
             click.echo(json.dumps({"backend": info.name, "distribution": info.distribution, "version": info.version,
                                    "options": [o.to_dict() for o in options]}, indent=2, default=str))
@@ -86,20 +86,13 @@ def dryrun(spec_path: str, fmt: str) -> None:
     """Print exactly what `diloco run SPEC` would submit, secrets redacted; then (on stderr) what the
     run will cost: bytes, store requests and money at list prices."""
     from .estimate import estimate, format_estimate
-    from .launcher import dryrun as plan_run
+    from .launcher import plan_run
     from .spec import load_spec
 
     spec = load_spec(spec_path)
     plan = plan_run(spec)
     click.echo(format_estimate(estimate(spec)), err=True, nl=False)
-    fmt = plan.format if fmt == "auto" else fmt
-    if fmt == "yaml":
-        import yaml  # backends that render YAML depend on PyYAML themselves
-
-        docs = plan.request if isinstance(plan.request, list) else [plan.request]
-        click.echo(yaml.safe_dump_all(docs, sort_keys=False), nl=False)
-    else:
-        click.echo(json.dumps(plan.request, indent=2))
+    click.echo(plan.render(fmt), nl=False)
 
 
 def _supervise(handle, on_interrupt: str, printer) -> None:
@@ -183,7 +176,7 @@ def run(spec_path: str, on_interrupt: str) -> None:
     spec = api.load(spec_path)
     handle = api.launch(spec, background=False)
     sup = handle.supervisor
-    click.echo(f"run {handle.id}: {spec.replicas} × {spec.backend}, store {sup.launch.rendezvous}")
+    click.echo(f"run {handle.id}: {spec.replicas} × {spec.backend}, store {sup.request.rendezvous}")
     click.echo(format_estimate(estimate(spec)), nl=False)
     _supervise(handle, on_interrupt, ProgressPrinter(sup.record, spec=spec))
 

@@ -1,101 +1,91 @@
 """From a spec to a supervised run, and from a run record back to a live supervisor.
 
-This is the one place that knows how a spec maps onto `launch_replicas` arguments, so
-`diloco run`, `diloco dryrun` and `diloco resume` cannot drift apart.
+The one place that turns a spec into a `LaunchRequest` and asks the backend for its plan, so
+`diloco run`, `diloco dryrun` and `diloco resume` cannot drift apart: `dryrun` prints
+`plan_run(spec).render()`, and `new_run` hands the supervisor that same plan object to submit.
 """
 
 from __future__ import annotations
 
-import inspect
-import json
 import os
-from dataclasses import asdict
 from typing import Any
 
 from .errors import SpecError, UserError
+from .legacy import capabilities_of, make_executor as build_executor
 from .plugins import get_backend
-from .procgroup import accepts_processes
-from .protocol import ENV_SETTINGS, LaunchPlan, ServerlessExecutor
+from .protocol import ENV_SETTINGS, Executor
 from .rendezvous import resolve_rendezvous
+from .request import LaunchPlan, LaunchRequest, Secrets
+from .settings import DilocoSettings
 from .sinks import check_sinks_installed
-from .spec import RunSpec, validate_backend_options
+from .spec import RunSpec
 from .state import RunRecord, new_run_id, state_dir
-from .supervisor import LaunchArgs, Supervisor
-
-
-def takes_workdir(cls: type) -> bool:
-    """Whether an executor receives the spec's `workdir`: its __init__ names a `workdir`
-    parameter or takes **kwargs (the rule for third-party executors, documented in
-    packages/core/README.md#writing-a-backend)."""
-    params = inspect.signature(cls.__init__).parameters.values()
-    return any(p.name == "workdir" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+from .supervisor import Supervisor
 
 
 def make_executor(backend: str, options: dict[str, Any], *, workdir: str | None = None,
-                  source: str = "<spec>") -> ServerlessExecutor:
-    """Instantiate a backend's executor with its [backend] options, validated first."""
-    info = get_backend(backend)
-    opts = dict(options)
-    if workdir and takes_workdir(info.cls):
-        opts.setdefault("workdir", workdir)
-    validate_backend_options(source, info.cls, opts)
-    try:
-        return info.cls(**opts)
-    except (TypeError, ValueError) as exc:
-        raise SpecError(f"{source}: [backend] options for {backend!r}: {exc}") from None
+                  source: str = "<spec>") -> Executor:
+    """The backend's executor, built from the spec's `[backend]` options, validated first."""
+    return build_executor(get_backend(backend).cls, dict(options), workdir=workdir, source=source)
 
 
-def launch_args(spec: RunSpec, run_id: str, executor: ServerlessExecutor) -> LaunchArgs:
+def launch_request(spec: RunSpec, run_id: str, executor: Executor, secrets: Secrets) -> LaunchRequest:
+    """The request for the first launch of every rank; refuses what the backend cannot do."""
     env = dict(spec.env)
     if spec.diloco:
-        env[ENV_SETTINGS] = json.dumps(spec.diloco, sort_keys=True)
-    rendezvous = resolve_rendezvous(spec.rendezvous, backend=spec.backend, executor=executor,
+        env[ENV_SETTINGS] = DilocoSettings.from_table(spec.diloco, where=spec.source).to_env()
+    caps = capabilities_of(executor)
+    rendezvous = resolve_rendezvous(spec.rendezvous, backend=spec.backend, capabilities=caps,
                                     run_dir=state_dir() / "runs" / run_id, source=spec.source)
-    if spec.processes_per_replica > 1 and not accepts_processes(executor):
+    if spec.processes_per_replica > 1 and not caps.process_groups:
         raise SpecError(f"{spec.source}: backend {spec.backend!r} cannot start several processes per replica "
                         f"(processes_per_replica = {spec.processes_per_replica}); use processes_per_replica = 1 "
                         f"or a backend that supports it (local, eks, modal, sagemaker)")
-    return LaunchArgs(n_replicas=spec.replicas, entrypoint=spec.entrypoint, entrypoint_args=dict(spec.args),
-                      gpu=spec.gpu, timeout=spec.timeout, run_id=run_id, rendezvous=rendezvous, env=env,
-                      processes_per_replica=spec.processes_per_replica)
+    try:
+        return LaunchRequest(run_id=run_id, n_replicas=spec.replicas, entrypoint=spec.entrypoint,
+                             args=dict(spec.args), env=env, secrets=secrets, rendezvous=rendezvous,
+                             timeout=spec.timeout, processes_per_replica=spec.processes_per_replica, gpu=spec.gpu,
+                             workdir=spec.workdir)
+    except UserError as exc:
+        raise SpecError(f"{spec.source}: {exc}") from None
 
 
-def secret_values(names: list[str], source: str) -> dict[str, str]:
+def secret_values(names: list[str], source: str) -> Secrets:
     """Read the spec's `secrets` from this shell's environment; they are never recorded."""
     missing = [n for n in names if n not in os.environ]
     if missing:
         raise UserError(f"{source}: secret {missing[0]} is listed in `secrets` but not set in this shell; "
                         f"export it or remove it from the spec")
-    return {n: os.environ[n] for n in names}
+    return Secrets({n: os.environ[n] for n in names})
 
 
-def plan(executor: ServerlessExecutor, args: LaunchArgs, secrets: dict[str, str]) -> LaunchPlan:
-    """The request the first launch of every rank would submit."""
-    return executor.dryrun(args.n_replicas, args.entrypoint, args.entrypoint_args, gpu=args.gpu,
-                           timeout=args.timeout, run_id=args.run_id, rendezvous=args.rendezvous, env=args.env,
-                           secret_env=secrets, **args.processes_kwargs())
+def plan_run(spec: RunSpec, *, run_id: str | None = None, secrets: Secrets | None = None,
+             executor: Executor | None = None) -> LaunchPlan:
+    """The plan of the run's first launch: what `diloco dryrun` prints and `diloco run` submits.
 
-
-def dryrun(spec: RunSpec) -> LaunchPlan:
-    executor = make_executor(spec.backend, spec.backend_options, workdir=spec.workdir, source=spec.source)
-    return plan(executor, launch_args(spec, new_run_id(spec.name), executor),
-                {n: os.environ.get(n, "") for n in spec.secrets})
+    A dry run does not need the secrets set: missing ones plan as empty (they print REDACTED)."""
+    executor = executor or make_executor(spec.backend, spec.backend_options, workdir=spec.workdir,
+                                         source=spec.source)
+    if secrets is None:
+        secrets = Secrets({n: os.environ.get(n, "") for n in spec.secrets})
+    request = launch_request(spec, run_id or new_run_id(spec.name), executor, secrets)
+    return executor.plan(request)
 
 
 def new_run(spec: RunSpec, **supervisor_kwargs: Any) -> Supervisor:
-    """Validate everything that can be validated, record the run, and return its supervisor."""
+    """Validate everything that can be validated, plan, record the run, and return its supervisor,
+    which submits exactly the plan made here."""
     executor = make_executor(spec.backend, spec.backend_options, workdir=spec.workdir, source=spec.source)
     secrets = secret_values(spec.secrets, spec.source)
-    run_id = new_run_id(spec.name)
-    args = launch_args(spec, run_id, executor)
-    plan(executor, args, secrets)  # anything wrong with the request fails here, before a record exists
+    plan = plan_run(spec, secrets=secrets, executor=executor)  # anything wrong fails here, before a record exists
     check_sinks_installed(spec.metrics, spec.source)
-    record = RunRecord.create(run_id, {"spec": spec.to_dict(), "backend": spec.backend,
-                                       "launch": asdict(args), "state": "INIT"})
-    return Supervisor(executor, record, args, spec.restart, secret_env=secrets, **supervisor_kwargs)
+    request = plan.request
+    record = RunRecord.create(request.run_id, {"spec": spec.to_dict(), "backend": spec.backend,
+                                               "launch": request.to_dict(), "state": "INIT"})
+    return Supervisor(executor, record, request, spec.restart, first_plan=plan, **supervisor_kwargs)
 
 
-def executor_for(record: RunRecord) -> ServerlessExecutor:
+def executor_for(record: RunRecord) -> Executor:
     spec = RunSpec.from_dict(record.data["spec"])
     return make_executor(spec.backend, spec.backend_options, workdir=spec.workdir, source=spec.source)
 
@@ -105,5 +95,6 @@ def resume_run(record: RunRecord, **supervisor_kwargs: Any) -> Supervisor:
     spec = RunSpec.from_dict(record.data["spec"])
     executor = executor_for(record)
     secrets = secret_values(spec.secrets, spec.source)
-    args = LaunchArgs(**record.data["launch"])
-    return Supervisor(executor, record, args, spec.restart, secret_env=secrets, **supervisor_kwargs)
+    recorded = {"workdir": spec.workdir, **record.data["launch"]}  # records before 0.2 kept no workdir
+    request = LaunchRequest.from_dict(recorded, secrets.reveal())
+    return Supervisor(executor, record, request, spec.restart, **supervisor_kwargs)

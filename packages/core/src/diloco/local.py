@@ -19,15 +19,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import protocol as p
 from .errors import UserError
-from .launchenv import check_ranks, parse_entrypoint, redact_env, replica_env
+from .options import option, options_from
 from .procgroup import replica_command
-from .protocol import LaunchPlan, ReplicaHandle, ReplicaResult, ReplicaStatus
-from .state import new_run_id, process_start_ticks, state_dir
+from .protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
+from .request import LaunchPlan, LaunchRequest
+from .state import process_start_ticks, state_dir
 from .waiting import poll_until_terminal
 
 
@@ -101,30 +103,31 @@ def check_function_exists(ref: str, search_path: list[str]) -> None:
         raise UserError(f"entrypoint {ref!r}: {origin} defines no top-level {top!r}")
 
 
-class LocalProcessExecutor:
-    """Runs each replica as a local subprocess, in its own process group.
+@dataclass(frozen=True)
+class LocalOptions:
+    """The local backend's `[backend]` options."""
 
-    Args:
-        workdir: directory replicas start in; prepended to PYTHONPATH so `module:function`
-            entrypoints next to the spec import (default: the spec's directory).
-        grace_period: seconds between SIGTERM and SIGKILL when a replica is cancelled.
-        devices: GPU ids to spread ranks over (rank r gets CUDA_VISIBLE_DEVICES=devices[r % len]).
-        state_dir: where logs and result files live (default: diloco's state dir).
-    """
+    grace_period: float = option(5.0, help="seconds between SIGTERM and SIGKILL when a replica is cancelled", min=0)
+    devices: list[int | str] = option([], help="GPU ids to spread ranks over (rank r gets CUDA_VISIBLE_DEVICES="
+                                          "devices[r % len]; with processes_per_replica = L, L of them)")
+    state_dir: str | None = option(None, help="where logs and result files live (default: diloco's state dir)")
+
+
+class LocalProcessExecutor:
+    """Runs each replica as a local subprocess, in its own process group, started in the
+    request's workdir (prepended to PYTHONPATH so `module:function` entrypoints next to the spec
+    import; the current directory if the request has none)."""
 
     backend_name = "local"
-    supports_inter_replica_network = True
-    shares_launcher_filesystem = True
-    supports_rank_relaunch = True
+    Options = LocalOptions
+    capabilities = Capabilities(shares_launcher_filesystem=True, relaunches_one_rank=True, process_groups=True,
+                                inter_replica_network=True)
 
-    def __init__(self, *, workdir: str | None = None, grace_period: float = 5.0,
-                 devices: Sequence[int | str] | None = None, state_dir: str | None = None):
-        if grace_period < 0:
-            raise ValueError("grace_period must be >= 0")
-        self.workdir = str(Path(workdir or os.getcwd()).resolve())
-        self.grace_period = float(grace_period)
-        self.devices = [str(d) for d in devices] if devices else []
-        self._state_dir = Path(state_dir) if state_dir else None
+    def __init__(self, options: LocalOptions | None = None, /, **overrides: Any):
+        self.options = options_from(LocalOptions, options, overrides, backend=self.backend_name)
+        self.grace_period = float(self.options.grace_period)
+        self.devices = [str(d) for d in self.options.devices]
+        self._state_dir = Path(self.options.state_dir) if self.options.state_dir else None
         self._procs: dict[tuple[str, int, int], subprocess.Popen] = {}
 
     # -- launching -------------------------------------------------------------------------
@@ -132,9 +135,10 @@ class LocalProcessExecutor:
     def _run_dir(self, run_id: str) -> Path:
         return (self._state_dir or state_dir()) / "local" / run_id
 
-    def _plan(self, n_replicas, entrypoint, entrypoint_args, *, gpu, timeout, run_id, rendezvous,
-              ranks, attempt, env, secret_env, processes) -> tuple[str, list[dict[str, Any]]]:
-        ep = parse_entrypoint(entrypoint)
+    def plan(self, request: LaunchRequest) -> LaunchPlan:
+        """One process per rank: its argv, directory, log file and environment (secrets REDACTED)."""
+        ep, processes = request.entrypoint, request.processes_per_replica
+        workdir = str(Path(request.workdir or os.getcwd()).resolve())
         if processes > 1:
             from importlib.util import find_spec
 
@@ -142,64 +146,40 @@ class LocalProcessExecutor:
                 raise UserError(f"processes_per_replica = {processes} starts each replica with torchrun, which needs "
                                 f"torch and diloco-replica in this environment: pip install diloco-replica")
         if ep.function:
-            check_function_exists(ep.function, [self.workdir, *sys.path])
-        run_id = run_id or new_run_id("local")
-        if timeout is not None and timeout < 0:
-            raise ValueError("timeout must be >= 0")
-        run_dir = self._run_dir(run_id)
-        pythonpath = os.pathsep.join(x for x in [self.workdir, os.environ.get("PYTHONPATH", "")] if x)
-        plans = []
-        for rank in check_ranks(n_replicas, ranks):
-            stem = run_dir / f"rank-{rank}.attempt-{attempt}"
-            renv = replica_env(rank=rank, n_replicas=n_replicas, run_id=run_id, attempt=attempt,
-                               entrypoint=ep, entrypoint_args=entrypoint_args, rendezvous=rendezvous,
-                               timeout=timeout, env=env, processes=processes)
-            renv.update({p.ENV_RESULT_PATH: f"{stem}.result.json", p.ENV_STARTED_PATH: f"{stem}.started.json",
-                         "PYTHONPATH": pythonpath})
+            check_function_exists(ep.function, [workdir, *sys.path])
+        run_dir = self._run_dir(request.run_id)
+        pythonpath = os.pathsep.join(x for x in [workdir, os.environ.get("PYTHONPATH", "")] if x)
+        rows = []
+        for rank in request.ranks:
+            stem = run_dir / f"rank-{rank}.attempt-{request.attempt}"
+            env = request.replica_env(rank)
+            env.update({p.ENV_RESULT_PATH: f"{stem}.result.json", p.ENV_STARTED_PATH: f"{stem}.started.json",
+                        "PYTHONPATH": pythonpath})
             if self.devices:  # a replica of L processes gets L devices: rank r takes the r-th block of L
                 picked = [self.devices[(rank * processes + k) % len(self.devices)] for k in range(processes)]
-                renv["CUDA_VISIBLE_DEVICES"] = ",".join(picked)
-            plans.append({"rank": rank, "stem": str(stem), "env": renv,
-                          "argv": replica_command(processes, python=sys.executable),
-                          "secret_names": sorted((secret_env or {}).keys())})
-        return run_id, plans
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(picked)
+            env.update(request.secrets.redacted())
+            rows.append({"rank": rank, "argv": replica_command(processes, python=sys.executable), "cwd": workdir,
+                         "log": f"{stem}.log", "env": env})
+        return LaunchPlan(self.backend_name, request, {"run_id": request.run_id, "processes": rows})
 
-    def dryrun(self, n_replicas, entrypoint, entrypoint_args=None, *, gpu=None, timeout=3600,
-               run_id=None, rendezvous=None, ranks=None, attempt=0, env=None, secret_env=None,
-               processes_per_replica=1) -> LaunchPlan:
-        run_id, plans = self._plan(n_replicas, entrypoint, entrypoint_args, gpu=gpu, timeout=timeout,
-                                   run_id=run_id, rendezvous=rendezvous, ranks=ranks, attempt=attempt,
-                                   env=env, secret_env=secret_env, processes=processes_per_replica)
-        processes = []
-        for plan in plans:
-            shown = redact_env(plan["env"], plan["secret_names"])
-            shown.update({k: "REDACTED" for k in plan["secret_names"]})
-            processes.append({"rank": plan["rank"], "argv": plan["argv"],
-                              "cwd": self.workdir, "log": plan["stem"] + ".log", "env": shown})
-        return LaunchPlan(self.backend_name, {"run_id": run_id, "processes": processes})
-
-    def launch_replicas(self, n_replicas, entrypoint, entrypoint_args=None, *, gpu=None, timeout=3600,
-                        run_id=None, rendezvous=None, ranks=None, attempt=0, env=None,
-                        secret_env=None, processes_per_replica=1) -> list[ReplicaHandle]:
-        run_id, plans = self._plan(n_replicas, entrypoint, entrypoint_args, gpu=gpu, timeout=timeout,
-                                   run_id=run_id, rendezvous=rendezvous, ranks=ranks, attempt=attempt,
-                                   env=env, secret_env=secret_env, processes=processes_per_replica)
-        self._run_dir(run_id).mkdir(parents=True, exist_ok=True)
+    def submit(self, plan: LaunchPlan) -> list[ReplicaHandle]:
+        request = plan.request
+        self._run_dir(request.run_id).mkdir(parents=True, exist_ok=True)
+        secrets = request.secrets.reveal()
         handles = []
-        for plan in plans:
-            stem = plan["stem"]
+        for row in plan.body["processes"]:
+            stem = row["log"].removesuffix(".log")
             for suffix in (".result.json", ".started.json", ".cancelled"):
                 Path(stem + suffix).unlink(missing_ok=True)
-            full_env = {**os.environ, **plan["env"], **dict(secret_env or {})}
-            with open(stem + ".log", "ab") as log:
-                proc = subprocess.Popen(plan["argv"], cwd=self.workdir,
-                                        env=full_env, stdin=subprocess.DEVNULL, stdout=log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
-            self._procs[(run_id, plan["rank"], attempt)] = proc
-            handles.append(ReplicaHandle(plan["rank"], self.backend_name, {
-                "run_id": run_id, "attempt": attempt, "pid": proc.pid,
-                "start_ticks": process_start_ticks(proc.pid), "stem": stem,
-                "launched_at": time.time()}))
+            with open(row["log"], "ab") as log:
+                proc = subprocess.Popen(row["argv"], cwd=row["cwd"], env={**os.environ, **row["env"], **secrets},
+                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+            self._procs[(request.run_id, row["rank"], request.attempt)] = proc
+            handles.append(ReplicaHandle(row["rank"], self.backend_name, {
+                "run_id": request.run_id, "attempt": request.attempt, "pid": proc.pid,
+                "start_ticks": process_start_ticks(proc.pid), "stem": stem, "launched_at": time.time()}))
         return handles
 
     # -- observing -------------------------------------------------------------------------

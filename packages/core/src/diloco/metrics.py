@@ -93,7 +93,7 @@ class RoundSummary:
     bytes_down: int
     diverged: dict[str, Any] | None = None   # {"majority": [...], "minority": [...]} if θ digests disagree
     incidents: list[dict[str, Any]] = field(default_factory=list)
-    rows: list[dict[str, Any]] = field(default_factory=list)
+    rows: list[RoundMetrics] = field(default_factory=list)  # each member's own row, by rank
     straggler: int | None = None     # the member that arrived last (waited least for the others)
     waited_s: float = 0.0            # replica-seconds the other members spent waiting for it
     step: int = 0
@@ -121,7 +121,7 @@ class RoundSummary:
             tokens_per_s=tokens / wall if wall > 0 else None, sync_share=sync / wall if wall > 0 else None,
             bytes_up=sum(r.bytes_up for r in rows), bytes_down=sum(r.bytes_down for r in rows),
             diverged=divergence(rows), incidents=[i for r in rows for i in r.incidents],
-            rows=[asdict(r) for r in sorted(rows, key=lambda r: r.rank)])
+            rows=sorted(rows, key=lambda r: r.rank))
 
     @property
     def complete(self) -> bool:
@@ -132,7 +132,10 @@ class RoundSummary:
 
     @classmethod
     def from_json(cls, raw: bytes | memoryview | str) -> RoundSummary:
-        return _from_dict(cls, json.loads(raw if isinstance(raw, str) else bytes(raw)))
+        data = json.loads(raw if isinstance(raw, str) else bytes(raw))
+        summary = _from_dict(cls, data)
+        summary.rows = [_from_dict(RoundMetrics, row) for row in data.get("rows") or []]
+        return summary
 
 
 def _straggler(rows: list[RoundMetrics]) -> tuple[int | None, float]:

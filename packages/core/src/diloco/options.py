@@ -1,64 +1,182 @@
-"""A backend's `[backend]` options, read from its executor: what `diloco backends NAME` lists.
+"""A backend's `[backend]` options: declared once as a dataclass, validated here, listed by the CLI.
 
-An executor's options are its `__init__`'s keyword parameters: the signature gives each one's
-name, type and default, and is also what a spec's `[backend]` table is checked against
-(`diloco.spec.validate_backend_options`), so the list cannot drift from what is accepted. The
-help text comes from the `Args:` section of the `__init__` docstring (Google style, parsed by
-docstring_parser), so a third-party executor that documents its parameters the usual way gets
-help in the CLI for free.
+A backend declares its options as a frozen dataclass, each field made with `option(...)`:
+
+    @dataclass(frozen=True)
+    class FooOptions:
+        region: str | None = option(None, help="where jobs run (default: the profile's)")
+        retries: int = option(2, help="retries per call", min=0, max=10)
+        tier: str = option("standard", help="machine tier", choices=("standard", "spot"))
+
+and sets `Options = FooOptions` on its executor. Core checks a spec's table against it before
+anything else runs (`parse_options`): unknown keys, wrong types (a string where a list goes, a
+float where an integer goes), numbers that are not finite or out of bounds, and values outside
+`choices` each fail with one line naming `backend.KEY`, the expected type and the value.
+`diloco backends NAME` and the conformance kit read the same declaration (`describe_options`).
+
+Executors written against the first contract (options as `__init__` keyword parameters, help in
+the `Args:` docstring) are described from their signature instead: `diloco.legacy` adapts them.
 """
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
+import math
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any
+
+from .errors import SpecError
+
+_MISSING = dataclasses.MISSING
+
+
+def option(default: Any = _MISSING, *, help: str, min: float | None = None, max: float | None = None,
+           choices: tuple[Any, ...] = ()) -> Any:
+    """One `[backend]` option: its default (none: required), help text, bounds and choices.
+
+    Mutable defaults (lists, dicts) are copied per instance.
+    """
+    meta = {"help": help, "min": min, "max": max, "choices": tuple(choices)}
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
 class BackendOption:
+    """One option as `diloco backends NAME` lists it."""
+
     name: str
     type: str
     default: Any
     required: bool
     help: str
+    choices: tuple[Any, ...] = ()
+    min: float | None = None
+    max: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "type": self.type, "default": self.default, "required": self.required,
-                "help": self.help}
+                "help": self.help, "choices": list(self.choices), "min": self.min, "max": self.max}
 
 
-def _type_name(annotation: Any, default: Any) -> str:
-    if annotation is inspect.Parameter.empty:
-        return type(default).__name__ if default not in (None, inspect.Parameter.empty) else "any"
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
-    text = text.replace("typing.", "")
-    if default is None:  # "| None" only says the option may be left out, which the default already shows
-        text = " | ".join(p for p in (x.strip() for x in text.split("|")) if p != "None") or "any"
-    return text
+def type_name(tp: Any) -> str:
+    """`list[str]`, `str | list[str]`, `dict[str, str]`: how the CLI and errors write a type."""
+    if tp is Any:
+        return "any"
+    if tp is type(None):
+        return "None"
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in typing.get_args(tp) if a is not type(None)) or "None"
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(type_name(a) for a in typing.get_args(tp))}]"
+    return getattr(tp, "__name__", str(tp))
 
 
-def _param_help(cls: type) -> dict[str, str]:
-    import docstring_parser
-
-    helps: dict[str, str] = {}
-    for doc in (inspect.getdoc(cls.__init__), inspect.getdoc(cls)):
-        if not doc:
-            continue
-        for p in docstring_parser.parse(doc).params:
-            helps.setdefault(p.arg_name, " ".join((p.description or "").split()))
-    return helps
+def _describe_value(value: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "a table"}.get(type(value), type(value).__name__)
 
 
-def backend_options(cls: type) -> list[BackendOption]:
-    """The executor's options in signature order (internal parameters starting with _ left out)."""
-    params = inspect.signature(cls.__init__).parameters
-    helps = _param_help(cls)
+def _matches(tp: Any, value: Any) -> bool:
+    """Whether `value` (as TOML or Python gives it) fits the annotation `tp`."""
+    if tp is Any:
+        return True
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(a, value) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if tp is str:
+        return isinstance(value, str)
+    if origin is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        return isinstance(value, list) and all(_matches(item, v) for v in value)
+    if origin is dict:
+        key, item = typing.get_args(tp) or (Any, Any)
+        return isinstance(value, dict) and all(_matches(key, k) and _matches(item, v) for k, v in value.items())
+    if tp is list:
+        return isinstance(value, list)
+    if tp is dict:
+        return isinstance(value, dict)
+    raise TypeError(f"option type {tp!r} is not one diloco can check from TOML; use str, int, float, bool, "
+                    f"list[...], dict[str, ...], a union of those, or Any")
+
+
+def _fields(options_type: type) -> list[tuple[dataclasses.Field, Any]]:
+    hints = typing.get_type_hints(options_type)
+    return [(f, hints[f.name]) for f in dataclasses.fields(options_type) if f.init and not f.name.startswith("_")]
+
+
+def check_option(where: str, name: str, f: dataclasses.Field, tp: Any, value: Any) -> Any:
+    """One value against its declaration; the value as the options get it (ints widened to float)."""
+    key = f"backend.{name}"
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SpecError(f"{where}: `{key}` must be a finite number, got {value!r}")
+    if not _matches(tp, value):
+        raise SpecError(f"{where}: `{key}` must be {type_name(tp)}, got {value!r} ({_describe_value(value)})")
+    meta = f.metadata
+    if meta.get("choices") and value not in meta["choices"] and value is not None:
+        raise SpecError(f"{where}: `{key}` must be one of {', '.join(map(str, meta['choices']))}; got {value!r}")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if meta.get("min") is not None and value < meta["min"]:
+            raise SpecError(f"{where}: `{key}` must be at least {meta['min']:g}, got {value!r}")
+        if meta.get("max") is not None and value > meta["max"]:
+            raise SpecError(f"{where}: `{key}` must be at most {meta['max']:g}, got {value!r}")
+        if tp is float or (typing.get_origin(tp) in (typing.Union, types.UnionType)
+                           and float in typing.get_args(tp) and int not in typing.get_args(tp)):
+            value = float(value)
+    return value
+
+
+def parse_options(options_type: type, table: dict[str, Any], *, source: str = "<spec>",
+                  backend: str = "?") -> Any:
+    """The spec's `[backend]` table (without `name`) as an instance of `options_type`, or one
+    `SpecError` line naming the first thing wrong."""
+    declared = {f.name: (f, tp) for f, tp in _fields(options_type)}
+    unknown = sorted(set(table) - set(declared))
+    if unknown:
+        raise SpecError(f"{source}: unknown key `backend.{unknown[0]}` for backend {backend!r} "
+                        f"(allowed: {', '.join(sorted(declared)) or 'none'}; see `diloco backends {backend}`)")
+    values = {}
+    for name, (f, tp) in declared.items():
+        if name in table:
+            values[name] = check_option(source, name, f, tp, table[name])
+        elif f.default is _MISSING and f.default_factory is _MISSING:
+            raise SpecError(f"{source}: backend {backend!r} needs `backend.{name}`: {f.metadata.get('help', '')}")
+    return options_type(**values)
+
+
+def options_from(options_type: type, options: Any = None, overrides: dict[str, Any] | None = None, *,
+                 backend: str = "?") -> Any:
+    """What an executor's `__init__(options=None, **overrides)` keeps: `options` as given, or built
+    from keyword overrides (from Python), checked by the same rules as a spec's table."""
+    if options is not None and not isinstance(options, options_type):
+        raise TypeError(f"options must be a {options_type.__name__}, got {type(options).__name__}")
+    if options is None:
+        return parse_options(options_type, dict(overrides or {}), source="options", backend=backend)
+    if overrides:
+        checked = parse_options(options_type, {**dataclasses.asdict(options), **overrides}, source="options",
+                                backend=backend)
+        return checked
+    return options
+
+
+def describe_options(options_type: type) -> list[BackendOption]:
+    """The declared options in order, for `diloco backends NAME` and the conformance kit."""
     out = []
-    for name, p in params.items():
-        if name == "self" or name.startswith("_") or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        required = p.default is inspect.Parameter.empty
-        default = None if required else p.default
-        out.append(BackendOption(name, _type_name(p.annotation, default), default, required, helps.get(name, "")))
+    for f, tp in _fields(options_type):
+        required = f.default is _MISSING and f.default_factory is _MISSING
+        default = None if required else (f.default if f.default is not _MISSING else f.default_factory())
+        out.append(BackendOption(f.name, type_name(tp), default, required, " ".join(f.metadata.get("help", "").split()),
+                                 tuple(f.metadata.get("choices") or ()), f.metadata.get("min"), f.metadata.get("max")))
     return out

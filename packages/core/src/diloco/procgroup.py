@@ -48,14 +48,3 @@ def replica_command(processes: int, *, python: str = "python") -> list[str]:
     return [python, "-m", TORCHRUN_WRAPPER, "--standalone", "--nnodes", "1", "--nproc-per-node", str(processes),
             "--max-restarts", "0", "--monitor-interval", "0.5", "-m", RUNNER]
 
-
-def accepts_processes(executor: object) -> bool:
-    """Whether an executor's launch_replicas takes `processes_per_replica` (third-party ones may not)."""
-    import inspect
-
-    try:
-        params = inspect.signature(executor.launch_replicas).parameters  # type: ignore[attr-defined]
-    except (TypeError, ValueError, AttributeError):
-        return False
-    return "processes_per_replica" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD
-                                                     for p in params.values())

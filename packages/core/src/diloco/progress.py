@@ -118,11 +118,10 @@ def timeline_rows(rounds: list[RoundSummary]) -> list[dict[str, Any]]:
     out = []
     for s in rounds:
         for row in s.rows:
-            phases = row.get("phases") or {}
-            out.append({"round": s.round, "rank": row["rank"], "attempt": row.get("attempt", 0),
-                        "member": row.get("member", True), **{p: phases.get(p) for p in PHASES},
-                        "hidden": row.get("hidden_s", 0.0), "straggler": s.straggler == row["rank"],
-                        "waited_for_straggler_s": s.waited_s if s.straggler == row["rank"] else 0.0})
+            out.append({"round": s.round, "rank": row.rank, "attempt": row.attempt,
+                        "member": row.member, **{p: row.phases.get(p) for p in PHASES},
+                        "hidden": row.hidden_s, "straggler": s.straggler == row.rank,
+                        "waited_for_straggler_s": s.waited_s if s.straggler == row.rank else 0.0})
     return out
 
 
@@ -131,16 +130,16 @@ def timeline_table(rounds: list[RoundSummary]) -> Table:
     for col in ("round", "rank", *PHASES, "hidden", ""):
         table.add_column(col, justify="right" if col not in ("",) else "left")
     for s in rounds:
-        for i, row in enumerate(sorted(s.rows, key=lambda r: r["rank"])):
-            phases = row.get("phases") or {}
+        for i, row in enumerate(sorted(s.rows, key=lambda r: r.rank)):
+            phases = row.phases
             note = ""
-            if s.straggler == row["rank"]:
+            if s.straggler == row.rank:
                 note = f"straggler: others waited {s.waited_s:.2f} replica-s"
-            elif not row.get("member", True):
+            elif not row.member:
                 note = "not a member (adopted the result)"
-            table.add_row(str(s.round) if i == 0 else "", str(row["rank"]),
+            table.add_row(str(s.round) if i == 0 else "", str(row.rank),
                           *[f"{phases[p]:.2f}" if p in phases else "-" for p in PHASES],
-                          f"{row.get('hidden_s', 0.0):.2f}", note)
+                          f"{row.hidden_s:.2f}", note)
         table.add_section()
     return table
 

@@ -1,20 +1,26 @@
-"""The executor protocol: what every backend implements, and the types it passes around.
+"""The executor contract: what every backend implements, and the types it passes around.
 
-A backend starts N replicas of one entrypoint somewhere (local processes, pods, SageMaker
-training jobs) and reports on them. The contract, kept from the original design:
+A backend starts replicas of one entrypoint somewhere (local processes, pods, SageMaker
+training jobs) and reports on them. Core talks to it in three steps and four verbs:
 
-- `launch_replicas` returns handles in rank order (`handles[i].rank == i`), or, when `ranks`
-  is given, one handle per requested rank in that order;
-- every replica sees its rank in `REPLICA_RANK` (renamed by the entrypoint arg `rank_env`),
-  the number of replicas in `DILOCO_REPLICAS` (and in `WORLD_SIZE` when a replica is one
-  process), and the rendezvous URI in `DILOCO_RENDEZVOUS` (see `diloco.launchenv.replica_env`);
-- `poll` returns a `ReplicaStatus`; `collect` returns one `ReplicaResult` per handle;
-- `cancel` is best effort and idempotent: it never raises for a replica that already ended.
+    plan(LaunchRequest) -> LaunchPlan        what would be submitted (what `diloco dryrun` prints)
+    submit(LaunchPlan) -> [ReplicaHandle]    submit exactly that; handles in the request's rank order
+    poll / stream_logs / cancel / collect    one replica, by its durable handle, from any process
 
-What the original lacked and this adds: `dryrun` (the exact request launch would submit,
-secrets redacted), durable handles (`ReplicaHandle.to_json` / `from_json`, and any fresh
-executor instance can poll, stream, cancel a handle made by another process), and relaunching
-a subset of ranks as a new attempt (`ranks=`, `attempt=`), which the supervisor needs.
+The rules:
+
+- every replica sees its rank in `REPLICA_RANK` (renamed by the entrypoint arg `rank_env`), the
+  number of replicas in `DILOCO_REPLICAS` (and `WORLD_SIZE` when a replica is one process) and
+  the rendezvous URI in `DILOCO_RENDEZVOUS`: `LaunchRequest.replica_env(rank)` builds it;
+- `poll` returns a `ReplicaStatus` and never blocks; `collect` returns one `ReplicaResult` per handle;
+- `cancel` is best effort and idempotent: it never raises for a replica that already ended;
+- handles are durable (`to_json` / `from_json`) and hold no secret: any fresh executor instance
+  can poll, stream, cancel a handle made by another process;
+- what a backend can do is declared once, in `capabilities` (`Capabilities`), never sniffed.
+
+The request and plan types live in `diloco.request`; executors written against the first
+contract (`launch_replicas` / `dryrun`, options as `__init__` keywords) run through the one
+adapter in `diloco.legacy`.
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from .request import LaunchPlan, LaunchRequest
 
 
 class ReplicaStatus(str, Enum):
@@ -104,76 +113,55 @@ class ReplicaResult:
 
 
 @dataclass(frozen=True)
-class LaunchPlan:
-    """What `dryrun` returns: the exact request `launch_replicas` would submit.
+class Capabilities:
+    """What a backend can do, declared once as its executor's `capabilities`; core reads it in one
+    place (`diloco.legacy.capabilities_of`) to choose policies and refuse what cannot work.
 
-    `request` is backend-shaped (a command line and environment for local processes, a Job
-    manifest for Kubernetes, a CreateTrainingJob request for SageMaker) with secret values
-    already replaced by `REDACTED`. `format` says how to render it ("json" or "yaml").
+    shares_launcher_filesystem: every replica sees the launcher's files (only the local backend).
+        False: `diloco run` refuses a file:// rendezvous, which each replica would see on its own disk.
+    relaunches_one_rank: one rank can be started alone while the others run (`LaunchRequest.ranks`);
+        False: the supervisor restarts the whole gang.
+    process_groups: a replica can be several processes (`processes_per_replica` > 1, torchrun).
+    inter_replica_network: replicas can open connections to each other (DiLoCo never needs it).
+    preemption_signal: the signal the platform announces a preemption with, if it sends one
+        (exported as DILOCO_PREEMPTION_SIGNAL; the runner turns it into exit 75).
+    status_detail: the executor has `status_detail(handle) -> str | None`, the platform's words
+        for why a replica is pending again (recorded in `pending` events).
     """
 
-    backend_name: str
-    request: Any
-    format: str = "json"
+    shares_launcher_filesystem: bool = False
+    relaunches_one_rank: bool = False
+    process_groups: bool = False
+    inter_replica_network: bool = False
+    preemption_signal: str | None = None
+    status_detail: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @runtime_checkable
-class ServerlessExecutor(Protocol):
-    """The contract every backend implements. See the module docstring for the rules.
+class Executor(Protocol):
+    """The contract every backend implements; see the module docstring for the rules.
 
     Class attributes:
       backend_name: the name a spec's `backend =` selects it by.
-      supports_inter_replica_network: whether replicas can open connections to each other
-        (DiLoCo never needs it; it talks through the object store).
-      supports_rank_relaunch: whether `launch_replicas(..., ranks=[r])` can start one rank
-        alone while the others run. If False, the supervisor restarts the whole gang.
-
-    Optional class attribute (not part of the structural check, so older executors still match):
-      shares_launcher_filesystem: True only if every replica sees the launcher's files (the
-        local backend). Executors that leave it out are treated as remote, and `diloco run`
-        refuses a file:// rendezvous for them (see `diloco.rendezvous`).
-
-    Optional method (not part of the structural check):
-      status_detail(handle) -> str | None: why a replica is pending right now, in words. When a
-        running replica goes back to pending (a spot interruption the platform retries on its
-        own), the supervisor records a `pending` event carrying it; such a replica never failed,
-        so nothing is relaunched and no restart budget is spent.
-
-    Keyword arguments beyond the original contract:
-      run_id: the run these replicas belong to (the launcher makes one if None).
-      rendezvous: the object-store URI replicas meet at, exported as DILOCO_RENDEZVOUS.
-      ranks: launch only these ranks of a world of `n_replicas` (default: all).
-      attempt: which attempt of these ranks this is (0 for the first launch).
-      env: extra environment variables for every replica.
-      secret_env: environment variables whose values must never be written anywhere
-        (dry-run output, handles, logs of the launcher).
-      processes_per_replica: optional; an executor that accepts it starts each replica as
-        `diloco.procgroup.replica_command(L)` (torchrun over L processes). It is passed only
-        when L > 1, and `diloco run/dryrun` refuse L > 1 for an executor that does not take it.
+      Options: a dataclass of the `[backend]` options (`diloco.options.option` gives each its help,
+        bounds and choices); the executor is built as `cls(options)`.
+      capabilities: a `Capabilities` (an instance attribute when it depends on the options).
     """
 
     backend_name: str
-    supports_inter_replica_network: bool
-    supports_rank_relaunch: bool
+    capabilities: Capabilities
 
-    def launch_replicas(self, n_replicas: int, entrypoint: str | Sequence[str],
-                        entrypoint_args: Mapping[str, Any] | None = None, *,
-                        gpu: str | None = None, timeout: float = 3600,
-                        run_id: str | None = None, rendezvous: str | None = None,
-                        ranks: Sequence[int] | None = None, attempt: int = 0,
-                        env: Mapping[str, str] | None = None,
-                        secret_env: Mapping[str, str] | None = None) -> list[ReplicaHandle]:
-        """Start the replicas and return their handles in rank order."""
+    def plan(self, request: LaunchRequest) -> LaunchPlan:
+        """What `submit` would send for this request, with no secret value in it. Checks
+        everything that can be checked without submitting (raising `UserError`)."""
         ...
 
-    def dryrun(self, n_replicas: int, entrypoint: str | Sequence[str],
-               entrypoint_args: Mapping[str, Any] | None = None, *,
-               gpu: str | None = None, timeout: float = 3600,
-               run_id: str | None = None, rendezvous: str | None = None,
-               ranks: Sequence[int] | None = None, attempt: int = 0,
-               env: Mapping[str, str] | None = None,
-               secret_env: Mapping[str, str] | None = None) -> LaunchPlan:
-        """Return what `launch_replicas` would submit, without submitting it."""
+    def submit(self, plan: LaunchPlan) -> list[ReplicaHandle]:
+        """Start exactly `plan`; handles in `plan.request.ranks` order. If rank k cannot be
+        started, the ranks already started are cancelled before the error is raised."""
         ...
 
     def poll(self, handle: ReplicaHandle) -> ReplicaStatus:
@@ -194,7 +182,20 @@ class ServerlessExecutor(Protocol):
         ...
 
 
+ServerlessExecutor = Executor  # the name the first contract used
+
+
 from .envvars import (  # noqa: E402,F401  (re-exported: part of the protocol)
     ENV_ATTEMPT, ENV_ENTRYPOINT, ENV_ENTRYPOINT_ARGS, ENV_RANK, ENV_RENDEZVOUS, ENV_RESULT_PATH, ENV_RUN_ID,
     ENV_REPLICAS, ENV_SETTINGS, ENV_STARTED_PATH, ENV_TIMEOUT, ENV_WORLD_SIZE,
 )
+
+
+def __getattr__(name: str):
+    """`diloco.protocol.LaunchPlan`, what first-contract executors return from `dryrun`
+    (`diloco.legacy.LegacyPlan`); the current plan type is `diloco.request.LaunchPlan`."""
+    if name == "LaunchPlan":
+        from .legacy import LegacyPlan
+
+        return LegacyPlan
+    raise AttributeError(f"module 'diloco.protocol' has no attribute {name!r}")

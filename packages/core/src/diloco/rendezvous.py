@@ -8,8 +8,8 @@ trains alone while the run reports success. Two URIs do that:
   directory on its own disk;
 - ``memory://`` anywhere: it is one process's memory, and every replica is its own process.
 
-So an executor declares whether its replicas see the launcher's filesystem
-(`shares_launcher_filesystem`; third-party executors that say nothing are treated as remote),
+So a backend declares whether its replicas see the launcher's filesystem
+(`Capabilities.shares_launcher_filesystem`; backends that say nothing are treated as remote),
 and `resolve_rendezvous` refuses those URIs with one line naming the fix. The URI comes from the
 spec's `rendezvous`, else the user's default (`DILOCO_RENDEZVOUS` in the launching shell, else
 `rendezvous` in the user config file), else — only for a backend that shares this machine's disk
@@ -26,7 +26,9 @@ from urllib.parse import urlparse
 
 from . import envvars
 from .errors import UserError
+from .protocol import Capabilities
 from .store import SCHEMES, scheme_list
+
 CONFIG_KEYS = {"rendezvous"}
 
 
@@ -66,11 +68,6 @@ def user_default() -> tuple[str, str] | None:
     return (uri, str(config_path())) if uri else None
 
 
-def shares_launcher_filesystem(executor: Any) -> bool:
-    """Whether the executor's replicas see this machine's files; unknown executors are remote."""
-    return getattr(executor, "shares_launcher_filesystem", False) is True
-
-
 def check_rendezvous(uri: str, *, backend: str, shared_disk: bool, source: str) -> str:
     """Refuse a URI some replicas could not reach; return it unchanged otherwise."""
     how = (f"set `rendezvous = \"s3://bucket/prefix\"` (or gs://, az://) in the spec, or a default in "
@@ -87,10 +84,10 @@ def check_rendezvous(uri: str, *, backend: str, shared_disk: bool, source: str) 
     return uri
 
 
-def resolve_rendezvous(spec_uri: str | None, *, backend: str, executor: Any, run_dir: Path,
+def resolve_rendezvous(spec_uri: str | None, *, backend: str, capabilities: Capabilities, run_dir: Path,
                        source: str) -> str:
-    """The URI the run's replicas meet at, checked against the executor's reach."""
-    shared = shares_launcher_filesystem(executor)
+    """The URI the run's replicas meet at, checked against the backend's reach."""
+    shared = capabilities.shares_launcher_filesystem
     if spec_uri:
         return check_rendezvous(spec_uri, backend=backend, shared_disk=shared, source=source)
     default = user_default()

@@ -30,7 +30,7 @@ from .metrics import PHASES, RoundSummary
 
 def scalars(summary: RoundSummary) -> dict[str, float]:
     """The round's numbers, by tag: what every built-in sink writes."""
-    members = [r for r in summary.rows if r.get("member", True)]
+    members = [r for r in summary.rows if r.member]
     out: dict[str, float] = {"round/members": float(len(summary.members)),
                              "round/bytes_up": float(summary.bytes_up), "round/bytes_down": float(summary.bytes_down),
                              "round/waited_for_straggler_s": float(summary.waited_s)}
@@ -40,8 +40,8 @@ def scalars(summary: RoundSummary) -> dict[str, float]:
             out[name] = float(value)
     if members:
         for phase in PHASES:
-            out[f"timeline/{phase}_s"] = sum(r.get("phases", {}).get(phase, 0.0) for r in members) / len(members)
-        out["timeline/hidden_s"] = sum(r.get("hidden_s", 0.0) for r in members) / len(members)
+            out[f"timeline/{phase}_s"] = sum(r.phases.get(phase, 0.0) for r in members) / len(members)
+        out["timeline/hidden_s"] = sum(r.hidden_s for r in members) / len(members)
     return out
 
 

@@ -22,6 +22,7 @@ Unknown keys, wrong types and out-of-range values raise `SpecError` naming file 
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from collections.abc import Mapping
@@ -33,6 +34,7 @@ from .errors import SpecError, UserError
 from .launchenv import check_entrypoint_args, is_secret_name, parse_entrypoint
 from .procgroup import resolve_processes
 from .store import SCHEMES, scheme_list
+from .settings import DilocoSettings
 from .sinks import check_metrics
 from .wiresize import CODECS
 
@@ -60,8 +62,8 @@ class Field:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise fail("an integer")
         elif self.kind == "float":
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise fail("a number")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise fail("a finite number")
             value = float(value)
         elif self.kind == "bool":
             if not isinstance(value, bool):
@@ -226,9 +228,7 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", base_dir: Pat
     if diloco["min_members"] > top["replicas"]:
         raise SpecError(f"{where}: `diloco.min_members` ({diloco['min_members']}) exceeds `replicas` "
                         f"({top['replicas']})")
-    if diloco["sync_every"] % diloco["fragments"]:
-        raise SpecError(f"{where}: `diloco.fragments` ({diloco['fragments']}) must divide `diloco.sync_every` "
-                        f"({diloco['sync_every']}): one fragment syncs every sync_every/fragments inner steps")
+    DilocoSettings.from_table(top["diloco"], where=where)  # the cross-setting rules, in their one place
     for key, value in top["env"].items():
         if not _ENV_NAME.match(key) or not isinstance(value, (str, int, float, bool)):
             raise SpecError(f"{where}: `env.{key}` must be a valid variable name with a string value")
@@ -272,15 +272,3 @@ def load_spec(path: str | Path) -> RunSpec:
     return parse_spec(data, source=str(p), base_dir=p.parent, name_default=p.stem if p.stem != "diloco"
                       else p.resolve().parent.name)
 
-
-def validate_backend_options(where: str, cls: type, options: Mapping[str, Any]) -> None:
-    """Check the [backend] table's option keys against the executor's keyword parameters."""
-    import inspect
-
-    params = {n: x for n, x in inspect.signature(cls.__init__).parameters.items() if n != "self"}
-    if any(x.kind is inspect.Parameter.VAR_KEYWORD for x in params.values()):
-        return
-    unknown = sorted(set(options) - set(params))
-    if unknown:
-        raise SpecError(f"{where}: unknown key `backend.{unknown[0]}` for backend "
-                        f"{getattr(cls, 'backend_name', '?')!r} (allowed: {', '.join(sorted(params)) or 'none'})")

@@ -29,11 +29,8 @@ per the policy without spending ``max_restarts`` or ``max_restarts_per_rank``; p
 their own run-wide budget, ``max_preemptions``, so a platform that keeps taking machines away
 cannot bill forever.
 
-Each completed round's summary (`diloco.metrics.RoundSummary`, from the store) becomes a
-``round`` event; a summary whose replicas disagree on θ becomes ``diverged``, a corrupt object a
-replica met becomes ``incident``, and a run whose rounds all had a single member although it has
-several replicas gets ``training_alone`` (the replicas are not meeting) and an UNHEALTHY state.
-Each new summary also goes to the spec's metric sinks (`diloco.sinks`; TensorBoard by default).
+Rounds are watched by `diloco.roundwatch.RoundWatcher` (events, metric sinks, `training_alone`,
+which makes the run UNHEALTHY).
 
 All state is in the run record (handles of every attempt, budgets, status), written on every
 change, so a new launcher can reattach (`diloco resume`) and continue where this one stopped.
@@ -45,12 +42,16 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from .failures import code_failure_signature, is_config_error, is_preemption, shorten
-from .protocol import ReplicaHandle, ReplicaResult, ReplicaStatus, ServerlessExecutor
+from .failures import shorten
+from .legacy import as_executor, capabilities_of
+from .policy import Failure, Peer, RestartSettings, decide
+from .protocol import Executor, ReplicaResult, ReplicaStatus
+from .rankstate import RankState, RankStatus
+from .request import LaunchPlan, LaunchRequest
+from .roundwatch import RoundWatcher
 from .state import FINAL_STATES, RunRecord, process_start_ticks
 
 
@@ -82,105 +83,40 @@ class RunFailed(Exception):
         self.errors = errors
 
 
-@dataclass
-class RankState:
-    rank: int
-    handle: ReplicaHandle | None = None
-    status: str = "pending"
-    restarts: int = 0
-    given_up: bool = False
-    relaunch_at: float | None = None
-    last_error: str | None = None
-    result: Any = None
-    history: list[dict[str, Any]] = field(default_factory=list)  # every attempt's handle
-    launched_at: float | None = None     # when the current attempt was launched
-    failure_signature: str | None = None  # the latest failure's cause, if training code raised it
-    failed_soon: bool = False            # whether that failure came within fail_fast_seconds of launch
-    preemptions: int = 0                 # times the platform took this rank's machine away
-    preempted: bool = False              # the scheduled relaunch replaces a preempted attempt
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "handle": self.handle.to_dict() if self.handle else None,
-                "status": self.status, "restarts": self.restarts, "given_up": self.given_up,
-                "relaunch_at": self.relaunch_at, "last_error": self.last_error, "result": self.result,
-                "history": self.history, "launched_at": self.launched_at,
-                "failure_signature": self.failure_signature, "failed_soon": self.failed_soon,
-                "preemptions": self.preemptions, "preempted": self.preempted}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RankState:
-        handle = ReplicaHandle.from_dict(data["handle"]) if data.get("handle") else None
-        return cls(rank=data["rank"], handle=handle, status=data.get("status", "pending"),
-                   restarts=data.get("restarts", 0), given_up=data.get("given_up", False),
-                   relaunch_at=data.get("relaunch_at"), last_error=data.get("last_error"),
-                   result=data.get("result"), history=list(data.get("history", [])),
-                   launched_at=data.get("launched_at"), failure_signature=data.get("failure_signature"),
-                   failed_soon=data.get("failed_soon", False), preemptions=data.get("preemptions", 0),
-                   preempted=data.get("preempted", False))
-
-
-@dataclass
-class LaunchArgs:
-    """Everything `launch_replicas` needs besides ranks and attempt (secrets excluded)."""
-
-    n_replicas: int
-    entrypoint: Any
-    entrypoint_args: dict[str, Any]
-    gpu: str | None
-    timeout: float
-    run_id: str
-    rendezvous: str | None
-    env: dict[str, str]
-    processes_per_replica: int = 1  # (records written before it existed are single-process)
-
-    def processes_kwargs(self) -> dict[str, int]:
-        """`processes_per_replica=L` for launch/dryrun when L > 1; nothing otherwise, so executors
-        that predate it still work for single-process replicas."""
-        return {"processes_per_replica": self.processes_per_replica} if self.processes_per_replica > 1 else {}
-
-
 class Supervisor:
-    def __init__(self, executor: ServerlessExecutor, record: RunRecord, launch: LaunchArgs,
-                 restart: dict[str, Any], *, secret_env: dict[str, str] | None = None,
+    """Keeps one run's replicas alive. `request` is the run's launch (every rank, attempt 0, the
+    secrets from this shell); `first_plan`, when given, is the plan `diloco run` made (and a dry
+    run would print) for it, submitted as is by `start`."""
+
+    def __init__(self, executor: Executor, record: RunRecord, request: LaunchRequest,
+                 restart: dict[str, Any], *, first_plan: LaunchPlan | None = None,
                  on_tick: Callable[[Supervisor], None] | None = None,
                  clock: Callable[[], float] = time.time):
-        self.executor = executor
+        self.executor = as_executor(executor)
+        self.capabilities = capabilities_of(self.executor)
         self.record = record
-        self.launch = launch
-        self.policy = restart.get("policy", "per-rank")
-        if self.policy == "per-rank" and not getattr(executor, "supports_rank_relaunch", False):
-            self.policy = "gang"
-        self.max_restarts = int(restart.get("max_restarts", 10))
-        self.max_per_rank = int(restart.get("max_restarts_per_rank", 3))
-        self.backoff = float(restart.get("backoff", 1.0))
-        self.backoff_max = float(restart.get("backoff_max", 60.0))
-        self.min_replicas = int(restart.get("min_replicas") or launch.n_replicas)
-        self.interval = float(restart.get("monitor_interval", 1.0))
-        self.fail_fast_seconds = float(restart.get("fail_fast_seconds", 900.0))
-        self.max_preemptions = int(restart.get("max_preemptions", 50))
-        self.secret_env = dict(secret_env or {})
+        self.request = request
+        self.first_plan = first_plan
+        self.settings = RestartSettings.from_table(restart, request.n_replicas,
+                                                   relaunches_one_rank=self.capabilities.relaunches_one_rank)
         self.on_tick = on_tick
         self.clock = clock
         saved = record.data.get("ranks")
         self.ranks = ([RankState.from_dict(r) for r in saved] if saved
-                      else [RankState(r) for r in range(launch.n_replicas)])
+                      else [RankState(r) for r in range(request.n_replicas)])
         self.restarts_used = int(record.data.get("restarts_used", 0))
         self.preemptions_used = int(record.data.get("preemptions_used", 0))
         self.state = GroupState(record.data.get("state", GroupState.INIT.value))
-        self.last_round = int(record.data.get("last_round", 0))
-        self.health: dict[str, Any] = dict(record.data.get("health") or {})
-        self.rounds_every = 1.0
-        self._next_rounds_check = 0.0
-        self._rounds = None  # RoundReader over the run's store, opened once
-        self._sinks: list[Any] | None = None  # the spec's metric sinks, opened at the first round
+        self.rounds = RoundWatcher(record, rendezvous=request.rendezvous, run_id=request.run_id,
+                                   n_replicas=request.n_replicas, clock=clock)
 
     # -- persistence -----------------------------------------------------------------------
 
     def save(self) -> None:
         self.record.data.update({
             "state": self.state.value, "ranks": [r.to_dict() for r in self.ranks],
-            "restarts_used": self.restarts_used, "preemptions_used": self.preemptions_used, "policy": self.policy, "last_round": self.last_round,
-            "health": self.health,
+            "restarts_used": self.restarts_used, "preemptions_used": self.preemptions_used, "policy": self.settings.policy,
+            **self.rounds.state(),
             "launcher": {"pid": os.getpid(), "host": socket.gethostname(), "heartbeat": self.clock(),
                          "start_ticks": process_start_ticks(os.getpid())},
         })
@@ -191,19 +127,23 @@ class Supervisor:
 
     # -- launching -------------------------------------------------------------------------
 
+    @property
+    def policy(self) -> str:
+        return self.settings.policy
+
     def _launch(self, ranks: list[int], attempt_of: dict[int, int]) -> None:
         by_attempt: dict[int, list[int]] = {}
         for r in ranks:
             by_attempt.setdefault(attempt_of[r], []).append(r)
         for attempt, group in sorted(by_attempt.items()):
-            a = self.launch
-            handles = self.executor.launch_replicas(
-                a.n_replicas, a.entrypoint, a.entrypoint_args, gpu=a.gpu, timeout=a.timeout,
-                run_id=a.run_id, rendezvous=a.rendezvous, ranks=group, attempt=attempt,
-                env=a.env, secret_env=self.secret_env, **a.processes_kwargs())
+            plan = self.first_plan
+            if plan is None or (plan.request.ranks, plan.request.attempt) != (tuple(group), attempt):
+                plan = self.executor.plan(self.request.for_ranks(group, attempt))
+            self.first_plan = None  # submitted once: relaunches are planned anew
+            handles = self.executor.submit(plan)
             for h in handles:
                 st = self.ranks[h.rank]
-                st.handle, st.status, st.relaunch_at = h, ReplicaStatus.PENDING.value, None
+                st.handle, st.status, st.relaunch_at = h, RankStatus.PENDING, None
                 st.launched_at = self.clock()
                 st.history.append(h.to_dict())
             self._event("launch", ranks=group, attempt=attempt)
@@ -218,7 +158,7 @@ class Supervisor:
     # -- monitoring ------------------------------------------------------------------------
 
     def alive(self) -> list[RankState]:
-        return [r for r in self.ranks if r.status in ("pending", "running") or r.relaunch_at is not None]
+        return [r for r in self.ranks if r.status.live or r.relaunch_at is not None]
 
     def _rank_result(self, st: RankState) -> ReplicaResult:
         res: ReplicaResult = self.executor.collect([st.handle], timeout=0)[0]
@@ -226,110 +166,19 @@ class Supervisor:
             res.error = f"exit code {res.exit_code}"
         return res
 
-    def _record_rounds(self, *, final: bool = False) -> bool:
-        """Round summaries completed since the last look, from the store, as events; True if any.
-
-        `final`: the replicas are done, so a round whose summary never came is rebuilt from its rows.
-        """
-        now = self.clock()
-        if (now < self._next_rounds_check and not final) or not self.launch.rendezvous:
-            return False
-        self._next_rounds_check = now + self.rounds_every
-        from .metrics import RoundCache, RoundReader
-        from .store import open_store
-
-        if self._rounds is None:
-            try:
-                self._rounds = RoundReader(open_store(self.launch.rendezvous), self.launch.run_id,
-                                           after=self.last_round)
-            except Exception:  # unreachable from this shell: no round events, supervision goes on
-                return False
-        try:
-            new = self._rounds.read_new(final=final)
-        except Exception:
-            return False
-        RoundCache(self.record.dir).append(new)
-        self._write_sinks(new)
-        for rnd in new:
-            self._event("round", round=rnd.round, members=rnd.members, loss=_rounded(rnd.loss),
-                        tokens_per_s=round(rnd.tokens_per_s or 0), sync_share=_rounded(rnd.sync_share),
-                        step=rnd.step, total_steps=rnd.total_steps, straggler=rnd.straggler,
-                        waited_s=_rounded(rnd.waited_s))
-            if rnd.diverged:
-                self._event("diverged", round=rnd.round, minority=rnd.diverged["minority"],
-                            majority=rnd.diverged["majority"])
-            for inc in rnd.incidents:
-                self._event("incident", **{k: v for k, v in inc.items() if k != "round"}, round=rnd.round)
-            self._check_alone(rnd.round, rnd.members)
-            self.last_round = rnd.round
-        return bool(new)
-
-    def _write_sinks(self, summaries: list[Any]) -> None:
-        """Each new round to every metric sink; a sink that fails is reported once and dropped."""
-        if not summaries:
-            return
-        if self._sinks is None:
-            from .sinks import open_sinks
-
-            metrics = (self.record.data.get("spec") or {}).get("metrics") or {}
-            try:
-                self._sinks = open_sinks(metrics, self.launch.run_id, self.record.dir)
-            except Exception as exc:
-                self._event("sink_failed", sink="*", error=shorten(str(exc)))
-                self._sinks = []
-        for sink in list(self._sinks):
-            try:
-                for summary in summaries:
-                    sink.write(summary)
-            except Exception as exc:
-                self._event("sink_failed", sink=getattr(sink, "sink_name", "?"), error=shorten(str(exc)))
-                self._sinks.remove(sink)
-
-    def close_sinks(self) -> None:
-        for sink in self._sinks or []:
-            try:
-                sink.close()
-            except Exception:
-                pass
-        self._sinks = None
-
-    def _check_alone(self, round_: int, members: list[int]) -> None:
-        """A run of several replicas whose every round had one member is N unrelated trainings."""
-        if self.launch.n_replicas < 2 or self.health.get("met"):
-            return
-        if len(members) > 1:
-            self.health.pop("alone", None)
-            self.health["met"] = True
-            return
-        if "alone" not in self.health:
-            self._event("training_alone", round=round_, ranks=members,
-                        reason=f"every round so far had a single member although the run has {self.launch.n_replicas} "
-                               "replicas: they are not meeting in the store")
-        self.health["alone"] = {"through_round": round_, "ranks": members}
-
-    def _give_up_or_schedule(self, st: RankState, now: float) -> None:
-        if self.policy == "never" or st.restarts >= self.max_per_rank or self.restarts_used >= self.max_restarts:
-            st.given_up = True
-            self._event("give_up", rank=st.rank, restarts=st.restarts, reason=(
-                "restart policy is never" if self.policy == "never" else "restart budget spent"))
-            return
-        delay = min(self.backoff * (2 ** st.restarts), self.backoff_max)
-        st.relaunch_at = now + delay
-        self._event("relaunch_scheduled", rank=st.rank, delay=round(delay, 3), attempt=st.handle.attempt + 1)
-
     def tick(self) -> GroupState:
         """One monitor pass: poll every rank, react to changes, relaunch what is due."""
         now = self.clock()
-        changed = self._record_rounds()
+        changed = self.rounds.poll()
         for st in self.ranks:
-            if st.handle is None or st.relaunch_at is not None or st.status in ("succeeded", "failed", "cancelled"):
+            if st.handle is None or st.relaunch_at is not None or st.status.ended:
                 continue
             status = self.executor.poll(st.handle)
             if status.value == st.status:
                 continue
             changed = True
-            was, st.status = st.status, status.value
-            if status is ReplicaStatus.PENDING and was == "running":  # e.g. a spot interruption the platform retries
+            was, st.status = st.status, RankStatus.of(status)
+            if status is ReplicaStatus.PENDING and was is RankStatus.RUNNING:  # e.g. a spot interruption the platform retries
                 self._event("pending", rank=st.rank, attempt=st.handle.attempt, reason=self._why_waiting(st))
             elif status is ReplicaStatus.RUNNING:
                 self._event("running", rank=st.rank, attempt=st.handle.attempt)
@@ -339,29 +188,12 @@ class Supervisor:
             elif status is ReplicaStatus.CANCELLED:
                 self._event("cancelled", rank=st.rank, attempt=st.handle.attempt)
             elif status is ReplicaStatus.FAILED:
-                res = self._rank_result(st)
-                st.last_error = res.error
-                if is_preemption(res.exit_code):
-                    self._preempted(st, now)
-                    if self.policy == "gang" and st.relaunch_at is not None:
-                        self._gang_restart(now, failed=st, preempted=True)
-                        break
-                    continue
-                st.failure_signature = code_failure_signature(res.error)
-                st.failed_soon = st.launched_at is None or now - st.launched_at <= self.fail_fast_seconds
-                self._event("failed", rank=st.rank, attempt=st.handle.attempt, error=shorten(st.last_error))
-                if is_config_error(res.exit_code):
-                    return self._fail(f"rank {st.rank} stopped on a configuration error, which a relaunch would "
-                                      f"repeat: {st.last_error}")
-                same = self._same_code_failure_everywhere()
-                if same:
-                    return self._fail(f"every rank failed with the same error at the same step: {same}; not "
-                                      f"relaunching (it would fail again): fix the code and start a new run")
-                if self.policy == "gang":
-                    self._gang_restart(now, failed=st)
-                    break
-                self._give_up_or_schedule(st, now)
-        if (self.record.cancel_requested() or any(r.status == "cancelled" for r in self.ranks)) \
+                stop = self._failed(st, now)
+                if self.state is GroupState.FAILED:
+                    return self.state
+                if stop:
+                    break  # every rank restarts or gives up: the other ranks' statuses are moot
+        if (self.record.cancel_requested() or any(r.status is RankStatus.CANCELLED for r in self.ranks)) \
                 and not self.state.is_final:
             return self._finish_cancelled()
         due = [st for st in self.ranks if st.relaunch_at is not None and st.relaunch_at <= now]
@@ -371,23 +203,23 @@ class Supervisor:
                     st.preempted = False
                     continue
                 st.restarts += 1
-                if self.policy != "gang":
+                if self.settings.policy != "gang":
                     self.restarts_used += 1
             self._launch([st.rank for st in due], {st.rank: st.handle.attempt + 1 for st in due})
             changed = True
         live = len(self.alive())
-        succeeded = sum(r.status == "succeeded" for r in self.ranks)
-        if live + succeeded < self.min_replicas:
-            return self._fail(f"only {live + succeeded} of {self.launch.n_replicas} replicas are alive or done, "
-                              f"below min_replicas={self.min_replicas}")
+        succeeded = sum(r.status is RankStatus.SUCCEEDED for r in self.ranks)
+        if live + succeeded < self.settings.min_replicas:
+            return self._fail(f"only {live + succeeded} of {self.request.n_replicas} replicas are alive or done, "
+                              f"below min_replicas={self.settings.min_replicas}")
         if live == 0:
-            self._record_rounds(final=True)  # the last rounds, before the run is declared over
+            self.rounds.poll(final=True)  # the last rounds, before the run is declared over
             # enough succeeded: fewer would have failed the run just above
             self.state = GroupState.SUCCEEDED
             self._event("run_succeeded", succeeded=succeeded, given_up=[r.rank for r in self.ranks if r.given_up])
             changed = True
         else:
-            unhealthy = any(r.relaunch_at is not None or r.given_up for r in self.ranks) or "alone" in self.health
+            unhealthy = any(r.relaunch_at is not None or r.given_up for r in self.ranks) or self.rounds.alone
             new_state = GroupState.UNHEALTHY if unhealthy else GroupState.HEALTHY
             changed = changed or new_state != self.state
             self.state = new_state
@@ -396,58 +228,68 @@ class Supervisor:
         return self.state
 
     def _why_waiting(self, st: RankState) -> str | None:
-        """The executor's words for why a replica is waiting again, if it has an optional
-        `status_detail(handle)` (SageMaker: "Interrupted: spot capacity was reclaimed; …")."""
-        detail = getattr(self.executor, "status_detail", None)
+        """The executor's words for why a replica is waiting again, if it declares
+        `status_detail` (SageMaker: "Interrupted: spot capacity was reclaimed; …")."""
+        if not self.capabilities.status_detail:
+            return None
         try:
-            return detail(st.handle) if detail else None
+            return self.executor.status_detail(st.handle)
         except Exception as exc:  # noqa: BLE001 - a reason is decoration; never stop supervising for it
             return f"(no detail: {type(exc).__name__})"
 
-    def _preempted(self, st: RankState, now: float) -> None:
-        """The platform took the rank's machine away: relaunch without spending the failure budgets."""
-        self._event("preempted", rank=st.rank, attempt=st.handle.attempt, error=shorten(st.last_error))
-        if self.policy == "never" or self.preemptions_used >= self.max_preemptions:
+    def _failed(self, st: RankState, now: float) -> bool:
+        """Carry out the policy's answer to a failed attempt (`diloco.policy.decide`); True when the
+        pass must stop looking at other ranks (the run failed, or every rank restarts)."""
+        res = self._rank_result(st)
+        st.last_error = res.error
+        peers = [Peer(r.failure_signature, r.failed_soon) for r in self.ranks if r is not st]
+        d = decide(self.settings, Failure(res.exit_code, res.error, st.launched_at, now), rank=st.rank,
+                   restarts=st.restarts, restarts_used=self.restarts_used, preemptions_used=self.preemptions_used,
+                   peers=peers)
+        attempt = st.handle.attempt
+        if d.preempted:
+            self._event("preempted", rank=st.rank, attempt=attempt, error=shorten(st.last_error))
+        else:
+            st.failure_signature, st.failed_soon = d.signature, d.failed_soon
+            self._event("failed", rank=st.rank, attempt=attempt, error=shorten(st.last_error))
+        if d.action == "fail_run":
+            self._fail(d.reason)
+            return True
+        if d.action == "give_up":
             st.given_up = True
-            self._event("give_up", rank=st.rank, restarts=st.restarts, reason=(
-                "restart policy is never" if self.policy == "never" else
-                f"max_preemptions ({self.max_preemptions}) reached"))
-            return
-        self.preemptions_used += 1
-        st.preemptions += 1
-        st.preempted = True
-        delay = min(self.backoff, self.backoff_max)
-        st.relaunch_at = now + delay
-        self._event("relaunch_scheduled", rank=st.rank, delay=round(delay, 3), attempt=st.handle.attempt + 1,
-                    reason="preempted")
-
-    def _same_code_failure_everywhere(self) -> str | None:
-        """The shared cause if every rank's latest failure is the same exception at the same step, soon after start."""
-        sigs = {st.failure_signature if st.failed_soon else None for st in self.ranks}
-        if len(sigs) == 1 and None not in sigs:
-            return sigs.pop()
-        return None
-
-    def _gang_restart(self, now: float, failed: RankState, *, preempted: bool = False) -> None:
-        if not preempted and self.restarts_used >= self.max_restarts:
-            for st in self.ranks:
-                st.given_up = st.given_up or st.status == "failed"
-            self._event("give_up", rank=failed.rank, restarts=self.restarts_used, reason="gang restart budget spent")
+            self._event("give_up", rank=st.rank, restarts=st.restarts, reason=d.reason)
+            return False
+        if d.preempted:  # paid from max_preemptions, not from the failure budgets
+            self.preemptions_used += 1
+            st.preemptions += 1
+            st.preempted = True
+        if d.action == "relaunch":
+            st.relaunch_at = now + d.delay
+            self._event("relaunch_scheduled", rank=st.rank, delay=round(d.delay, 3), attempt=attempt + 1,
+                        **({"reason": "preempted"} if d.preempted else {}))
+            return False
+        if d.action == "give_up_all":
+            for r in self.ranks:
+                r.given_up = r.given_up or r.status is RankStatus.FAILED
+            self._event("give_up", rank=st.rank, restarts=self.restarts_used, reason=d.reason)
             self._stop_all()
-            return
+            return True
+        self._gang_restart(now, d.delay, failed=st, preempted=d.preempted)
+        return True
+
+    def _gang_restart(self, now: float, delay: float, failed: RankState, *, preempted: bool = False) -> None:
         self._event("gang_restart", failed_rank=failed.rank)
         self._stop_all()
-        delay = min(self.backoff * (2 ** self.restarts_used), self.backoff_max)
         for st in self.ranks:
-            st.status, st.relaunch_at, st.preempted = "failed", now + delay, preempted
+            st.status, st.relaunch_at, st.preempted = RankStatus.FAILED, now + delay, preempted
         if not preempted:
             self.restarts_used += 1  # a gang restart costs the run one restart, not one per rank
 
     def _stop_all(self) -> None:
         for st in self.ranks:
-            if st.handle is not None and st.status in ("pending", "running"):
+            if st.handle is not None and st.status.live:
                 self.executor.cancel(st.handle)
-                st.status = "cancelled_by_supervisor"
+                st.status = RankStatus.CANCELLED_BY_SUPERVISOR
 
     def _fail(self, reason: str) -> GroupState:
         self._stop_all()
@@ -481,16 +323,13 @@ class Supervisor:
             if self.on_tick:
                 self.on_tick(self)
             if state.is_final:
-                self.close_sinks()
+                self.rounds.close()
                 break
             if self.clock() - last_beat >= HEARTBEAT_EVERY:
                 self.save()  # the heartbeat: other shells tell a live launcher from a dead one by it
                 last_beat = self.clock()
-            time.sleep(self.interval)
+            time.sleep(self.settings.monitor_interval)
         if state is GroupState.FAILED:
             raise RunFailed(self.record.data.get("failure", "run failed"), self.errors())
         return state
 
-
-def _rounded(x: float | None) -> float | None:
-    return None if x is None else round(x, 4)

@@ -16,10 +16,8 @@ Round r, replica i with pseudo-gradient Δ_i split into N contiguous shards, sha
    dies too is replaced by generation g+1.
 
 Every replica decodes the same reduced bytes (the reducer too), so the mean is bit-identical
-everywhere. A reduced shard that is corrupt in the store is re-published by its reducer, which
-keeps the bytes it wrote until its next round: a reader asks with ``r/repair/j`` and reads
-``r/repaired/j``. Races with retention end in "use the published result" or `FellBehind`
-(rejoin), never in an exception that costs a restart.
+everywhere. A reduced shard that is corrupt in the store is re-published by its reducer
+(`repairs.RepairDesk`). Every step reaches the store through one `roundio.RoundIO`.
 
 Per replica and round, with its shard reduced by itself: up S (N−1 shards out, one reduced
 shard), down 2(N−1)/N·S — the ring all-reduce bound; O(N) requests.
@@ -32,8 +30,6 @@ supports, encoded sparse as well.
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -43,20 +39,19 @@ from typing import Any
 import torch
 
 from diloco.spec import DILOCO
-from diloco.store import ObjectExists, Store
+from diloco.store import Store
 
 from .codecs import sparsify
-from .faults import CorruptionInjector, PhaseMarker
+from .faults import Faults
 from .history import History
 from .lanes import Lanes
 from .membership import FellBehind, Membership, RoundFailed
-from .transport import Backoff, CountingStore, LaneShards, RunKeys, Traffic, reducer_of, shard_bounds
-from .wire import CorruptObject, Identity, decode_tensor, encode_tensor, pack, unpack
+from .repairs import RepairDesk
+from .roundio import RoundIO
+from .transport import CountingStore, LaneShards, RunKeys, Traffic, reducer_of, shard_bounds
+from .wire import Identity, decode_tensor, encode_tensor, pack
 
 __all__ = ["FellBehind", "RoundFailed", "RoundResult", "StoreAllReduce"]
-# A reducer watches for repair requests for round_timeout after publishing, backing off to one LIST
-# per 30 s: ~20 LISTs a round on S3 for a fault that is rare; a reader asking waits at most that long.
-REPAIR_POLL_CAP = 30.0
 
 
 @dataclass
@@ -86,34 +81,36 @@ class Laps:
 
 
 class StoreAllReduce:
+    """One replica's (one lane's) side of the store all-reduce. `io` is the round's I/O object,
+    shared with membership, history, repairs, the global state and the recorder."""
+
     def __init__(self, store: Store, run_id: str, rank: int, world_size: int, *, codec: str = "fp32",
                  round_timeout: float = 300.0, min_members: int = 1, poll_interval: float = 0.05,
                  poll_max: float = 1.0, workers: int = 8, log: Callable[[str], None] | None = None,
                  lanes: Lanes | None = None, topk_density: float = DILOCO["topk_density"].default):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
-        self.store = CountingStore(store)
-        self.keys = RunKeys(run_id)
-        self.run_id, self.rank, self.n = run_id, rank, world_size
-        self.lanes = lanes or Lanes()
-        self.shards = LaneShards(self.lanes.index, world_size, self.lanes.count)
-        self.sid = self.shards.sid  # shard j of this lane, as the store names it
-        self.codec = codec
-        self.topk_density = topk_density
-        self.round_timeout = round_timeout
-        self.poll_interval, self.poll_max = poll_interval, poll_max
-        self.pool = ThreadPoolExecutor(max_workers=max(2, min(workers, 2 * world_size)))
-        self.log = log or (lambda msg: None)
-        self.phase = PhaseMarker(rank, self.lanes.index)
-        self.corrupt = CorruptionInjector()
-        self.history = History(self.store, self.keys, self.shards, self.pool, self.log)
-        self.membership = Membership(self.store, self.keys, rank, world_size, self.history,
-                                     round_timeout=round_timeout, min_members=min_members,
-                                     poll_interval=poll_interval, poll_max=poll_max, log=self.log)
-        self._published: dict[int, tuple[int, list]] = {}  # shard -> (round, blob) this replica last reduced
+        lanes = lanes or Lanes()
+        self.io = RoundIO(store=CountingStore(store), keys=RunKeys(run_id),
+                          shards=LaneShards(lanes.index, world_size, lanes.count), lanes=lanes,
+                          pool=ThreadPoolExecutor(max_workers=max(2, min(workers, 2 * world_size))),
+                          run_id=run_id, rank=rank, n=world_size, round_timeout=round_timeout,
+                          poll_interval=poll_interval, poll_max=poll_max, log=log or (lambda msg: None),
+                          faults=Faults(rank, lanes.index))
+        self.rank, self.n, self.lanes = rank, world_size, lanes
+        self.codec, self.topk_density = codec, topk_density
+        self.history = History(self.io)
+        self.membership = Membership(self.io, self.history, min_members=min_members)
+        self.repairs = RepairDesk(self.io, self.membership)
         self._cleanup_due: tuple[int, list[int], list[int]] | None = None
-        self._watch_stop = threading.Event()
-        self._watcher: threading.Thread | None = None
+
+    @property
+    def store(self) -> CountingStore:
+        return self.io.store
+
+    def phase(self, name: str, r: int) -> None:
+        """Where this replica is in round r, for the fault-injection harness."""
+        self.io.faults.phase(name, r)
 
     # -- the round ---------------------------------------------------------------------------
 
@@ -126,7 +123,8 @@ class StoreAllReduce:
         `residual`: the topk transport's error feedback, as long as `delta`; added to Δ before
         sparsifying, and left holding what was not sent.
         """
-        t0, before = time.monotonic(), self.store.traffic.snapshot()
+        io = self.io
+        t0, before = time.monotonic(), io.store.traffic.snapshot()
         laps = Laps()
         delta = delta.detach().to("cpu", torch.float32).reshape(-1)
         bounds = shard_bounds(delta.numel(), self.n)
@@ -136,7 +134,7 @@ class StoreAllReduce:
             encoded = self._sparsify(delta, bounds, residual) if self.codec == "topk" else {}
 
             def upload() -> None:
-                for f in [self.pool.submit(self._put_scatter, r, j, delta[a:b], encoded.get(j))
+                for f in [io.pool.submit(self._put_scatter, r, j, delta[a:b], encoded.get(j))
                           for j, (a, b) in enumerate(bounds) if j != self.rank]:
                     f.result()
 
@@ -147,12 +145,10 @@ class StoreAllReduce:
         laps.lap("wait")
         # The previous round's reduced shards stay servable until this round is formed: a reader
         # that found one corrupt is still finishing that round, and this round waits for it.
-        self._stop_watching()
-        self._serve_repairs_once()  # late requests (e.g. from a replaying rejoiner)
-        self._published.clear()
+        self.repairs.next_round()
         member = self.rank in members
         if not member:
-            self.log(f"round {r}: not a member (members {members}); this replica's update is left out")
+            io.log(f"round {r}: not a member (members {members}); this replica's update is left out")
         incidents: list[dict[str, Any]] = []
         mine = [j for j in range(self.n) if reducer_of(j, members) == self.rank] if member else []
         mean = delta if in_place else torch.empty_like(delta)
@@ -167,9 +163,9 @@ class StoreAllReduce:
         self._run_cleanup()
         if mine:
             self._cleanup_due = (r, mine, members)  # inputs stay one round, for takeovers and repairs
-            self._watch_repairs(r)
+            self.repairs.watch(r)
         laps.lap("download")
-        return RoundResult(r, members, mean, member, self.store.traffic.since(before), time.monotonic() - t0,
+        return RoundResult(r, members, mean, member, io.store.traffic.since(before), time.monotonic() - t0,
                            takeovers, incidents, {"upload": 0.0, **laps.seconds})
 
     def _decided_or_open(self, r: int) -> list[int] | None:
@@ -181,12 +177,12 @@ class StoreAllReduce:
 
     def _ready_and_decide(self, r: int) -> list[int]:
         """(Lane 0, once per replica) mark this replica ready, then fix the round's members."""
-        self._put(self.keys.ready(r, self.rank), b"{}", create_only=True)
+        self.io.put(self.io.keys.ready(r, self.rank), b"{}", create_only=True)
         return self.membership.decide(r)
 
     def fetch(self, r: int, numel: int) -> RoundResult:
         """Read round `r`'s result without contributing (replay, catching up)."""
-        t0, before = time.monotonic(), self.store.traffic.snapshot()
+        t0, before = time.monotonic(), self.io.store.traffic.snapshot()
         members = self.membership.read(r)
         if members is None:
             self.membership.check_not_collected(r)
@@ -195,25 +191,14 @@ class StoreAllReduce:
         incidents: list[dict[str, Any]] = []
         takeovers = self._gather(r, shard_bounds(numel, self.n), members, mean, set(), None, incidents,
                                  replay=True)
-        return RoundResult(r, members, mean, False, self.store.traffic.since(before), time.monotonic() - t0,
+        return RoundResult(r, members, mean, False, self.io.store.traffic.since(before), time.monotonic() - t0,
                            takeovers, incidents)
 
     def round_complete(self, r: int) -> bool:
         """Whether every reduced shard of this lane for round `r` is in the store (one LIST request)."""
-        return len(self._present(self.keys.reduced(r))) >= self.n
-
-    def _present(self, prefix: str) -> set[int]:
-        """This lane's shard indices among the objects under `prefix` (one LIST)."""
-        return self.shards.mine(self.store.list_names(prefix))
+        return len(self.io.present(self.io.keys.reduced(r))) >= self.n
 
     # -- steps -------------------------------------------------------------------------------
-
-    def _put(self, key: str, data, *, create_only: bool = False) -> bool:
-        try:
-            self.store.put(key, data, create_only=create_only)
-            return True
-        except ObjectExists:
-            return False
 
     def _sparsify(self, delta: torch.Tensor, bounds: list[tuple[int, int]],
                   residual: torch.Tensor | None) -> dict[int, list[memoryview]]:
@@ -235,36 +220,22 @@ class StoreAllReduce:
         return encoded
 
     def _put_scatter(self, r: int, owner: int, part: torch.Tensor, encoded: list[memoryview] | None = None) -> None:
-        ident = Identity(self.run_id, r, "scatter", self.sid(owner), self.rank)
+        io, sid = self.io, self.io.sid(owner)
+        ident = Identity(io.run_id, r, "scatter", sid, self.rank)
         encoded = encoded if encoded is not None else encode_tensor(part, self.codec)
         blob = pack(ident, encoded, codec=self.codec, numel=part.numel())
-        self._put(self.keys.scatter(r, self.sid(owner), self.rank), blob)
-        self.corrupt(self.store.store, self.keys.scatter(r, self.sid(owner), self.rank), "scatter", r, self.sid(owner),
-                     self.rank)
-
-    def _get_verified(self, key: str, ident: Identity):
-        """(unpacked, None), (None, "missing") or (None, reason): a corrupt read is retried once,
-        since a torn transfer heals on a second read and damage at rest does not."""
-        for _ in range(2):
-            blob = self.store.get(key)
-            if blob is None:
-                return None, "missing"
-            try:
-                return unpack(blob, ident, key), None
-            except CorruptObject as exc:
-                reason = str(exc)
-        return None, reason
+        io.put(io.keys.scatter(r, sid, self.rank), blob, written=("scatter", r, sid, self.rank))
 
     def _reduce_shard(self, r: int, j: int, bound: tuple[int, int], members: list[int],
                       delta: torch.Tensor | None, *, takeover: bool, incidents: list[dict[str, Any]]) -> torch.Tensor:
         """Average shard j over `members`, publish it (create-only), return the decoded mean."""
+        io = self.io
         a, b = bound
         sources = [m for m in members if m != self.rank or delta is None]
         if takeover and j in sources and j != self.rank:
             sources.remove(j)  # a dead owner kept its own part of shard j locally: it is gone
-        got = dict(zip(sources, self.pool.map(
-            lambda m: self._get_verified(self.keys.scatter(r, self.sid(j), m),
-                                         Identity(self.run_id, r, "scatter", self.sid(j), m)),
+        got = dict(zip(sources, io.pool.map(
+            lambda m: io.get_verified(io.keys.scatter(r, io.sid(j), m), Identity(io.run_id, r, "scatter", io.sid(j), m)),
             sources)))
         total = torch.zeros(b - a, dtype=torch.float32)
         used, left_out = [], {}
@@ -276,14 +247,14 @@ class StoreAllReduce:
                 if obj is None:
                     if problem == "missing":
                         self.membership.check_not_collected(r)
-                    published = self._published_or_none(r, j)
+                    published = self.repairs.published_or_none(r, j)
                     if published is not None:  # reduced (and inputs cleaned) while we looked: use that
                         return published
-                    key = self.keys.scatter(r, self.sid(j), m)
+                    key = io.keys.scatter(r, io.sid(j), m)
                     left_out[str(m)] = problem
                     incidents.append({"round": r, "object": key, "writer": m, "problem": problem,
                                       "action": f"left out of shard {j}'s mean by rank {self.rank}"})
-                    self.log(f"round {r}: {key} from rank {m} is {problem}; left out of shard {j}'s mean")
+                    io.log(f"round {r}: {key} from rank {m} is {problem}; left out of shard {j}'s mean")
                     continue
                 total += obj.tensor()
             else:
@@ -292,53 +263,14 @@ class StoreAllReduce:
         if not used:
             raise RoundFailed(f"round {r}: no usable contribution to shard {j}")
         mean = total.div_(len(used))  # in place: one shard-sized buffer (same rounding as total / n)
-        ident = Identity(self.run_id, r, "reduced", self.sid(j), -1)
+        ident = Identity(io.run_id, r, "reduced", io.sid(j), -1)
         blob = pack(ident, encode_tensor(mean, self.codec), codec=self.codec, numel=b - a,
                     meta={"members": used, "left_out": left_out, "reducer": self.rank, "takeover": takeover})
-        if self._put(self.keys.reduced(r, self.sid(j)), blob, create_only=True):
-            self._published[j] = (r, blob)
-            self.corrupt(self.store.store, self.keys.reduced(r, self.sid(j)), "reduced", r, self.sid(j))
+        if io.put(io.keys.reduced(r, io.sid(j)), blob, create_only=True, written=("reduced", r, io.sid(j))):
+            self.repairs.published[j] = (r, blob)
             payload = blob[1] if len(blob) == 2 else b"".join(blob[1:])
             return decode_tensor(payload, self.codec, b - a)  # exactly what every reader decodes
-        return self._read_reduced(r, j, members, incidents)  # someone else won: use theirs
-
-    def _published_or_none(self, r: int, j: int) -> torch.Tensor | None:
-        if self.store.get(self.keys.reduced(r, self.sid(j))) is None:
-            return None
-        return self._read_reduced(r, j, None, [])
-
-    def _read_reduced(self, r: int, j: int, members: list[int] | None, incidents: list[dict[str, Any]]) -> torch.Tensor:
-        """Shard j's published mean, verified; a corrupt one is replaced by its reducer's re-publication."""
-        ident = Identity(self.run_id, r, "reduced", self.sid(j), -1)
-        key = self.keys.reduced(r, self.sid(j))
-        obj, problem = self._get_verified(key, ident)
-        if obj is not None:
-            return obj.tensor()
-        if problem == "missing":
-            self.membership.check_not_collected(r)  # deleted by retention: rejoin
-            raise RoundFailed(f"{key} vanished")
-        return self._repaired(r, j, key, problem, members, incidents)
-
-    def _repaired(self, r: int, j: int, key: str, problem: str, members: list[int] | None,
-                  incidents: list[dict[str, Any]]) -> torch.Tensor:
-        ident = Identity(self.run_id, r, "reduced", self.sid(j), -1)
-        members = members or self.membership.read(r) or []
-        writer = reducer_of(j, members) if members else None
-        self.log(f"round {r}: {problem}; asking its reducer (rank {writer}) to re-publish it")
-        self._put(self.keys.repair(r, self.sid(j)), json.dumps({"by": self.rank, "problem": problem}).encode(),
-                  create_only=True)
-        deadline = time.monotonic() + self.round_timeout
-        backoff = Backoff(self.poll_interval, self.poll_max)
-        while True:
-            obj, _ = self._get_verified(self.keys.repaired(r, self.sid(j)), ident)
-            if obj is not None:
-                incidents.append({"round": r, "object": key, "writer": writer, "problem": problem,
-                                  "action": f"re-published by its reducer as {self.keys.repaired(r, self.sid(j))}"})
-                return obj.tensor()
-            if not backoff.sleep(deadline):
-                self.membership.check_not_collected(r)
-                raise RoundFailed(f"{key} is corrupt ({problem}) and its reducer (rank {writer}) did not re-publish "
-                                  f"it within {self.round_timeout:g}s")
+        return self.repairs.read_reduced(r, j, members, incidents)  # someone else won: use theirs
 
     def _gather(self, r: int, bounds: list[tuple[int, int]], members: list[int], out: torch.Tensor,
                 have: set[int], delta: torch.Tensor | None, incidents: list[dict[str, Any]], *,
@@ -351,24 +283,25 @@ class StoreAllReduce:
         Each shard is fetched, verified and decoded into its slice of `out` on a pool thread,
         so checksums and copies overlap with waiting for the remaining shards.
         """
-        prefix = self.keys.reduced(r)
+        io = self.io
+        prefix = io.keys.reduced(r)
         wanted = [j for j in range(self.n) if j not in have]
         taken_over: list[int] = []
         generation = {j: 0 for j in wanted}
 
         def fetch(j: int) -> None:
             a, b = bounds[j]
-            out[a:b] = self._read_reduced(r, j, members, incidents)
+            out[a:b] = self.repairs.read_reduced(r, j, members, incidents)
 
         pending = []
         while wanted:
-            deadline = time.monotonic() + self.round_timeout
-            backoff = Backoff(self.poll_interval, self.poll_max)
+            deadline = time.monotonic() + io.round_timeout
+            backoff = io.backoff()
             waited = False
             while wanted:
-                with self.store.polling(waited):  # re-listing after a wait is a poll
-                    present = self._present(prefix)
-                pending += [self.pool.submit(fetch, j) for j in wanted if j in present]
+                with io.store.polling(waited):  # re-listing after a wait is a poll
+                    present = io.present(prefix)
+                pending += [io.pool.submit(fetch, j) for j in wanted if j in present]
                 wanted = [j for j in wanted if j not in present]
                 if wanted and replay:
                     self.membership.check_not_collected(r)
@@ -376,11 +309,10 @@ class StoreAllReduce:
                     break
                 waited = True
             for j in list(wanted):  # its reducer (or the last claimant) never published
-                if not self._put(self.keys.claim(r, self.sid(j), generation[j]), str(self.rank).encode(),
-                                 create_only=True):
+                if not io.put(io.keys.claim(r, io.sid(j), generation[j]), str(self.rank).encode(), create_only=True):
                     generation[j] += 1  # someone else claimed it: wait for their result, then claim the next
                     continue
-                self.log(f"round {r}: reduced shard {j} did not appear in {self.round_timeout:g}s; reducing it here")
+                io.log(f"round {r}: reduced shard {j} did not appear in {io.round_timeout:g}s; reducing it here")
                 a, b = bounds[j]
                 out[a:b] = self._reduce_shard(r, j, bounds[j], members, delta, takeover=True, incidents=incidents)
                 taken_over.append(j)
@@ -399,66 +331,23 @@ class StoreAllReduce:
         if due is None:
             return
         r, owned, members = due
-        keys = [self.keys.scatter(r, self.sid(j), m) for j in owned for m in members if m != self.rank]
+        io = self.io
+        keys = [io.keys.scatter(r, io.sid(j), m) for j in owned for m in members if m != self.rank]
 
         def delete_all() -> None:
             for key in keys:
                 try:
-                    self.store.delete(key)
+                    io.store.delete(key)
                 except Exception:  # best effort; a leftover object costs storage, not correctness
                     pass
 
-        self.pool.submit(delete_all)
-
-    def _serve_repairs_once(self) -> bool:
-        """Re-publish shards readers found corrupt; True once nothing is left to watch."""
-        by_round: dict[int, list[int]] = {}
-        for j, (r, _) in self._published.items():
-            by_round.setdefault(r, []).append(j)
-        for r, shards in by_round.items():
-            asked = self._present(self.keys.repair(r))
-            for j in shards:
-                if j in asked:  # the very bytes it published first: readers verify them the same way
-                    _, blob = self._published.pop(j)
-                    self._put(self.keys.repaired(r, self.sid(j)), blob, create_only=True)
-                    self.log(f"round {r}: re-published reduced shard {j} (a reader found it corrupt)")
-        return not self._published
-
-    def _watch_repairs(self, r: int) -> None:
-        """Until the next round is formed (or the timeout), answer repair requests for round r."""
-        self._watch_stop = threading.Event()
-        stop = self._watch_stop
-
-        def watch() -> None:
-            deadline = time.monotonic() + self.round_timeout
-            delay = max(self.poll_interval, 0.05)
-            while True:
-                try:
-                    with self.store.polling():  # a watch costs what the wait costs: polls
-                        if self._serve_repairs_once():
-                            return
-                except Exception as exc:  # never let the watcher take the replica down
-                    self.log(f"round {r}: repair watch failed: {exc}")
-                remaining = deadline - time.monotonic()
-                # waiting on the event, not sleeping: the next round stops the watch at once
-                if remaining <= 0 or stop.wait(min(delay, remaining)):
-                    return
-                delay = min(delay * 1.5, max(self.poll_max, REPAIR_POLL_CAP))
-
-        self._watcher = threading.Thread(target=watch, name=f"diloco-repairs-r{r}", daemon=True)
-        self._watcher.start()
-
-    def _stop_watching(self) -> None:
-        self._watch_stop.set()
-        if self._watcher is not None:
-            self._watcher.join()
-            self._watcher = None
+        io.pool.submit(delete_all)
 
     def close(self) -> None:
-        self._stop_watching()
-        self.pool.shutdown(wait=True)
+        self.repairs.stop()
+        self.io.pool.shutdown(wait=True)
 
     def describe(self) -> dict[str, Any]:
-        return {"run": self.run_id, "rank": self.rank, "world_size": self.n, "codec": self.codec,
+        return {"run": self.io.run_id, "rank": self.rank, "world_size": self.n, "codec": self.codec,
                 "topk_density": self.topk_density,
                 "lane": self.lanes.index, "lanes": self.lanes.count}

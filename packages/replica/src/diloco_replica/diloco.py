@@ -44,6 +44,8 @@ import torch
 from diloco.context import ReplicaContext
 from diloco.errors import UserError
 from diloco.metrics import RoundMetrics
+from diloco.envvars import ENV_SETTINGS
+from diloco.settings import DilocoSettings
 from diloco.spec import DILOCO
 from diloco.store import poll_defaults, verify_store
 
@@ -54,7 +56,7 @@ from .membership import FellBehind
 from .modelview import model_view
 from .recorder import Recorder
 
-# One place for the defaults: the spec's [diloco] table (diloco.spec.DILOCO).
+# One place for the defaults: the spec's [diloco] table (diloco.spec.DILOCO), typed as DilocoSettings.
 DEFAULTS: dict[str, Any] = {key: f.default for key, f in DILOCO.items()}
 
 RoundInfo = RoundMetrics  # what `DiLoCo.step` returns: the round's metrics row (one type, in diloco.metrics)
@@ -85,33 +87,32 @@ class DiLoCo:
         unknown = sorted(set(settings) - set(DEFAULTS))
         if unknown:
             raise TypeError(f"unknown DiLoCo setting(s) {unknown}; known: {sorted(DEFAULTS)}")
-        self.settings = {**DEFAULTS, **{k: v for k, v in self.ctx.settings.items() if k in DEFAULTS},
-                         **{k: v for k, v in settings.items() if v is not None}}
-        s = self.settings
+        # the launcher's settings, checked again here (nothing that arrives is trusted), then the keywords
+        self.settings = s = DilocoSettings.from_table({**self.ctx.settings, **settings}, where=ENV_SETTINGS)
         self.model, self.inner_opt = model, inner_opt
         self.lanes = Lanes.join(self.ctx.lanes, self.ctx.lane, self._log)
         self.view = model_view(model, self.lanes)  # what this process syncs: its lane of the model
-        self.H = int(s["sync_every"])
-        self.fragments = int(s["fragments"])
+        self.H = int(s.sync_every)
+        self.fragments = int(s.fragments)
         if self.fragments < 1 or self.H % self.fragments:
             raise UserError(f"diloco setting fragments={self.fragments} must divide sync_every={self.H}")
         self.stride = self.H // self.fragments  # inner steps between rounds
-        self.overlap = bool(s["overlap"])
+        self.overlap = bool(s.overlap)
         self.store = store if store is not None else self.ctx.store
         verify_store(self.store, self.ctx.run_id, f"rank-{self.ctx.rank}-{self.ctx.lane}-attempt-{self.ctx.attempt}")
         first, cap = poll_defaults(self.store.uri)
         self.allreduce = StoreAllReduce(
-            self.store, self.ctx.run_id, self.ctx.rank, self.ctx.world_size, codec=s["transport"],
-            round_timeout=float(s["round_timeout"]), min_members=int(s["min_members"]),
-            poll_interval=float(s["poll_interval"] or first), poll_max=float(s["poll_max"] or cap), log=self._log,
-            lanes=self.lanes, topk_density=float(s["topk_density"]))
+            self.store, self.ctx.run_id, self.ctx.rank, self.ctx.world_size, codec=s.transport,
+            round_timeout=float(s.round_timeout), min_members=int(s.min_members),
+            poll_interval=float(s.poll_interval or first), poll_max=float(s.poll_max or cap), log=self._log,
+            lanes=self.lanes, topk_density=float(s.topk_density))
         on_cuda = any(t.device.type == "cuda" for t in self.view.tensors[:1])
-        self.state = GlobalState(self.allreduce, self.view.numel, lr=float(s["outer_lr"]),
-                                 momentum=float(s["outer_momentum"]), nesterov=bool(s["nesterov"]),
-                                 checkpoint_every=int(s["checkpoint_every"]), log=self._log, pin=on_cuda,
+        self.state = GlobalState(self.allreduce, self.view.numel, lr=float(s.outer_lr),
+                                 momentum=float(s.outer_momentum), nesterov=bool(s.nesterov),
+                                 checkpoint_every=int(s.checkpoint_every), log=self._log, pin=on_cuda,
                                  fragments=self.fragments)
         # topk's error feedback: what this lane has not sent yet. A (re)joining replica starts at zero.
-        self.residual = torch.zeros(self.view.numel) if s["transport"] == "topk" else None
+        self.residual = torch.zeros(self.view.numel) if s.transport == "topk" else None
         self._inflight: InFlight | None = None
         self._exchanger = ThreadPoolExecutor(1, thread_name_prefix="diloco-round") if self.overlap else None
         self.recorder = Recorder(self.allreduce, self._log)
@@ -121,7 +122,7 @@ class DiLoCo:
         self._losses: list[float] = []
         self._tokens = 0
         self._evals: list[list[float]] = []  # [global step, eval loss] reported since the last sync
-        self.total_steps: int | None = s.get("total_steps")
+        self.total_steps: int | None = s.total_steps
         self._compute_start = time.monotonic()
         self._alone_since_start = self.ctx.world_size > 1  # until a round with another member is seen
         self.history: list[RoundMetrics] = []
@@ -290,7 +291,7 @@ class DiLoCo:
         self.history.append(info)
         # θ and the momentum stay as they are until the next round's outer step, so their digest
         # (a CRC over 8 bytes per parameter, ~2 GB/s) and the row's write overlap the next inner steps.
-        self._pending_row = self.allreduce.pool.submit(self._record, info)
+        self._pending_row = self.allreduce.io.pool.submit(self._record, info)
         if local_at_sync is None:
             self._next_phase()
         return info

@@ -51,3 +51,12 @@ class CorruptionInjector:
         blob = bytearray(store.get(key))
         blob[-1] ^= 0xFF
         store.put(key, bytes(blob))
+
+
+class Faults:
+    """The fault-injection hooks a round's I/O calls (`roundio.RoundIO`): where a replica is
+    (`phase`) and what it just wrote (`after_write`). Off unless the variables above are set."""
+
+    def __init__(self, rank: int = 0, lane: int = 0):
+        self.phase = PhaseMarker(rank, lane)
+        self.after_write = CorruptionInjector()

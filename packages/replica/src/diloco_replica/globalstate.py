@@ -31,6 +31,7 @@ class GlobalState:
                  checkpoint_every: int = 10, log: Callable[[str], None] | None = None, pin: bool = False,
                  fragments: int = 1):
         self.ar = allreduce
+        self.io = allreduce.io  # the round's store, keys, pool and timeouts
         self.history = allreduce.history
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
         self.checkpoint_every = checkpoint_every
@@ -67,7 +68,7 @@ class GlobalState:
         they replay to the same round (`catch_up`); a lane that sees the store change under it
         sends the whole replica round the loop again.
         """
-        lanes = self.ar.lanes
+        lanes = self.io.lanes
         for _ in range(8):  # a checkpoint can vanish under GC between listing and loading
             try:
                 chosen = lanes.on_leader(lambda: self._newest_usable(below))
@@ -105,7 +106,7 @@ class GlobalState:
         (a round one lane saw complete is decided, so its other lanes' shards come, or are taken
         over), so a replica's lanes always hold the same round.
         """
-        lanes = self.ar.lanes
+        lanes = self.io.lanes
         start = self.round
 
         def apply_next() -> None:
@@ -137,14 +138,14 @@ class GlobalState:
         if read_initial is None:
             raise RoundFailed("round 0's checkpoint is missing although this replica joined the run before")
         initial = read_initial()
-        if self.ar.rank not in self.history.present(0):
-            self.history.put_shard(0, self.ar.rank, initial, None)
-        deadline = time.monotonic() + self.ar.round_timeout
-        backoff = Backoff(self.ar.poll_interval, self.ar.poll_max)
+        if self.io.rank not in self.history.present(0):
+            self.history.put_shard(0, self.io.rank, initial, None)
+        deadline = time.monotonic() + self.io.round_timeout
+        backoff = Backoff(self.io.poll_interval, self.io.poll_max)
         present = self.history.present(0)
-        while len(present) < self.ar.n and backoff.sleep(deadline):
+        while len(present) < self.io.n and backoff.sleep(deadline):
             present = self.history.present(0)
-        for j in range(self.ar.n):
+        for j in range(self.io.n):
             if j not in present:  # its owner never came: write it from here (create-only)
                 self.history.put_shard(0, j, initial, None)
 
@@ -159,13 +160,13 @@ class GlobalState:
                    nesterov=self.nesterov)
         self.round = r
         if r % self.checkpoint_every == 0:
-            mine = [j for j in range(self.ar.n) if reducer_of(j, members) == self.ar.rank]
+            mine = [j for j in range(self.io.n) if reducer_of(j, members) == self.io.rank]
             for j in mine:
                 self.history.put_shard(r, j, self.theta, self.buf, digest=self.digest())
             if mine:
                 self.written[r] = mine
-            if reducer_of(0, members) == self.ar.rank and self.ar.lanes.leader:  # one collector, off the hot path
-                self.ar.pool.submit(self.history.collect_garbage, r)
+            if reducer_of(0, members) == self.io.rank and self.io.lanes.leader:  # one collector, off the hot path
+                self.io.pool.submit(self.history.collect_garbage, r)
 
     def digest(self) -> str:
         return state_digest(self.theta, self.buf)
@@ -175,6 +176,6 @@ class GlobalState:
         from then on, and reload from an older one (the others' state, replayed)."""
         tainted = sorted(c for c in self.written if c >= since)
         if tainted:  # each lane voids the checkpoints it wrote shards of: a void marker voids all lanes
-            self.history.void(tainted, f"written by rank {self.ar.rank}, whose state diverged at round {since}")
+            self.history.void(tainted, f"written by rank {self.io.rank}, whose state diverged at round {since}")
         self.written = {c: s for c, s in self.written.items() if c < since}
         return self.bootstrap(initial, below=since)

@@ -16,23 +16,27 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from diloco.store import ObjectExists
 
-from .transport import CountingStore, LaneShards, RunKeys, shard_bounds
+from .transport import shard_bounds
 from .wire import CorruptObject, Identity, encode_tensor, pack, unpack
+
+if TYPE_CHECKING:
+    from .roundio import RoundIO
 
 VOID = "void"
 LOAD_WINDOW_BYTES = 64 << 20  # checkpoint shards up to this size are fetched four at a time
 
 
 class History:
-    def __init__(self, store: CountingStore, keys: RunKeys, shards: LaneShards, pool, log: Callable[[str], None]):
-        self.store, self.keys, self.shards, self.pool, self.log = store, keys, shards, pool, log
-        self.n = shards.n
+    def __init__(self, io: RoundIO):
+        self.io = io
+        self.store, self.keys, self.shards, self.pool, self.log = io.store, io.keys, io.shards, io.pool, io.log
+        self.n = io.shards.n
 
     # -- low-water mark ----------------------------------------------------------------------
 

@@ -13,13 +13,16 @@ History is never rewritten: a round at or below the store's low-water mark (see
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from diloco.store import ObjectExists
 
 from .history import History
-from .transport import Backoff, CountingStore, RunKeys
+from .transport import Backoff
 from .wire import CorruptObject, Identity, pack_json, unpack
+
+if TYPE_CHECKING:
+    from .roundio import RoundIO
 
 
 class RoundFailed(Exception):
@@ -31,12 +34,10 @@ class FellBehind(RoundFailed):
 
 
 class Membership:
-    def __init__(self, store: CountingStore, keys: RunKeys, rank: int, n: int, history: History, *,
-                 round_timeout: float, min_members: int, poll_interval: float, poll_max: float,
-                 log: Callable[[str], None]):
-        self.store, self.keys, self.rank, self.n, self.history = store, keys, rank, n, history
-        self.round_timeout, self.min_members = round_timeout, min_members
-        self.poll_interval, self.poll_max, self.log = poll_interval, poll_max, log
+    def __init__(self, io: RoundIO, history: History, *, min_members: int):
+        self.store, self.keys, self.rank, self.n, self.history = io.store, io.keys, io.rank, io.n, history
+        self.round_timeout, self.min_members = io.round_timeout, min_members
+        self.poll_interval, self.poll_max, self.log = io.poll_interval, io.poll_max, io.log
 
     def read(self, r: int) -> list[int] | None:
         """The decided members of round r, or None if undecided (or deleted)."""

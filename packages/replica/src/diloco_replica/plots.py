@@ -58,22 +58,22 @@ def timeline_png(rounds: list[RoundSummary]) -> bytes | None:
     """Top: each replica's last rounds on a wall-clock axis, one colour per phase. Bottom: every
     round's mean seconds per phase over its members, and what waiting for its straggler cost."""
     plt = _pyplot()
-    members = [r for r in rounds if any(row.get("phases") for row in r.rows)]
+    members = [r for r in rounds if any(row.phases for row in r.rows)]
     if plt is None or not members:
         return None
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), dpi=100, gridspec_kw={"height_ratios": [3, 2]})
     shown = members[-MAX_GANTT_ROUNDS:]
-    t0 = min(row["t"] - sum((row.get("phases") or {}).values()) for s in shown for row in s.rows)
-    ranks = sorted({row["rank"] for s in shown for row in s.rows})
+    t0 = min(row.t - sum(row.phases.values()) for s in shown for row in s.rows)
+    ranks = sorted({row.rank for s in shown for row in s.rows})
     for s in shown:
         for row in s.rows:
-            phases = row.get("phases") or {}
-            end = row["t"] - t0
+            phases = row.phases
+            end = row.t - t0
             start = end - sum(phases.get(p, 0.0) for p in PHASES)
             for p in PHASES:  # laid out back to back, ending when the replica applied the round
                 width = phases.get(p, 0.0)
-                top.barh(row["rank"], width, left=start, color=COLORS[p], height=0.6,
-                         edgecolor="black" if s.straggler == row["rank"] else "none", linewidth=0.6)
+                top.barh(row.rank, width, left=start, color=COLORS[p], height=0.6,
+                         edgecolor="black" if s.straggler == row.rank else "none", linewidth=0.6)
                 start += width
     top.set_yticks(ranks, [f"rank {r}" for r in ranks])
     top.invert_yaxis()
@@ -84,8 +84,8 @@ def timeline_png(rounds: list[RoundSummary]) -> bytes | None:
     for p in PHASES:
         vals = []
         for s in members:
-            rows = [row for row in s.rows if row.get("member", True) and row.get("phases")]
-            vals.append(sum(row["phases"].get(p, 0.0) for row in rows) / max(1, len(rows)))
+            rows = [row for row in s.rows if row.member and row.phases]
+            vals.append(sum(row.phases.get(p, 0.0) for row in rows) / max(1, len(rows)))
         bottom.bar(xs, vals, bottom=base, color=COLORS[p], label=p)
         base = [b + v for b, v in zip(base, vals)]
     bottom.plot(xs, [s.waited_s for s in members], "k.-", ms=3, lw=0.8, label="waited for straggler (replica-s)")

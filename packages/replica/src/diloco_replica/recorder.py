@@ -22,28 +22,28 @@ from .transport import Backoff, reducer_of
 
 class Recorder:
     def __init__(self, ar: StoreAllReduce, log: Callable[[str], None]):
-        self.ar, self.log = ar, log
+        self.io, self.log = ar.io, log
         self.reader: RoundReader | None = None
 
     def write_row(self, row: RoundMetrics) -> None:
         try:
-            self.ar.store.put(metrics_key(self.ar.run_id, row.round, row.rank), row.to_json())
+            self.io.store.put(metrics_key(self.io.run_id, row.round, row.rank), row.to_json())
         except Exception as exc:  # metrics are for people; never fail training over them
             self.log(f"could not write metrics for round {row.round}: {exc}")
 
     def maybe_summarize(self, r: int, members: list[int]) -> None:
         """If this replica records round r, write its summary in the background."""
-        if members and reducer_of(0, members) == self.ar.rank:
-            self.ar.pool.submit(self._summarize, r, members)
+        if members and reducer_of(0, members) == self.io.rank:
+            self.io.pool.submit(self._summarize, r, members)
 
     def _summarize(self, r: int, members: list[int]) -> None:
-        prefix = f"{self.ar.run_id}/metrics/r{r:08d}/"
-        deadline = time.monotonic() + self.ar.round_timeout
-        backoff = Backoff(self.ar.poll_interval, self.ar.poll_max)
+        prefix = f"{self.io.run_id}/metrics/r{r:08d}/"
+        deadline = time.monotonic() + self.io.round_timeout
+        backoff = Backoff(self.io.poll_interval, self.io.poll_max)
         # The raw store, not the counting one: this runs in the background, often inside the next
         # round's exchange, whose row must count the exchange alone (diloco.estimate counts summaries
         # with the run's bookkeeping).
-        store = self.ar.store.store
+        store = self.io.store.store
 
         def names_now() -> list[str]:
             return [m["path"][len(prefix):] for m in store.list(prefix)]
@@ -58,7 +58,7 @@ class Recorder:
                 if raw is not None:
                     rows.append(RoundMetrics.from_json(raw))
             summary = RoundSummary.from_rows(r, rows)
-            store.put(summary_key(self.ar.run_id, r), summary.to_json(), create_only=True)
+            store.put(summary_key(self.io.run_id, r), summary.to_json(), create_only=True)
             if summary.diverged:
                 self.log(f"round {r}: replicas {summary.diverged['minority']} hold a global state different from "
                          f"{summary.diverged['majority']}")
@@ -70,10 +70,10 @@ class Recorder:
     def diverged_since(self, after: int) -> int | None:
         """The first round (newer than `after`) in which this replica's state was in the minority."""
         if self.reader is None:
-            self.reader = RoundReader(self.ar.store, self.ar.run_id, after=after)
+            self.reader = RoundReader(self.io.store, self.io.run_id, after=after)
         try:
             for summary in self.reader.read_new():
-                if summary.diverged and self.ar.rank in summary.diverged["minority"]:
+                if summary.diverged and self.io.rank in summary.diverged["minority"]:
                     return summary.round
         except Exception as exc:
             self.log(f"could not read round summaries: {exc}")

@@ -80,7 +80,7 @@ def write_run_report(ctx: ReplicaContext, diloco: Any, *, eval_loss: float | Non
     if not rounds or rounds[-1].round < diloco.round:
         rounds += reader.read_new(final=True)
     summary = summarize(rounds, eval_loss=eval_loss, steps=steps, n_params=n_params, world=ctx.world_size,
-                        settings=diloco.settings)
+                        settings=diloco.settings.to_dict())
     store = diloco.store
     store.put(artifact_key(ctx.run_id, "summary.json"), json.dumps({**summary, "rounds_detail": [asdict(r) for r in rounds]}, indent=2).encode())
     store.put(artifact_key(ctx.run_id, "summary.txt"), format_summary(summary).encode())

@@ -26,6 +26,9 @@ module) are mapped to local directories given as `image_paths` / `pythonpath`.
 
 In a subprocess, `python -m diloco_modal.testing <diloco args>` is the diloco CLI with the double
 installed; it reads the double's root from DILOCO_FAKE_MODAL.
+
+Here: `FakeModal` (the cloud, and `install()`); in `files` its state on disk, in `objects` the
+objects it hands out, in `container` and `call` what runs inside a container.
 """
 
 from __future__ import annotations
@@ -36,167 +39,14 @@ import secrets as _secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-ROOT_ENV = "DILOCO_FAKE_MODAL"
-GRACE_SECONDS = 5.0  # between the preemption notice and the kill
-_NODE_VARS = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV")
+from .files import GRACE_SECONDS, ROOT_ENV, _check_token, _modal, _node_env, _read_json, _write_json
+from .objects import FakeFunctionCall, FakeSandbox, FakeSecret, FakeVolume, _Container, _DeployedFunction
 
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
-def _read_json(path: Path, default: Any = None) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return default
-
-
-def write_exit(obj_dir: Path, status: str, exitcode: int) -> bool:
-    """Record how a container ended, once: the first writer (container, terminate, timeout) wins."""
-    try:
-        fd = os.open(obj_dir / "exit.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w") as f:
-        json.dump({"status": status, "exitcode": exitcode, "ended_at": time.time()}, f)
-    return True
-
-
-def _modal():
-    import modal
-
-    return modal
-
-
-def _check_token() -> None:
-    """Modal's client refuses to start without a token; so does the double."""
-    modal = _modal()
-    if not (modal.config.config.get("token_id") and modal.config.config.get("token_secret")):
-        raise modal.exception.AuthError(
-            "Token missing. Could not authenticate client. If you have token credentials, see "
-            "modal.com/docs/reference/modal.config for setup help. If you are a new user, register an account at "
-            "modal.com, then run `modal token new`.")
-
-
-class _Logs:
-    """`obj.logs`: `tail(n)` yields `modal.types.LogEntry`, one per output line."""
-
-    def __init__(self, obj: _Container):
-        self._obj = obj
-
-    def tail(self, entries: int = 100, *, source: str | None = None):
-        from modal.types import LogEntry
-
-        try:
-            lines = (self._obj.dir / "output.log").read_text(errors="replace").splitlines(keepends=True)
-        except FileNotFoundError:
-            lines = []
-        now = datetime.now(timezone.utc)
-        for line in lines[-entries:]:
-            yield LogEntry(message=line, timestamp=now, source="stdout", object_id=self._obj.object_id,
-                           context_ids=[self._obj.object_id])
-
-
-class _Container:
-    """What sandboxes and function calls share: a directory and a detached container process."""
-
-    def __init__(self, fake: FakeModal, object_id: str):
-        self.fake, self.object_id = fake, object_id
-        self.dir = fake.root / "objects" / object_id
-        if not (self.dir / "spec.json").exists():
-            raise _modal().exception.NotFoundError(f"No object with id {object_id!r} exists")
-
-    @property
-    def spec(self) -> dict[str, Any]:
-        return _read_json(self.dir / "spec.json", {})
-
-    def _exit(self) -> dict[str, Any] | None:
-        return _read_json(self.dir / "exit.json")
-
-    @property
-    def logs(self) -> _Logs:
-        return _Logs(self)
-
-    def _kill(self, status: str, exitcode: int) -> None:
-        write_exit(self.dir, status, exitcode)
-        pid = _read_json(self.dir / "container.json", {}).get("pid")
-        if pid:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    def get_dashboard_url(self) -> str:
-        return f"https://modal.com/id/{self.object_id}"
-
-
-class FakeSandbox(_Container):
-    """Shaped like `modal.Sandbox`."""
-
-    def poll(self) -> int | None:
-        ended = self._exit()
-        return None if ended is None else int(ended["exitcode"])
-
-    @property
-    def returncode(self) -> int | None:
-        return self.poll()
-
-    def wait(self, raise_on_termination: bool = True) -> None:
-        while self.poll() is None:
-            time.sleep(0.05)
-        ended = self._exit() or {}
-        if ended.get("status") == "timeout":
-            raise _modal().exception.SandboxTimeoutError()
-        if ended.get("status") == "terminated" and raise_on_termination:
-            raise _modal().exception.SandboxTerminatedError()
-
-    def terminate(self, *, wait: bool = False) -> int | None:
-        if self.poll() is None:
-            self._kill("terminated", 137)
-        return self.poll() if wait else None
-
-    def get_tags(self) -> dict[str, str]:
-        return dict(_read_json(self.dir / "tags.json", {}))
-
-    def set_tags(self, tags: dict[str, str], *, client: Any = None) -> None:
-        _write_json(self.dir / "tags.json", dict(tags))
-
-
-class FakeFunctionCall(_Container):
-    """Shaped like `modal.FunctionCall` (no `get`: diloco never unpickles a call's output)."""
-
-    def get_call_graph(self) -> list[Any]:
-        from modal.types import InputInfo, InputStatus
-
-        ended = self._exit()
-        task = _read_json(self.dir / "container.json", {}).get("task_id", "")
-        status = InputStatus.PENDING if ended is None else {
-            "success": InputStatus.SUCCESS, "failure": InputStatus.FAILURE, "terminated": InputStatus.TERMINATED,
-            "timeout": InputStatus.TIMEOUT}[ended["status"]]
-        spec = self.spec
-        return [InputInfo(input_id=f"in-{self.object_id[3:]}", function_call_id=self.object_id, task_id=task,
-                          status=status, function_name=spec.get("function_name", ""),
-                          module_name=spec.get("module", ""), children=[])]
-
-    def cancel(self, terminate_containers: bool = False) -> None:
-        if self._exit() is None:
-            self._kill("terminated", 137)
-
-
-class FakeSecret:
-    """Stands for a `modal.Secret` whose values the double must know to inject them."""
-
-    def __init__(self, values: dict[str, str] | None = None, name: str | None = None):
-        self.values, self.name = dict(values or {}), name
+__all__ = ["ROOT_ENV", "FakeFunctionCall", "FakeModal", "FakeSandbox", "FakeSecret", "FakeVolume"]
 
 
 class FakeModal:
@@ -410,25 +260,3 @@ class FakeModal:
             if not (obj / "exit.json").exists():
                 _Container(self, oid)._kill("terminated", 137)
         self.uninstall()
-
-
-class FakeVolume:
-    def __init__(self, name: str):
-        self.name = name
-
-
-class _DeployedFunction:
-    """What `modal.Function.from_name` returns for a deployed function: spawnable by name."""
-
-    def __init__(self, fake: FakeModal, app_name: str, name: str):
-        self.fake, self.app_name, self.name = fake, app_name, name
-
-    def spawn(self, *args: Any, **kwargs: Any) -> FakeFunctionCall:
-        return self.fake.spawn_deployed(self.app_name, self.name, *args, **kwargs)
-
-    def remote(self, *args: Any, **kwargs: Any) -> Any:
-        raise _modal().exception.InvalidError("the double runs functions with spawn only")
-
-
-def _node_env() -> dict[str, str]:
-    return {k: os.environ[k] for k in _NODE_VARS if k in os.environ}

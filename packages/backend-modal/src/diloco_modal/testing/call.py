@@ -12,7 +12,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from . import _read_json
+from .files import _read_json
 
 
 def main(obj_dir: Path) -> int:

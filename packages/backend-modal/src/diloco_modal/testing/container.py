@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import ROOT_ENV, _node_env, _read_json, _write_json, write_exit
+from .files import ROOT_ENV, _node_env, _read_json, _write_json, write_exit
 
 
 def _mapper(image_paths: dict[str, str]):

@@ -140,6 +140,11 @@ class FakeSageMaker:
     def job(self, name: str) -> dict[str, Any]:
         return describe(self.root, name)
 
+    def received(self, name: str) -> dict[str, Any] | None:
+        """The CreateTrainingJob request for job `name` exactly as the API received it (None: never created)."""
+        req = read_json(self.root / "jobs" / name / "request.json")
+        return None if req is None else {k: v for k, v in req.items() if k not in ("TrainingJobArn", "CreationTime")}
+
     def live_processes(self) -> list[int]:
         out = []
         for d in (self.root / "jobs").iterdir():

@@ -1,0 +1,59 @@
+"""The eks backend's `[backend]` options: declared once (`EksOptions`), checked by core.
+
+Types, bounds and choices are checked from the declaration (`diloco.options`), each as one line
+naming `backend.KEY`; `check` adds what the declaration cannot say (a namespace's shape).
+The same object shapes every pod (`diloco_eks.manifest`) and says how to reach the cluster
+(`diloco_eks.api`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from diloco.options import option
+
+from .manifest import dns_label
+
+
+@dataclass(frozen=True)
+class EksOptions:
+    """The eks backend's `[backend]` options (see the README for what each maps to)."""
+
+    image: str | None = option(None, help="the container image holding diloco-replica (packages/replica/Dockerfile "
+                                          "builds one); required to plan or launch")
+    namespace: str = option("default", help="the namespace Jobs and Secrets are created in")
+    command: list[str] | None = option(None, help='the container command; default ["diloco-replica"] '
+                                                  "(a command entrypoint replaces it)")
+    service_account: str | None = option(None, help="serviceAccountName of the pods (IRSA / workload identity "
+                                                    "for the store); not created")
+    runtime_class: str | None = option(None, help="runtimeClassName (gVisor, Kata); referenced, never created")
+    node_selector: dict[str, str] = option({}, help="extra nodeSelector labels (yours win over the GPU's "
+                                                    "instance type)")
+    tolerations: list[dict[str, Any]] | None = option(None, help="pod tolerations; default with a GPU: "
+                                                                 "nvidia.com/gpu Exists NoSchedule")
+    cpu: str | None = option(None, help='CPU request per pod, e.g. "8"')
+    memory: str | None = option(None, help='memory request per pod, e.g. "64Gi"')
+    ttl_seconds_after_finished: int = option(3600, help="seconds a finished Job stays before Kubernetes "
+                                                        "deletes it", min=0)
+    per_index: bool = option(True, help="one pod per index with its own backoff (backoffLimitPerIndex), so one "
+                                        "rank can be relaunched alone; false: the whole Job fails fast and "
+                                        "restarts as a gang")
+    index_retries: int = option(0, help="retries Kubernetes itself gives each index before diloco relaunches it",
+                                min=0)
+    gpu_types: dict[str, dict[str, Any]] = option({}, help='more GPU names, e.g. { L4 = { count = 1, '
+                                                           'instance_type = "g6.xlarge" } }')
+    labels: dict[str, str] = option({}, help="extra labels on Jobs and pods")
+    kubeconfig: str | None = option(None, help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or "
+                                               "in-cluster config)")
+    context: str | None = option(None, help="kubeconfig context (default: the current one)")
+    api_url: str | None = option(None, help="a plain API server URL instead of a kubeconfig (an API proxy, or an "
+                                            "emulator in tests)")
+    cache_seconds: float = option(0.5, help="how long one read of the cluster's Jobs and pods serves polls of "
+                                            "every rank", min=0)
+
+    def check(self) -> None:
+        """What the declaration cannot check; a ValueError naming the key (a spec error, one line)."""
+        if self.namespace != dns_label(self.namespace, 63):
+            raise ValueError(f"`backend.namespace` {self.namespace!r} is not a valid Kubernetes name "
+                             f"(lowercase letters, digits and '-', at most 63)")

@@ -1,0 +1,67 @@
+"""The `[diloco]` settings as one frozen type, validated once from the spec's schema.
+
+The schema (`diloco.spec.DILOCO`: types, bounds, choices, defaults) is the one place each
+setting is defined. The launcher validates the spec's table into `DilocoSettings`, hands it to
+every replica as one environment variable (`to_env`, DILOCO_SETTINGS), and the replica reads it
+back with `from_env`, which runs the same checks: a replica trusts no setting that arrives.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .errors import SpecError
+
+
+@dataclass(frozen=True)
+class DilocoSettings:
+    sync_every: int
+    outer_lr: float
+    outer_momentum: float
+    nesterov: bool
+    transport: str
+    topk_density: float
+    fragments: int
+    overlap: bool
+    total_steps: int | None
+    parameters: int | None
+    round_timeout: float
+    min_members: int
+    checkpoint_every: int
+    poll_interval: float | None
+    poll_max: float | None
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any], *, where: str = "<spec>") -> DilocoSettings:
+        """Checked against the schema (unknown keys, types, bounds, choices), defaults filled in."""
+        from .spec import DILOCO, check_table
+
+        values = check_table(where, {k: v for k, v in table.items() if v is not None}, DILOCO, "diloco.")
+        if values["sync_every"] % values["fragments"]:
+            raise SpecError(f"{where}: `diloco.fragments` ({values['fragments']}) must divide `diloco.sync_every` "
+                            f"({values['sync_every']}): one fragment syncs every sync_every/fragments inner steps")
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_env(self) -> str:
+        """DILOCO_SETTINGS's value: how the launcher hands the settings to every replica."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_env(cls, text: str | None, **overrides: Any) -> DilocoSettings:
+        """What a replica runs with: DILOCO_SETTINGS, checked again, with keyword overrides on top."""
+        from .envvars import ENV_SETTINGS
+
+        try:
+            table = json.loads(text) if text else {}
+        except ValueError:
+            raise SpecError(f"{ENV_SETTINGS} is not JSON; it is written by the launcher (diloco run)") from None
+        if not isinstance(table, dict):
+            raise SpecError(f"{ENV_SETTINGS} must be a JSON object of [diloco] settings")
+        return cls.from_table({**table, **{k: v for k, v in overrides.items() if v is not None}},
+                              where=ENV_SETTINGS)
