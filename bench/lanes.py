@@ -58,7 +58,7 @@ def peak_rss_kb() -> int:
 
 def raw_round(store, run: str, rank: int, lane: int, lanes: int, numel: int, barrier) -> float:
     """The lane's share of the round's bytes with plain puts and gets, same pool width as the protocol."""
-    from diloco_replica.transport import shard_bounds
+    from diloco_replica.storeaccess import shard_bounds
 
     bounds = shard_bounds(numel, N)
     payload = torch.randn(numel).numpy().tobytes()
@@ -136,7 +136,7 @@ def one(uri: str, env: dict, lanes: int) -> dict:
     ctx = mp.get_context("spawn")
     queue, barrier = ctx.Queue(), ctx.Barrier(N * lanes)
     if lanes > 1 and os.environ.get("BENCH_MALLOC", "launcher") == "launcher":  # as replica_env sets it
-        from diloco.launchenv import GROUP_ENV_DEFAULTS
+        from diloco.replicaenv import GROUP_ENV_DEFAULTS
 
         os.environ.update(GROUP_ENV_DEFAULTS)  # glibc reads it at exec: the spawned workers see it
     else:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import time
 import sys
 from pathlib import Path
 
 import pytest
+
+from diloco.testing.scenarios import events_of, one_global_model, record_of, wait_for_round  # noqa: F401 (shared)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,29 +76,3 @@ def on_s3(spec: Path, s3: dict) -> Path:
     return spec
 
 
-def record_of(state: Path, run_id: str) -> dict:
-    """A run's record as the launcher saved it (run.json)."""
-    return json.loads((state / "runs" / run_id / "run.json").read_text())
-
-
-def events_of(state: Path, run_id: str) -> list[dict]:
-    path = state / "runs" / run_id / "events.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-
-
-def wait_for_round(state: Path, run_id: str, n: int, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(e.get("event") == "round" and e["round"] >= n for e in events_of(state, run_id)):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"round {n} never completed: {events_of(state, run_id)[-5:]}")
-
-
-def one_global_model(record: dict) -> None:
-    """Every rank succeeded holding the same global θ: the CRC each entrypoint returned, which remote
-    backends read back from the replica's log as JSON (nothing is unpickled)."""
-    ranks = record["ranks"]
-    assert all(r["status"] == "succeeded" for r in ranks), [(r["rank"], r["status"], r["last_error"]) for r in ranks]
-    crcs = {r["result"]["theta_crc32"] for r in ranks}
-    assert len(crcs) == 1, f"replicas disagree on the global model: {crcs}"

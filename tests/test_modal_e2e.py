@@ -20,6 +20,7 @@ import time
 import pytest
 
 from conftest import ROOT, events_of, on_s3, one_global_model, record_of, tiny_spec, wait_for_round
+from diloco.testing.scenarios import StandIn, cancel_from_another_shell, killed_launcher_is_resumed
 
 pytest.importorskip("diloco_modal")
 
@@ -118,37 +119,19 @@ def test_tiny_lm_through_modal_survives_a_kill_and_a_preemption(tmp_path, cloud,
     assert any("/reduced/" in k for k in keys)  # they met in S3
 
 
+def standin(cloud) -> StandIn:
+    from diloco_modal.testing import ROOT_ENV
+
+    return StandIn(cloud.live_processes, env={ROOT_ENV: str(cloud.root), **TOKEN}, module="diloco_modal.testing")
+
+
 def test_a_killed_launcher_is_resumed_from_another_process(tmp_path, cloud, s3):
-    state = tmp_path / "state"
-    spec = modal_spec(tmp_path, s3, steps=150, sync_every=25)
-    launcher, run_id = start(cloud, state, "run", str(spec))
-    wait_for_round(state, run_id, 1)
-    launcher.send_signal(signal.SIGKILL)
-    launcher.wait()
-    status = modal_cli(cloud, state, "status", run_id, "--json")  # another shell, through the durable ids
-    assert status.returncode == 0, status.stderr
-    assert set(json.loads(status.stdout)["live"].values()) <= {"running", "succeeded"}
-    resumed = modal_cli(cloud, state, "resume", run_id)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    record = record_of(state, run_id)
-    one_global_model(record)
-    assert all(r["restarts"] == 0 for r in record["ranks"])  # reattached, nothing relaunched
+    killed_launcher_is_resumed(standin(cloud), tmp_path / "state", modal_spec(tmp_path, s3, steps=150, sync_every=25))
 
 
 def test_cancel_from_another_shell_leaves_nothing_running(tmp_path, cloud, s3):
-    state = tmp_path / "state"
-    spec = modal_spec(tmp_path, s3, steps=2000, sync_every=25)
-    launcher, run_id = start(cloud, state, "run", str(spec))
-    wait_for_round(state, run_id, 1)
-    cancel = modal_cli(cloud, state, "cancel", run_id)
-    assert cancel.returncode == 0, cancel.stderr
-    launcher.communicate(timeout=120)
-    deadline = time.monotonic() + 20
-    while cloud.live_processes() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert cloud.live_processes() == []
-    status = json.loads(modal_cli(cloud, state, "status", run_id, "--json").stdout)
-    assert set(status["live"].values()) == {"cancelled"}
+    cancel_from_another_shell(standin(cloud), tmp_path / "state", modal_spec(tmp_path, s3, steps=2000, sync_every=25),
+                              settle=20)
 
 
 def test_no_modal_token_is_one_line(tmp_path, cloud, s3):

@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from diloco.testing.scenarios import StandIn, cancel_from_another_shell, killed_launcher_is_resumed
 from conftest import events_of, on_s3, one_global_model, record_of, tiny_spec, wait_for_round
 
 pytest.importorskip("diloco_sagemaker")
@@ -108,37 +109,24 @@ def test_tiny_lm_on_sagemaker_survives_a_failed_job_and_a_spot_interruption(tmp_
     assert any("/reduced/" in k for k in keys)  # they met in S3
 
 
+def standin(plane) -> StandIn:
+    return StandIn(plane.live_processes, env=plane.env)
+
+
 def test_a_killed_launcher_is_reattached_from_another_process(tmp_path, plane, s3):
-    state = tmp_path / "state"
-    spec = sm_spec(tmp_path, s3, steps=150, sync_every=25)
-    launcher, run_id = start(plane, state, "run", str(spec))
-    wait_for_round(state, run_id, 1)
-    launcher.send_signal(signal.SIGKILL)
-    launcher.wait()
-    status = sm_cli(plane, state, "status", run_id, "--json")  # another shell, through the job names
-    assert status.returncode == 0, status.stderr
-    assert set(json.loads(status.stdout)["live"].values()) <= {"running", "succeeded"}
-    follow = sm_cli(plane, state, "logs", run_id, "--rank", "0", "--follow")
-    assert follow.returncode == 0 and "diloco: replica result:" in follow.stdout
-    resumed = sm_cli(plane, state, "resume", run_id)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    record = record_of(state, run_id)
-    one_global_model(record)
-    assert all(r["restarts"] == 0 for r in record["ranks"])  # reattached, nothing relaunched
+    state, cloud = tmp_path / "state", standin(plane)
+
+    def follow_a_log(run_id):  # while no launcher runs: the logs come from CloudWatch, to the result line
+        follow = cloud.cli(state, "logs", run_id, "--rank", "0", "--follow")
+        assert follow.returncode == 0 and "diloco: replica result:" in follow.stdout
+
+    killed_launcher_is_resumed(cloud, state, sm_spec(tmp_path, s3, steps=150, sync_every=25), follow_a_log)
 
 
 def test_cancel_from_another_shell_stops_every_job(tmp_path, plane, s3):
-    state = tmp_path / "state"
-    launcher, run_id = start(plane, state, "run", str(sm_spec(tmp_path, s3, steps=2000, sync_every=25)))
-    wait_for_round(state, run_id, 1)
-    cancel = sm_cli(plane, state, "cancel", run_id)
-    assert cancel.returncode == 0, cancel.stderr
-    launcher.communicate(timeout=120)
-    deadline = time.monotonic() + 30
-    while plane.live_processes() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert plane.live_processes() == []
-    jobs = [r["handle"]["metadata"]["job"] for r in record_of(state, run_id)["ranks"]]
+    record = cancel_from_another_shell(standin(plane), tmp_path / "state",
+                                       sm_spec(tmp_path, s3, steps=2000, sync_every=25))
+    jobs = [r["handle"]["metadata"]["job"] for r in record["ranks"]]
     assert {plane.job(j)["TrainingJobStatus"] for j in jobs} == {"Stopped"}
 
 

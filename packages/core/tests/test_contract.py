@@ -18,7 +18,7 @@ import pytest
 
 from conftest import write_spec
 from diloco.errors import BackendError, UserError
-from diloco.launchenv import REDACTED
+from diloco.replicaenv import REDACTED
 from diloco.request import LaunchPlan, LaunchRequest, Secrets
 from diloco.testing import ExecutorConformance
 from diloco.testing.firstcontract import FirstContractExecutor
@@ -55,9 +55,9 @@ def _load_example():
 box = _load_example()
 
 
-def test_the_example_is_about_sixty_lines():
+def test_the_example_stays_small():
     lines = [x for x in example_backend_source().splitlines() if x.strip()]
-    assert len(lines) <= 90, len(lines)
+    assert len(lines) <= 80, len(lines)  # about 60 lines of executor, plus imports and the hook
 
 
 class TestExampleBackendConformance(ExecutorConformance):

@@ -160,5 +160,6 @@ def test_first_contract_options_are_still_listed_and_checked(cli, tmp_path):
     executor = make_executor(FirstContractExecutor, {"grace_period": 1.0}, workdir=str(tmp_path))
     assert isinstance(executor, Adapter) and executor.inner.workdir == str(tmp_path)  # workdir passed as before
     assert executor.capabilities.relaunches_one_rank and not executor.capabilities.process_groups
+    assert executor.capabilities.log_files  # it has log_path: `diloco logs --follow` tails the file
     with pytest.raises(SpecError, match="unknown key `backend.nope`"):
         make_executor(FirstContractExecutor, {"nope": 1})

@@ -13,7 +13,7 @@ from conftest import write_spec
 
 from diloco.context import ReplicaContext
 from diloco.errors import SpecError
-from diloco.launchenv import parse_entrypoint, replica_env
+from diloco.replicaenv import parse_entrypoint, replica_env
 from diloco.procgroup import gpu_count, replica_command, resolve_processes
 from diloco.spec import parse_spec
 

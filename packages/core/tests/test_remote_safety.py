@@ -98,11 +98,12 @@ def test_workdir_reaches_an_executor_that_takes_kwargs(cli, project, remote_env)
     assert plan["seen_workdir"] == str(project)
 
 
-def test_secret_looking_args_are_redacted_in_a_dry_run():
-    from diloco.launchenv import redact_env
+def test_secret_looking_args_never_reach_a_plan():
+    from diloco.errors import UserError
+    from diloco.request import LaunchRequest
 
-    shown = redact_env({"DILOCO_ENTRYPOINT_ARGS": json.dumps({"hf_token": "hf_live", "lr": 0.1})})
-    assert "hf_live" not in json.dumps(shown) and json.loads(shown["DILOCO_ENTRYPOINT_ARGS"])["lr"] == 0.1
+    with pytest.raises(UserError, match="looks like a secret"):
+        LaunchRequest(run_id="r1", n_replicas=1, entrypoint="job:main", args={"hf_token": "hf_live", "lr": 0.1})
 
 
 FAILING = '''

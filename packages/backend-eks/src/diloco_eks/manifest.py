@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from diloco.errors import UserError
-from diloco.launchenv import Entrypoint
+from diloco.replicaenv import Entrypoint
 from diloco.procgroup import replica_command
 from diloco.protocol import ENV_RANK
 

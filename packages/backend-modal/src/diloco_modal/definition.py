@@ -9,12 +9,11 @@ Nothing here talks to Modal's servers.
 from __future__ import annotations
 
 import sys
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from diloco.errors import UserError
-from diloco.launchenv import REDACTED
+from diloco.replicaenv import REDACTED, pinned_requirement
 
 from .options import ModalOptions
 
@@ -54,14 +53,6 @@ def modal_timeout(timeout: float) -> int:
     return max(int(timeout), 1)
 
 
-def _pinned(dist: str) -> str:
-    """`dist==<installed version>` so containers run what the launcher runs; unpinned if absent here."""
-    try:
-        return f"{dist}=={metadata.version(dist)}"
-    except metadata.PackageNotFoundError:
-        return dist
-
-
 def image_definition(opts: ModalOptions, workdir: str | None) -> dict[str, Any]:
     """The container image, as data: a registry image (which must hold diloco-replica), or
     debian_slim with diloco and the user's packages; then the workdir's code at CODE_DIR."""
@@ -71,7 +62,7 @@ def image_definition(opts: ModalOptions, workdir: str | None) -> dict[str, Any]:
     else:
         version = opts.python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
         base = {"debian_slim": {"python_version": version}}
-        pip = [_pinned("diloco-core"), _pinned("diloco-replica"), *opts.pip]
+        pip = [pinned_requirement("diloco-core"), pinned_requirement("diloco-replica"), *opts.pip]
     out: dict[str, Any] = {"base": base, "pip": pip}
     if opts.requirements:
         path = (Path(workdir or ".") / opts.requirements).resolve()

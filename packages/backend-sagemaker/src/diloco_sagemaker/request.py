@@ -12,11 +12,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from importlib import metadata
 from typing import Any
 
 from diloco.errors import UserError
 from diloco.procgroup import replica_command
+from diloco.replicaenv import pinned_requirement
 from diloco.request import LaunchRequest
 
 from .bootstrap import CHANNEL, ML_ROOT, PIP_ENV, SECRET_REFS_ENV
@@ -60,13 +60,6 @@ def code_uri(opts: SageMakerOptions, rendezvous: str | None, run_id: str) -> str
     return f"{default_prefix(opts, rendezvous)}/{run_id}/code/"
 
 
-def _pinned(dist: str) -> str:
-    try:
-        return f"{dist}=={metadata.version(dist)}"
-    except metadata.PackageNotFoundError:
-        return dist
-
-
 def resolve_image(opts: SageMakerOptions, region: str, instance: str) -> str:
     """The training image: `image` as given, or the official PyTorch training image for
     `pytorch_version` through sagemaker-core's image_uris (the optional `images` extra)."""
@@ -90,7 +83,7 @@ def resolve_image(opts: SageMakerOptions, region: str, instance: str) -> str:
 
 def pip_packages(opts: SageMakerOptions) -> list[str]:
     """What the bootstrap installs first: diloco itself on an official image, then `pip`."""
-    base = [_pinned("diloco-core"), _pinned("diloco-replica")] if opts.pytorch_version else []
+    base = [pinned_requirement("diloco-core"), pinned_requirement("diloco-replica")] if opts.pytorch_version else []
     return base + list(opts.pip)
 
 

@@ -107,13 +107,11 @@ class Run:
     @property
     def state(self) -> str:
         """INIT, HEALTHY, UNHEALTHY, or one of the final states SUCCEEDED, FAILED, STOPPED."""
-        return str(self.record.data.get("state", "UNKNOWN"))
+        return self.record.state
 
     @property
     def spec(self) -> Any:
-        from .spec import RunSpec
-
-        return RunSpec.from_dict(self.record.data["spec"])
+        return self.record.spec
 
     @property
     def done(self) -> bool:
@@ -121,9 +119,7 @@ class Run:
 
     def ranks(self) -> list[Any]:
         """Each rank's `diloco.rankstate.RankState`: status, attempt handle, restarts, last error, result."""
-        from .rankstate import RankState
-
-        return [RankState.from_dict(r) for r in self.record.data.get("ranks", [])]
+        return self.record.ranks
 
     def results(self) -> list[Any]:
         """What each rank's entrypoint returned (JSON data; None where a rank returned nothing or failed)."""
@@ -140,8 +136,7 @@ class Run:
     def _rounds_of(record: RunRecord) -> list[Any]:
         from .metrics import read_rounds
 
-        return read_rounds(record.data.get("launch", {}).get("rendezvous"), record.run_id, cache_dir=record.dir,
-                           final=record.data.get("state") in FINAL_STATES)
+        return read_rounds(record.rendezvous, record.run_id, cache_dir=record.dir, final=record.ended)
 
     def progress(self) -> Any:
         """`diloco.progress.Progress`: global step / total, round, rate, ETA, members, restarts."""
@@ -167,9 +162,7 @@ class Run:
 
     @staticmethod
     def _handles_of(record: RunRecord) -> list[Any]:
-        from .protocol import ReplicaHandle
-
-        return [ReplicaHandle.from_dict(r["handle"]) for r in record.data.get("ranks", []) if r.get("handle")]
+        return record.handles
 
     def live(self) -> dict[int, str]:
         """Each rank's status as its backend reports it now."""
@@ -186,18 +179,18 @@ class Run:
         """The handle whose output `logs` reads, for each chosen rank (latest attempt by default)."""
         from .protocol import ReplicaHandle
 
-        ranks = self.record.data.get("ranks", [])
-        if rank is not None and not any(r["rank"] == rank for r in ranks):
+        ranks = self.record.ranks
+        if rank is not None and not any(r.rank == rank for r in ranks):
             raise UserError(f"run {self.id} has no rank {rank} (ranks 0..{len(ranks) - 1})")
         handles = []
         for r in ranks:
-            if rank is not None and r["rank"] != rank:
+            if rank is not None and r.rank != rank:
                 continue
-            history = [ReplicaHandle.from_dict(h) for h in r.get("history", [])]
+            history = [ReplicaHandle.from_dict(h) for h in r.history]
             if attempt is not None:
                 history = [h for h in history if h.attempt == attempt]
                 if not history:
-                    raise UserError(f"rank {r['rank']} has no attempt {attempt}")
+                    raise UserError(f"rank {r.rank} has no attempt {attempt}")
             if history:
                 handles.append(history[-1])
         return handles
@@ -221,10 +214,8 @@ class Run:
         for h in handles:
             executor.cancel(h)
         supervised_here = self._thread is not None and self._thread.is_alive()
-        if not supervised_here and not launcher_alive(record) and record.data.get("state") not in FINAL_STATES:
-            record.data["state"] = "STOPPED"
-            record.save()
-            record.event("run_cancelled", by="diloco cancel")
+        if not supervised_here and not launcher_alive(record) and not record.ended:
+            record.mark_stopped(by="diloco cancel")
         return len(handles)
 
     # -- supervision --------------------------------------------------------------------------
@@ -237,10 +228,10 @@ class Run:
 
         if self.supervisor is None:
             record = self.record
-            if record.data.get("state") in FINAL_STATES:
-                raise UserError(f"run {self.id} already ended ({record.data['state']}); nothing to resume")
+            if record.ended:
+                raise UserError(f"run {self.id} already ended ({record.state}); nothing to resume")
             if launcher_alive(record):
-                raise UserError(f"run {self.id} is still supervised by process {record.data['launcher']['pid']}; "
+                raise UserError(f"run {self.id} is still supervised by process {record.launcher.pid}; "
                                 "stop that launcher first (or wait for it)")
             self.supervisor = resume_run(record)
             record.event("resumed", pid=os.getpid())
@@ -271,10 +262,9 @@ class Run:
                 raise TimeoutError(f"run {self.id} still {self.state} after {timeout}s")
             time.sleep(poll)
         record = self.record
-        if record.data["state"] == "FAILED":
-            raise RunFailed(record.data.get("failure", "run failed"),
-                            {r["rank"]: r.get("last_error") for r in record.data.get("ranks", [])})
-        return record.data["state"]
+        if record.state == "FAILED":
+            raise RunFailed(record.failure or "run failed", {r.rank: r.last_error for r in record.ranks})
+        return record.state
 
     # -- what `diloco status` shows ----------------------------------------------------------
 
@@ -312,24 +302,22 @@ def launcher_alive(record: RunRecord) -> bool:
     from .state import process_start_ticks
     from .supervisor import HEARTBEAT_STALE
 
-    launcher = record.data.get("launcher") or {}
-    pid, beat = launcher.get("pid"), launcher.get("heartbeat", 0)
-    if not pid or (pid == os.getpid() and launcher.get("host") == socket.gethostname()):
+    launcher = record.launcher
+    if not launcher.pid or (launcher.pid == os.getpid() and launcher.host == socket.gethostname()):
         return False
-    if launcher.get("host") == socket.gethostname():
-        ticks = process_start_ticks(int(pid))
+    if launcher.host == socket.gethostname():
+        ticks = process_start_ticks(int(launcher.pid))
         if ticks is None:
             return False
-        return launcher.get("start_ticks") in (None, -1) or ticks in (-1, launcher["start_ticks"])
-    interval = float((record.data.get("spec") or {}).get("restart", {}).get("monitor_interval", 1.0))
-    return time.time() - beat <= max(HEARTBEAT_STALE, 10 * interval)
+        return launcher.start_ticks in (None, -1) or ticks in (-1, launcher.start_ticks)
+    interval = float((record.data.get("spec") or {}).get("restart", {}).get("monitor_interval") or 1.0)
+    return time.time() - launcher.heartbeat <= max(HEARTBEAT_STALE, 10 * interval)
 
 
 def estimate_view(record: RunRecord, rounds: list[Any]) -> dict[str, Any]:
     """The spec's estimate (with the measured model size if the spec gave none), and the traffic
     the replicas counted, over the same rounds, for comparison."""
     from .estimate import estimate
-    from .spec import RunSpec
 
     counted = {"rounds": len(rounds), "bytes_up": 0, "bytes_down": 0}
     for s in rounds:
@@ -339,7 +327,7 @@ def estimate_view(record: RunRecord, rounds: list[Any]) -> dict[str, Any]:
             for k, v in row.requests.items():
                 counted[k] = counted.get(k, 0) + v
     try:
-        spec = RunSpec.from_dict(record.data["spec"])
+        spec = record.spec
         measured = next((s.parameters for s in reversed(rounds) if s.parameters), None)
         if spec.diloco.get("parameters") or not measured:
             est = estimate(spec)

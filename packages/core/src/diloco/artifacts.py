@@ -12,7 +12,7 @@ def collect_artifacts(record: RunRecord) -> list[Path]:
     """Copy the run's artifacts from its store into ``runs/<run>/artifacts/``; return the files."""
     from .store import open_store
 
-    rendezvous = record.data.get("launch", {}).get("rendezvous")
+    rendezvous = record.rendezvous
     if not rendezvous:
         return []
     store = open_store(rendezvous)

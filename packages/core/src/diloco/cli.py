@@ -13,7 +13,6 @@ import time
 import click
 
 from .errors import BackendError, UserError
-from .state import FINAL_STATES
 
 
 class _Group(click.Group):
@@ -235,14 +234,14 @@ def _print_status_body(console, record, view: dict, n_events: int) -> None:
     from .progress import Progress, progress_line
 
     rounds = view["rounds_objects"]
-    ended = record.data.get("state") in FINAL_STATES
+    ended = record.ended
     from .api import launcher_alive
 
     if not ended and not launcher_alive(record):
         console.print(f"no launcher is supervising this run: diloco resume {record.run_id}", style="yellow",
                       markup=False)
-    if record.data.get("failure"):
-        console.print(f"failure: {record.data['failure']}", style="red", markup=False)
+    if record.failure:
+        console.print(f"failure: {record.failure}", style="red", markup=False)
     for warning in health_warnings(record, rounds):
         console.print(f"WARNING: {warning}", style="bold red", markup=False)
     console.print("progress: " + progress_line(Progress(**view["progress"])), markup=False)
@@ -293,10 +292,10 @@ def _follow_run(handle) -> None:
         while True:
             record.data = handle.record.data
             printer()
-            if record.data.get("state") in FINAL_STATES:
+            if record.ended:
                 printer()
                 break
-            if not handle.supervised() and time.time() - float(record.data.get("updated_at", 0)) > 30:
+            if not handle.supervised() and time.time() - record.updated_at > 30:
                 printer.close()
                 raise UserError(f"no launcher is supervising run {record.run_id}; progress stopped at its last "
                                 f"event (diloco resume {record.run_id})")
@@ -305,7 +304,7 @@ def _follow_run(handle) -> None:
         pass
     finally:
         printer.close()
-    click.echo(f"run {record.run_id} {record.data.get('state')}")
+    click.echo(f"run {record.run_id} {record.state}")
 
 
 @main.command()
@@ -336,8 +335,9 @@ def _follow(executor, handle, n_lines: int) -> None:
     """Print the tail, then new lines as they come, until the replica ends."""
     seen = executor.stream_logs(handle, n_lines=n_lines)
     click.echo(seen, nl=False)
-    path = getattr(executor, "log_path", None)
-    if path is None:  # remote backends: re-read the tail and print what is new
+    from .legacy import capabilities_of
+
+    if not capabilities_of(executor).log_files:  # remote backends: re-read the tail and print what is new
         while not executor.poll(handle).is_terminal:
             time.sleep(1.0)
             text = executor.stream_logs(handle, n_lines=n_lines)
@@ -345,7 +345,7 @@ def _follow(executor, handle, n_lines: int) -> None:
             click.echo("".join(new), nl=False)
             seen = text
         return
-    log_path = path(handle)
+    log_path = executor.log_path(handle)
     pos = log_path.stat().st_size if log_path.exists() else 0
     while True:
         done = executor.poll(handle).is_terminal

@@ -1,6 +1,6 @@
 """What a training function receives: who it is in the run, and where the run meets.
 
-`ReplicaContext.from_env()` reads the variables every backend sets (see `diloco.launchenv`),
+`ReplicaContext.from_env()` reads the variables every backend sets (see `diloco.replicaenv`),
 so the same function runs unchanged under any backend, or from a plain script that sets them.
 Deliberately light (no dataclasses, logging loaded on first use): every replica imports it.
 """

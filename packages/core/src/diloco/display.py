@@ -123,30 +123,29 @@ def format_round(rnd: dict[str, Any]) -> str:
 
 
 def status_table(record: RunRecord, live: dict[int, str] | None) -> Table:
-    table = Table(title=f"run {record.run_id}  [{record.data.get('state', '?')}]", title_justify="left")
+    table = Table(title=f"run {record.run_id}  [{record.state}]", title_justify="left")
     for col in ("rank", "attempt", "status", "restarts", "preempted", "last error"):
         table.add_column(col)
-    for r in record.data.get("ranks", []):
-        handle = r.get("handle") or {}
-        attempt = (handle.get("metadata") or {}).get("attempt", 0)
-        status = (live or {}).get(r["rank"], r.get("status", "?"))
-        if r.get("relaunch_at"):
+    for r in record.ranks:
+        attempt = r.handle.attempt if r.handle else 0
+        status = str((live or {}).get(r.rank, r.status))
+        if r.relaunch_at:
             status += " (relaunch pending)"
-        if r.get("given_up"):
+        if r.given_up:
             status += " (given up)"
-        table.add_row(str(r["rank"]), str(attempt), status, str(r.get("restarts", 0)),
-                      str(r.get("preemptions", 0)), cause(r.get("last_error"))[:80])
+        table.add_row(str(r.rank), str(attempt), status, str(r.restarts), str(r.preemptions),
+                      cause(r.last_error)[:80])
     return table
 
 
 def health_warnings(record: RunRecord, rounds: list[Any]) -> list[str]:
     """What makes a run unhealthy whatever its exit codes say: replicas never meeting, divergence."""
     out = []
-    n = int(record.data.get("launch", {}).get("n_replicas") or 0)
+    n = record.n_replicas
     if n > 1 and rounds and all(len(r.members) <= 1 for r in rounds):
         out.append(f"every round so far ({rounds[0].round}-{rounds[-1].round}) had a single member although the run "
                    f"has {n} replicas: they are training alone, not meeting in the store "
-                   f"{record.data.get('launch', {}).get('rendezvous')!r}")
+                   f"{record.rendezvous!r}")
     diverged = [r for r in rounds if r.diverged]
     if diverged:
         last = diverged[-1]

@@ -86,15 +86,15 @@ def new_run(spec: RunSpec, **supervisor_kwargs: Any) -> Supervisor:
 
 
 def executor_for(record: RunRecord) -> Executor:
-    spec = RunSpec.from_dict(record.data["spec"])
+    spec = record.spec
     return make_executor(spec.backend, spec.backend_options, workdir=spec.workdir, source=spec.source)
 
 
 def resume_run(record: RunRecord, **supervisor_kwargs: Any) -> Supervisor:
     """A supervisor for a recorded run, reattached to its live replicas through their handles."""
-    spec = RunSpec.from_dict(record.data["spec"])
+    spec = record.spec
     executor = executor_for(record)
     secrets = secret_values(spec.secrets, spec.source)
-    recorded = {"workdir": spec.workdir, **record.data["launch"]}  # records before 0.2 kept no workdir
+    recorded = {"workdir": spec.workdir, **record.launch}  # records before 0.2 kept no workdir
     request = LaunchRequest.from_dict(recorded, secrets.reveal())
     return Supervisor(executor, record, request, spec.restart, **supervisor_kwargs)

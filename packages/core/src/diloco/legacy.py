@@ -50,7 +50,8 @@ def first_contract_capabilities(executor: Any) -> Capabilities:
         relaunches_one_rank=getattr(executor, "supports_rank_relaunch", False) is True,
         process_groups=_takes(getattr(executor, "launch_replicas", None), "processes_per_replica"),
         inter_replica_network=getattr(executor, "supports_inter_replica_network", False) is True,
-        status_detail=callable(getattr(executor, "status_detail", None)))
+        status_detail=callable(getattr(executor, "status_detail", None)),
+        log_files=callable(getattr(executor, "log_path", None)))
 
 
 class FirstContractExecutor:

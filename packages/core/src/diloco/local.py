@@ -121,7 +121,7 @@ class LocalProcessExecutor:
     backend_name = "local"
     Options = LocalOptions
     capabilities = Capabilities(shares_launcher_filesystem=True, relaunches_one_rank=True, process_groups=True,
-                                inter_replica_network=True)
+                                inter_replica_network=True, log_files=True)
 
     def __init__(self, options: LocalOptions | None = None, /, **overrides: Any):
         self.options = options_from(LocalOptions, options, overrides, backend=self.backend_name)

@@ -127,6 +127,8 @@ class Capabilities:
         (exported as DILOCO_PREEMPTION_SIGNAL; the runner turns it into exit 75).
     status_detail: the executor has `status_detail(handle) -> str | None`, the platform's words
         for why a replica is pending again (recorded in `pending` events).
+    log_files: the executor has `log_path(handle) -> Path`, a file on this machine the replica's
+        output grows in; `diloco logs --follow` tails it instead of re-reading `stream_logs`.
     """
 
     shares_launcher_filesystem: bool = False
@@ -135,6 +137,7 @@ class Capabilities:
     inter_replica_network: bool = False
     preemption_signal: str | None = None
     status_detail: bool = False
+    log_files: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

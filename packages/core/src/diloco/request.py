@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .errors import BackendError, UserError
-from .launchenv import REDACTED, Entrypoint, check_entrypoint_args, is_secret_name, parse_entrypoint, replica_env
+from .replicaenv import REDACTED, Entrypoint, check_entrypoint_args, is_secret_name, parse_entrypoint, replica_env
 from .procgroup import MAX_PROCESSES
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -154,7 +154,7 @@ class LaunchRequest:
         return self.ranks == tuple(range(self.n_replicas))
 
     def replica_env(self, rank: int) -> dict[str, str]:
-        """The environment of one rank, without secrets (see `diloco.launchenv.replica_env`)."""
+        """The environment of one rank, without secrets (see `diloco.replicaenv.replica_env`)."""
         return replica_env(rank=rank, n_replicas=self.n_replicas, run_id=self.run_id, attempt=self.attempt,
                            entrypoint=self.entrypoint, entrypoint_args=self.args, rendezvous=self.rendezvous,
                            timeout=self.timeout, env=self.env, processes=self.processes_per_replica)

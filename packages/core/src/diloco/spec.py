@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SpecError, UserError
-from .launchenv import check_entrypoint_args, is_secret_name, parse_entrypoint
+from .replicaenv import check_entrypoint_args, is_secret_name, parse_entrypoint
 from .procgroup import resolve_processes
 from .store import SCHEMES, scheme_list
 from .settings import DilocoSettings

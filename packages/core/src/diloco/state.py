@@ -14,6 +14,7 @@ import re
 import secrets
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +71,25 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+@dataclass(frozen=True)
+class LauncherBeat:
+    """Which process supervises the run, and when it last said so (`launcher` in run.json)."""
+
+    pid: int | None = None
+    host: str | None = None
+    heartbeat: float = 0.0
+    start_ticks: int | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> LauncherBeat:
+        data = data or {}
+        return cls(pid=data.get("pid"), host=data.get("host"), heartbeat=float(data.get("heartbeat") or 0),
+                   start_ticks=data.get("start_ticks"))
+
+
 class RunRecord:
-    """The durable record of one run. `data` is the JSON document; `save()` persists it."""
+    """The durable record of one run. `data` is the JSON document (`save()` persists it); the
+    properties below are its typed views, which everything outside the supervisor reads."""
 
     def __init__(self, run_id: str, data: dict[str, Any], root: Path | None = None):
         self.run_id = run_id
@@ -81,6 +99,67 @@ class RunRecord:
     @property
     def path(self) -> Path:
         return self.dir / "run.json"
+
+    # -- typed views of `data` ---------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        """INIT, HEALTHY, UNHEALTHY, or one of FINAL_STATES."""
+        return str(self.data.get("state", "UNKNOWN"))
+
+    @property
+    def ended(self) -> bool:
+        return self.state in FINAL_STATES
+
+    @property
+    def failure(self) -> str | None:
+        return self.data.get("failure")
+
+    @property
+    def spec(self) -> Any:
+        """The `diloco.spec.RunSpec` the run was started from (secrets named, never valued)."""
+        from .spec import RunSpec
+
+        return RunSpec.from_dict(self.data["spec"])
+
+    @property
+    def launch(self) -> dict[str, Any]:
+        """The first launch's `diloco.request.LaunchRequest.to_dict()` (no secret values)."""
+        return dict(self.data.get("launch") or {})
+
+    @property
+    def rendezvous(self) -> str | None:
+        return self.launch.get("rendezvous")
+
+    @property
+    def n_replicas(self) -> int:
+        return int(self.launch.get("n_replicas") or 0)
+
+    @property
+    def ranks(self) -> list[Any]:
+        """Each rank's `diloco.rankstate.RankState`."""
+        from .rankstate import RankState
+
+        return [RankState.from_dict(r) for r in self.data.get("ranks") or []]
+
+    @property
+    def handles(self) -> list[Any]:
+        """The current attempt's handle of every rank that has one."""
+        return [r.handle for r in self.ranks if r.handle is not None]
+
+    @property
+    def launcher(self) -> LauncherBeat:
+        return LauncherBeat.from_dict(self.data.get("launcher"))
+
+    @property
+    def updated_at(self) -> float:
+        return float(self.data.get("updated_at") or 0)
+
+    def mark_stopped(self, **why: Any) -> None:
+        """A run whose launcher is gone, cancelled from another shell: STOPPED, saved, an event."""
+        self.data["state"] = "STOPPED"
+        self.save()
+        self.event("run_cancelled", **why)
 
     @property
     def events_path(self) -> Path:

@@ -330,6 +330,6 @@ class Supervisor:
                 last_beat = self.clock()
             time.sleep(self.settings.monitor_interval)
         if state is GroupState.FAILED:
-            raise RunFailed(self.record.data.get("failure", "run failed"), self.errors())
+            raise RunFailed(self.record.failure or "run failed", self.errors())
         return state
 

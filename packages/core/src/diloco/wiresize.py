@@ -23,7 +23,7 @@ MEMBERS_NBYTES = 13 + 200  # a round's members.json
 
 @dataclass
 class Traffic:
-    """Bytes and requests through the store: what a replica counts (`diloco_replica.transport`)
+    """Bytes and requests through the store: what a replica counts (`diloco_replica.storeaccess`)
     and what the estimate predicts (`diloco.estimate`), field for field.
 
     `polls` are the GETs and LISTs made while waiting for other replicas (also counted in

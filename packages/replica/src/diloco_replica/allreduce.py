@@ -48,7 +48,7 @@ from .lanes import Lanes
 from .membership import FellBehind, Membership, RoundFailed
 from .repairs import RepairDesk
 from .roundio import RoundIO
-from .transport import CountingStore, LaneShards, RunKeys, Traffic, reducer_of, shard_bounds
+from .storeaccess import CountingStore, LaneShards, RunKeys, Traffic, reducer_of, shard_bounds
 from .wire import Identity, decode_tensor, encode_tensor, pack
 
 __all__ = ["FellBehind", "RoundFailed", "RoundResult", "StoreAllReduce"]

@@ -23,7 +23,7 @@ from .allreduce import StoreAllReduce
 from .lanes import Retry
 from .membership import FellBehind, RoundFailed
 from .outer import outer_step, state_digest
-from .transport import Backoff, reducer_of, shard_bounds
+from .storeaccess import Backoff, reducer_of, shard_bounds
 
 
 class GlobalState:

@@ -22,7 +22,7 @@ import torch
 
 from diloco.store import ObjectExists
 
-from .transport import shard_bounds
+from .storeaccess import shard_bounds
 from .wire import CorruptObject, Identity, encode_tensor, pack, unpack
 
 if TYPE_CHECKING:

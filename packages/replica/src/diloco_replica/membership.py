@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from diloco.store import ObjectExists
 
 from .history import History
-from .transport import Backoff
+from .storeaccess import Backoff
 from .wire import CorruptObject, Identity, pack_json, unpack
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ import torch
 from diloco.errors import UserError
 
 from .lanes import Lanes
-from .transport import shard_bounds
+from .storeaccess import shard_bounds
 
 CHUNK = 1 << 22  # elements per broadcast piece (16 MB in fp32)
 

@@ -17,7 +17,7 @@ from diloco.metrics import RoundMetrics, RoundReader, RoundSummary, metrics_key,
 from diloco.store import ObjectExists
 
 from .allreduce import StoreAllReduce
-from .transport import Backoff, reducer_of
+from .storeaccess import Backoff, reducer_of
 
 
 class Recorder:

@@ -19,7 +19,7 @@ import torch
 
 from .membership import Membership, RoundFailed
 from .roundio import RoundIO
-from .transport import reducer_of
+from .storeaccess import reducer_of
 from .wire import Identity
 
 # A reducer watches for repair requests for round_timeout after publishing, backing off to one LIST

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from diloco.store import ObjectExists
 
 from .faults import Faults
-from .transport import Backoff, CountingStore, LaneShards, RunKeys
+from .storeaccess import Backoff, CountingStore, LaneShards, RunKeys
 from .wire import CorruptObject, Identity, unpack
 
 if TYPE_CHECKING:  # lanes imports membership, which takes a RoundIO

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.launchenv import is_secret_name, parse_entrypoint, redact_env, replica_env
+from diloco.replicaenv import is_secret_name, parse_entrypoint, replica_env
+from diloco.request import LaunchRequest
 
 
 @pytest.mark.parametrize("name", ["HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "WANDB_API_KEY",
@@ -28,4 +29,5 @@ def test_redaction_and_env_contract():
     assert env["LOCAL_RANK"] == env["REPLICA_RANK"] == "2" and env["WORLD_SIZE"] == "4"
     assert env["LR"] == "0.1" and env["FAST"] == "true" and "DEEP" not in env
     assert env["DILOCO_ENTRYPOINT"] == "pkg.mod:fn" and env["DILOCO_ATTEMPT"] == "1"
-    assert redact_env(env)["HF_TOKEN"] == "REDACTED" and redact_env(env, ["LR"])["LR"] == "REDACTED"
+    request = LaunchRequest(run_id="r", n_replicas=4, entrypoint=ep, env={"HF_TOKEN": "t", "LR_SCHEDULE": "cos"})
+    assert request.secrets.names == ["HF_TOKEN"] and "HF_TOKEN" not in request.replica_env(0)

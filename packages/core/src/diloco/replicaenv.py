@@ -2,7 +2,8 @@
 
 Backends differ in how they start a process; they must not differ in what the process sees.
 This module is the one place that turns (rank, world size, run, entrypoint args) into
-environment variables, parses entrypoints, and redacts secrets for anything printed or saved.
+environment variables and parses entrypoints; secrets never enter it (`diloco.request.Secrets`
+carries them apart, and the backend adds them where its platform receives them).
 """
 
 from __future__ import annotations
@@ -107,25 +108,6 @@ def check_entrypoint_args(args: Mapping[str, Any]) -> None:
                             f"themselves; rename the argument")
 
 
-def redact_env(env: Mapping[str, str], secret_names: Sequence[str] = ()) -> dict[str, str]:
-    """Copy of `env` with the values of secret-looking or declared-secret names replaced.
-
-    Secret-looking keys inside DILOCO_ENTRYPOINT_ARGS (a JSON object) are redacted too.
-    """
-    secrets = set(secret_names)
-    out = {k: (REDACTED if k in secrets or is_secret_name(k) else v) for k, v in env.items()}
-    raw = out.get(p.ENV_ENTRYPOINT_ARGS)
-    if raw and raw != REDACTED:
-        try:
-            args = json.loads(raw)
-        except ValueError:
-            args = None
-        if isinstance(args, dict) and any(is_secret_name(k) for k in args):
-            out[p.ENV_ENTRYPOINT_ARGS] = json.dumps(
-                {k: (REDACTED if is_secret_name(k) else v) for k, v in args.items()}, sort_keys=True)
-    return out
-
-
 def replica_env(*, rank: int, n_replicas: int, run_id: str, attempt: int,
                 entrypoint: Entrypoint, entrypoint_args: Mapping[str, Any] | None,
                 rendezvous: str | None, timeout: float | None,
@@ -176,14 +158,13 @@ def replica_env(*, rank: int, n_replicas: int, run_id: str, attempt: int,
     return out
 
 
-def check_ranks(n_replicas: int, ranks: Sequence[int] | None) -> list[int]:
-    """Validate a launch's rank subset; default all ranks in order."""
-    if n_replicas < 1:
-        raise UserError(f"n_replicas must be at least 1, got {n_replicas}")
-    if ranks is None:
-        return list(range(n_replicas))
-    chosen = list(ranks)
-    bad = [r for r in chosen if not 0 <= r < n_replicas]
-    if bad or len(set(chosen)) != len(chosen):
-        raise UserError(f"ranks {chosen} must be distinct and within 0..{n_replicas - 1}")
-    return chosen
+
+def pinned_requirement(dist: str) -> str:
+    """`dist==<the version installed here>`, so a replica installs the diloco the launcher runs
+    (every backend that pip-installs diloco into an image uses this); unpinned if absent here."""
+    from importlib import metadata
+
+    try:
+        return f"{dist}=={metadata.version(dist)}"
+    except metadata.PackageNotFoundError:
+        return dist
