@@ -1,7 +1,8 @@
 """A small regression model for the progress, timeline and estimate tests.
 
-`slow_rank` sleeps `slow_s` after each of its inner steps, so it is every round's straggler by
-construction; `eval_every` reports an eval loss every that many steps, as a real entrypoint would.
+`slow_rank` sleeps `slow_s` after each of its inner steps, and 40 × `slow_s` before its first,
+so it is every round's straggler by construction (round 1 too: the replicas leave the start-up
+barrier up to a poll interval apart, as much as a round's handicap); `eval_every` reports an eval loss every that many steps, as a real entrypoint would.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ def regress(ctx: ReplicaContext, dim: int = 256, width: int = 512, slow_rank: in
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     diloco = DiLoCo(model, opt, ctx)
     target = torch.randn(dim, generator=torch.Generator().manual_seed(7))
+    if ctx.rank == slow_rank:
+        time.sleep(40 * slow_s)
     for step in diloco.steps():
         g = torch.Generator().manual_seed(10_000 * ctx.rank + step)
         x = torch.randn(32, dim, generator=g)
