@@ -81,8 +81,7 @@ class EksExecutor:
         core, batch = self.api.core(), self.api.batch()
         for doc in secret_docs:
             filled = {**doc, "stringData": {k: values[k] for k in doc["stringData"]}}
-            self.api.call("delete", "secrets", ns, core.delete_namespaced_secret, doc["metadata"]["name"], ns,
-                          missing_ok=True, _preload_content=False)
+            self._delete_secret(ns, doc["metadata"]["name"])  # a leftover of an earlier try of this Job
             self.api.call("create", "secrets", ns, core.create_namespaced_secret, ns, filled, _preload_content=False)
         try:
             resp = self.api.call("create", "jobs.batch", ns, batch.create_namespaced_job, ns, job,

@@ -165,9 +165,8 @@ def options_from(options_type: type, options: Any = None, overrides: dict[str, A
     if options is None:
         return parse_options(options_type, dict(overrides or {}), source="options", backend=backend)
     if overrides:
-        checked = parse_options(options_type, {**dataclasses.asdict(options), **overrides}, source="options",
-                                backend=backend)
-        return checked
+        return parse_options(options_type, {**dataclasses.asdict(options), **overrides}, source="options",
+                             backend=backend)
     return options
 
 

@@ -123,8 +123,8 @@ class Capabilities:
         False: the supervisor restarts the whole gang.
     process_groups: a replica can be several processes (`processes_per_replica` > 1, torchrun).
     inter_replica_network: replicas can open connections to each other (DiLoCo never needs it).
-    preemption_signal: the signal the platform announces a preemption with, if it sends one
-        (exported as DILOCO_PREEMPTION_SIGNAL; the runner turns it into exit 75).
+    preemption_signal: the signal the platform announces a preemption with, if it sends one; the
+        backend exports it to replicas as DILOCO_PREEMPTION_SIGNAL and the runner turns it into exit 75.
     status_detail: the executor has `status_detail(handle) -> str | None`, the platform's words
         for why a replica is pending again (recorded in `pending` events).
     log_files: the executor has `log_path(handle) -> Path`, a file on this machine the replica's

@@ -9,27 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from pathlib import Path
-from typing import Any
+
+from diloco.testing.jsonfiles import read_json as _read_json, write_json as _write_json  # noqa: F401 (re-exported)
 
 ROOT_ENV = "DILOCO_FAKE_MODAL"
 GRACE_SECONDS = 5.0  # between the preemption notice and the kill
 _NODE_VARS = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV")
 
 
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
-def _read_json(path: Path, default: Any = None) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return default
 
 
 def write_exit(obj_dir: Path, status: str, exitcode: int) -> bool:

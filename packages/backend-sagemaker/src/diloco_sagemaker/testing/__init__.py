@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco.testing import process_alive
+from diloco.testing.jsonfiles import read_json, write_json  # noqa: F401 (the instance process imports them from here)
 
 ACCOUNT = "123456789012"
 GRACE_SECONDS = 5.0
@@ -49,17 +50,6 @@ SPOT_WAIT_SECONDS = 3.0
 STOP_REQUEST, INTERRUPT_REQUEST = "stop.request", "interrupt.request"  # what the instance process watches for
 
 
-def write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
-def read_json(path: Path, default: Any = None) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return default
 
 
 def pid_alive(pid: int | None) -> bool:
