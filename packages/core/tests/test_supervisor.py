@@ -103,6 +103,16 @@ def test_launcher_killed_then_resumed_finishes_the_run(cli, project, state_dir):
     launcher.wait()
     status = cli("status", run_id, check_rc=0).stdout
     assert "no launcher is supervising this run: diloco resume" in status
+    run_json = state_dir / "runs" / run_id / "run.json"
+    recorded = run_json.read_text()
+    data = json.loads(recorded)
+    assert data["launch"]["diloco_version"].startswith("diloco-core==")
+    data["launch"]["diloco_version"] = "diloco-core==0.0.1"
+    run_json.write_text(json.dumps(data))
+    refused = cli("resume", run_id)  # another diloco would relaunch replicas unlike the others
+    assert refused.returncode == 2 and "launched with diloco-core==0.0.1 but this shell has" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    run_json.write_text(recorded)
     resumed = cli("resume", run_id, check_rc=0)
     assert "SUCCEEDED" in resumed.stdout
     data = _record(cli, run_id)
@@ -128,8 +138,8 @@ def test_backend_without_rank_relaunch_is_supervised_as_a_gang(tmp_path):
         supports_rank_relaunch = False
 
     request = LaunchRequest(run_id="gang-fallback", n_replicas=2, entrypoint="x:y", timeout=60)
-    for executor in (NoRelaunch(), FirstContractNoRelaunch()):
-        sup = Supervisor(executor, RunRecord.create("gang-fallback", {}), request, {"policy": "per-rank"})
+    for n, executor in enumerate((NoRelaunch(), FirstContractNoRelaunch())):
+        sup = Supervisor(executor, RunRecord.create(f"gang-fallback-{n}", {}), request, {"policy": "per-rank"})
         assert sup.policy == "gang"
 
 
@@ -266,3 +276,71 @@ def test_a_replica_the_platform_retries_itself_is_pending_not_failed(tmp_path):
     kinds = [e["event"] for e in events]
     assert "failed" not in kinds and "relaunch_scheduled" not in kinds
     assert [r.restarts for r in sup.ranks] == [0, 0] and kinds.count("running") == 3
+
+
+class _ThrottledControlPlane:
+    """An executor whose control plane answers nothing for `outage` seconds of the supervisor's
+    clock (ThrottlingException past the SDK's retries), then reports every replica succeeded."""
+
+    backend_name = "throttled"
+
+    def __init__(self, clock, outage: float):
+        from diloco.protocol import Capabilities
+
+        self.capabilities = Capabilities(shares_launcher_filesystem=False)
+        self.clock, self.until = clock, clock() + outage
+
+    def plan(self, request):
+        from diloco.request import LaunchPlan
+
+        return LaunchPlan(self.backend_name, request, {"ranks": list(request.ranks)})
+
+    def submit(self, plan):
+        from diloco.protocol import ReplicaHandle
+
+        return [ReplicaHandle(r, self.backend_name, {"id": r}) for r in plan.request.ranks]
+
+    def poll(self, handle):
+        from diloco.errors import BackendError
+        from diloco.protocol import ReplicaStatus
+
+        if self.clock() < self.until:
+            raise BackendError("SageMaker failed to describe the job: ThrottlingException: Rate exceeded")
+        return ReplicaStatus.SUCCEEDED
+
+    def collect(self, handles, *, timeout=None):
+        from diloco.protocol import ReplicaResult, ReplicaStatus
+
+        return [ReplicaResult(h.rank, ReplicaStatus.SUCCEEDED, 0) for h in handles]
+
+    def stream_logs(self, handle, *, n_lines=200):
+        return ""
+
+    def cancel(self, handle):
+        pass
+
+
+@pytest.mark.parametrize("outage, survives", [(300.0, True), (1200.0, False)])
+def test_a_control_plane_that_cannot_answer_for_a_while_does_not_stop_the_launcher(outage, survives):
+    from diloco.errors import BackendError
+    from diloco.request import LaunchRequest
+    from diloco.state import RunRecord
+    from diloco.supervisor import POLL_OUTAGE_LIMIT, Supervisor
+
+    now = [1000.0]
+    clock = lambda: now[0]  # noqa: E731
+    request = LaunchRequest(run_id="throttled", n_replicas=2, entrypoint="x:y", timeout=60)
+    record = RunRecord.create("throttled", {})
+    sup = Supervisor(_ThrottledControlPlane(clock, outage), record, request, {}, clock=clock)
+    sup.start()
+    try:
+        while not sup.tick().is_final:
+            now[0] += 30.0
+    except BackendError as exc:
+        assert not survives and "has not answered for" in str(exc) and "diloco resume throttled" in str(exc)
+        assert now[0] - 1000.0 > POLL_OUTAGE_LIMIT
+        return
+    assert survives and sup.state.value == "SUCCEEDED"
+    kinds = [e["event"] for e in record.events()]
+    assert kinds.count("poll_failed") == 1 and "poll_recovered" in kinds
+    assert not any(k in ("failed", "cancelled", "launch") for k in kinds[1:])  # nothing relaunched or cancelled

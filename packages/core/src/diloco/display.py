@@ -19,7 +19,8 @@ from .state import RunRecord
 
 _EVENT_STYLE = {"diverged": "bold red", "training_alone": "bold red", "incident": "yellow", "failed": "red", "run_failed": "bold red", "give_up": "red", "run_succeeded": "bold green",
                 "succeeded": "green", "relaunch_scheduled": "yellow", "gang_restart": "yellow",
-                "run_cancelled": "yellow", "preempted": "yellow", "pending": "yellow", "cancelled": "yellow", "resumed": "cyan", "detached": "cyan"}
+                "run_cancelled": "yellow", "preempted": "yellow", "pending": "yellow", "cancelled": "yellow", "resumed": "cyan", "detached": "cyan",
+                "poll_failed": "yellow", "poll_recovered": "cyan"}
 
 
 def _clock(t: float) -> str:

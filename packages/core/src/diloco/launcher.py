@@ -21,6 +21,7 @@ from .sinks import check_sinks_installed
 from .spec import RunSpec
 from .state import RunRecord, new_run_id, state_dir
 from .supervisor import Supervisor
+from .wheelhouse import run_versions
 
 
 def make_executor(backend: str, options: dict[str, Any], *, workdir: str | None = None,
@@ -97,4 +98,9 @@ def resume_run(record: RunRecord, **supervisor_kwargs: Any) -> Supervisor:
     secrets = secret_values(spec.secrets, spec.source)
     recorded = {"workdir": spec.workdir, **record.launch}  # records before 0.2 kept no workdir
     request = LaunchRequest.from_dict(recorded, secrets.reveal())
+    here = run_versions()
+    if request.diloco_version and request.diloco_version != here:
+        raise UserError(f"run {record.run_id} was launched with {request.diloco_version} but this shell has "
+                        f"{here or 'no diloco-core'}: resume it from an environment with that diloco (relaunched "
+                        f"replicas must run the diloco the others run)")
     return Supervisor(executor, record, request, spec.restart, **supervisor_kwargs)

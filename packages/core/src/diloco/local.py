@@ -29,7 +29,7 @@ from .options import option, options_from
 from .procgroup import replica_command
 from .protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
 from .request import LaunchPlan, LaunchRequest
-from .state import process_start_ticks, state_dir
+from .state import private_dir, process_start_ticks, state_dir
 from .waiting import poll_until_terminal
 
 
@@ -165,7 +165,7 @@ class LocalProcessExecutor:
 
     def submit(self, plan: LaunchPlan) -> list[ReplicaHandle]:
         request = plan.request
-        self._run_dir(request.run_id).mkdir(parents=True, exist_ok=True)
+        private_dir(self._run_dir(request.run_id))  # logs may hold what the user alone should read
         secrets = request.secrets.reveal()
         handles = []
         for row in plan.body["processes"]:

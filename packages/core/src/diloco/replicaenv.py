@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import protocol as p
+from .envvars import ENV_VERSION
 from .errors import UserError
 
 REDACTED = "REDACTED"
@@ -112,7 +113,8 @@ def replica_env(*, rank: int, n_replicas: int, run_id: str, attempt: int,
                 entrypoint: Entrypoint, entrypoint_args: Mapping[str, Any] | None,
                 rendezvous: str | None, timeout: float | None,
                 env: Mapping[str, str] | None = None,
-                settings: Mapping[str, Any] | None = None, processes: int = 1) -> dict[str, str]:
+                settings: Mapping[str, Any] | None = None, processes: int = 1,
+                diloco_version: str | None = None) -> dict[str, str]:
     """Environment for one replica attempt (without secrets: the caller adds those last).
 
     Scalar entrypoint args also appear as upper-cased variables (`lr = 0.1` → `LR=0.1`) so
@@ -155,6 +157,8 @@ def replica_env(*, rank: int, n_replicas: int, run_id: str, attempt: int,
         out[p.ENV_TIMEOUT] = str(float(timeout))
     if settings:
         out[p.ENV_SETTINGS] = json.dumps(dict(settings), sort_keys=True)
+    if diloco_version:
+        out[ENV_VERSION] = diloco_version
     return out
 
 

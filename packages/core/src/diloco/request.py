@@ -95,6 +95,8 @@ class LaunchRequest:
 
     `env` never holds a secret: secret-looking names given in `env` are moved to `secrets`.
     `ranks` defaults to every rank; `attempt` counts relaunches of those ranks (0 first).
+    `diloco_version` is the diloco the run was launched with ('diloco-core==X diloco-replica==Y',
+    `diloco.wheelhouse.run_versions`), recorded with the run: a replica holding another stops.
     """
 
     run_id: str
@@ -110,9 +112,18 @@ class LaunchRequest:
     workdir: str | None = None
     ranks: tuple[int, ...] = ()
     attempt: int = 0
+    diloco_version: str | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen: normalise once, here
+        if self.diloco_version is None:
+            from .wheelhouse import run_versions
+
+            set_("diloco_version", run_versions())
+        elif not isinstance(self.diloco_version, str) or not re.fullmatch(r"([\w.-]+==[\w.+!-]+ ?)*",
+                                                                          self.diloco_version):
+            raise UserError(f"launch request: diloco_version must read 'diloco-core==X diloco-replica==Y', "
+                            f"got {self.diloco_version!r}")
         if not isinstance(self.run_id, str) or not re.match(r"^[a-z0-9][a-z0-9-]{0,62}$", self.run_id):
             raise UserError(f"launch request: run id {self.run_id!r} must be lowercase letters, digits and '-'")
         if isinstance(self.n_replicas, bool) or not isinstance(self.n_replicas, int) or self.n_replicas < 1:
@@ -157,7 +168,8 @@ class LaunchRequest:
         """The environment of one rank, without secrets (see `diloco.replicaenv.replica_env`)."""
         return replica_env(rank=rank, n_replicas=self.n_replicas, run_id=self.run_id, attempt=self.attempt,
                            entrypoint=self.entrypoint, entrypoint_args=self.args, rendezvous=self.rendezvous,
-                           timeout=self.timeout, env=self.env, processes=self.processes_per_replica)
+                           timeout=self.timeout, env=self.env, processes=self.processes_per_replica,
+                           diloco_version=self.diloco_version)
 
     def for_ranks(self, ranks: Sequence[int], attempt: int) -> LaunchRequest:
         """The same launch for other ranks or another attempt (a relaunch)."""
@@ -172,7 +184,8 @@ class LaunchRequest:
                 "entrypoint": ep.function if ep.function else list(ep.command or ()),
                 "args": dict(self.args), "env": dict(self.env), "secret_names": self.secrets.names,
                 "rendezvous": self.rendezvous, "timeout": self.timeout,
-                "processes_per_replica": self.processes_per_replica, "gpu": self.gpu, "workdir": self.workdir}
+                "processes_per_replica": self.processes_per_replica, "gpu": self.gpu, "workdir": self.workdir,
+                "diloco_version": self.diloco_version}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], secrets: Mapping[str, str] | None = None) -> LaunchRequest:
@@ -182,7 +195,7 @@ class LaunchRequest:
                    secrets=Secrets(secrets), rendezvous=data.get("rendezvous"),
                    timeout=float(data.get("timeout", 3600.0)),
                    processes_per_replica=int(data.get("processes_per_replica", 1)), gpu=data.get("gpu"),
-                   workdir=data.get("workdir"))
+                   workdir=data.get("workdir"), diloco_version=data.get("diloco_version"))
 
 
 @dataclass(frozen=True)

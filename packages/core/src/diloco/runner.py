@@ -199,6 +199,44 @@ def _die_with_parent() -> None:
         os._exit(137)
 
 
+_IMPORT_NAMES = {"diloco-core": "diloco", "diloco-replica": "diloco_replica"}
+
+
+def installed_version(dist: str) -> str | None:
+    """The version of `dist` this replica holds; from the dist-info beside the package when it is
+    there (a listdir: importlib.metadata scans all of sys.path, ~30 ms of every start)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(_IMPORT_NAMES.get(dist, dist.replace("-", "_")))
+    if spec is not None and spec.origin:
+        site = os.path.dirname(os.path.dirname(spec.origin))
+        stem = dist.replace("-", "_") + "-"
+        try:
+            found = [n for n in os.listdir(site) if n.startswith(stem) and n.endswith(".dist-info")]
+        except OSError:
+            found = []
+        if len(found) == 1:
+            return found[0][len(stem):-len(".dist-info")]
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def version_mismatch(expected: str) -> str | None:
+    """Why this replica must not run (its diloco is not the run's, DILOCO_VERSION), or None."""
+    for item in expected.split():
+        name, _, want = item.partition("==")
+        have = installed_version(name)
+        if have != want:
+            return (f"this replica holds {name} {have or '(not installed)'} but the run was launched with "
+                    f"{name} {want}: install the launcher's diloco in the image (images diloco builds do), or "
+                    f"launch from the diloco the image holds")
+    return None
+
+
 def main() -> int:
     ctx = ReplicaContext.from_env()
     entrypoint = os.environ[v.ENV_ENTRYPOINT]
@@ -207,6 +245,13 @@ def main() -> int:
         _die_with_parent()
         result_path = lane_result_path(result_path, ctx.lane) if result_path else None
     outcome = _Outcome(result_path, ctx.rank, ctx.attempt)
+    mismatch = version_mismatch(os.environ.get(v.ENV_VERSION, ""))
+    if mismatch:
+        from .errors import EXIT_CONFIG
+
+        print(f"{USER_ERROR_PREFIX}{mismatch}", file=sys.stderr, flush=True)
+        outcome.write("failed", EXIT_CONFIG, mismatch)
+        return EXIT_CONFIG
     timeout = float(os.environ.get(v.ENV_TIMEOUT) or 0)
     if timeout > 0:
         _start_watchdog(timeout, outcome)

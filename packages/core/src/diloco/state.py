@@ -4,11 +4,18 @@
 every attempt and the run's status; `events.jsonl` is the append-only event log. Every write
 of run.json is atomic (temp file + rename), so a launcher killed mid-write leaves the previous
 record intact and `diloco status` from another shell never reads half a file.
+
+Records may hold what a run's user alone should read (entrypoint args, rendezvous, errors):
+the state directory is created 0700 and every file in it 0600. A run id names a directory in
+it and nothing else (`check_run_id`): a path, a glob or an empty string is refused in one line,
+and a prefix matches literally. Records hold valid JSON only: a non-finite number (a NaN loss)
+is written as the string "nan"/"inf"/"-inf".
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -18,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import RunNotFound
+from .errors import RunNotFound, UserError
 
 ENV_STATE_DIR = "DILOCO_STATE_DIR"
 
@@ -56,6 +63,47 @@ def process_start_ticks(pid: int) -> int | None:
     return int(fields[19])
 
 
+RUN_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+def check_run_id(text: str, *, prefix: bool = False) -> str:
+    """`text` if it can name a run (or, with `prefix`, begin a run id), else RunNotFound in one line."""
+    if not isinstance(text, str) or not RUN_ID.match(text):
+        shown = repr(text) if isinstance(text, str) and len(text) <= 80 else "the given id"
+        what = "a run id or the start of one" if prefix else "a run id"
+        raise RunNotFound(f"{shown} is not {what}: run ids are lowercase letters, digits and '-', at most 63 "
+                          f"characters (`diloco list` shows them)")
+    return text
+
+
+def private_dir(path: Path) -> Path:
+    """`path` and each of its missing parents, created 0700 (the state directory is the user's alone)."""
+    if not path.is_dir():
+        for missing in [*reversed(path.parents), path]:
+            if not missing.is_dir():
+                missing.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every non-finite float as a string, so the document is valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def to_json(data: Any, **kwargs: Any) -> str:
+    """Valid JSON always (see `_finite`): what every record and event line is written as."""
+    try:
+        return json.dumps(data, allow_nan=False, **kwargs)
+    except ValueError:
+        return json.dumps(_finite(data), allow_nan=False, **kwargs)
+
+
 def new_run_id(name: str) -> str:
     """A run id that is also a valid DNS label prefix: lowercase, digits, dashes."""
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:30].strip("-") or "run"
@@ -65,9 +113,12 @@ def new_run_id(name: str) -> str:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write-then-rename, the file 0600 from its first byte."""
+    private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(to_json(data, indent=2, sort_keys=True))
     os.replace(tmp, path)
 
 
@@ -171,7 +222,7 @@ class RunRecord:
 
     def request_cancel(self) -> None:
         """Tell whichever launcher supervises this run to stop it (works across processes)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.dir)
         self.cancel_marker.touch()
 
     def cancel_requested(self) -> bool:
@@ -184,9 +235,10 @@ class RunRecord:
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         """Append one event to the run's log (one JSON object a line, flushed at once)."""
         entry = {"t": time.time(), "event": kind, **fields}
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with open(self.events_path, "a") as f:
-            f.write(json.dumps(entry, sort_keys=True) + "\n")
+        private_dir(self.dir)
+        fd = os.open(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a") as f:
+            f.write(to_json(entry, sort_keys=True) + "\n")
         return entry
 
     def events(self) -> list[dict[str, Any]]:
@@ -215,16 +267,24 @@ class RunRecord:
 
     @classmethod
     def create(cls, run_id: str, data: dict[str, Any], root: Path | None = None) -> RunRecord:
-        record = cls(run_id, {"run_id": run_id, "created_at": time.time(), **data}, root)
+        """A new record; create-only: an id already recorded is refused, never overwritten."""
+        record = cls(check_run_id(run_id), {"run_id": run_id, "created_at": time.time(), **data}, root)
+        private_dir(record.dir.parent)
+        try:
+            record.dir.mkdir(mode=0o700)
+        except FileExistsError:
+            raise UserError(f"run {run_id!r} is already recorded in {record.dir.parent}; launch again for a new "
+                            f"run id") from None
         record.save()
         return record
 
     @classmethod
     def load(cls, run_id: str, root: Path | None = None) -> RunRecord:
         base = root or state_dir()
-        path = base / "runs" / run_id / "run.json"
+        path = base / "runs" / check_run_id(run_id, prefix=True) / "run.json"
         if not path.exists():
-            matches = [p.name for p in (base / "runs").glob(f"{run_id}*")] if (base / "runs").is_dir() else []
+            runs = base / "runs"
+            matches = [p.name for p in runs.iterdir() if p.name.startswith(run_id)] if runs.is_dir() else []
             if len(matches) == 1:
                 return cls.load(matches[0], root)
             hint = f"; did you mean one of {', '.join(sorted(matches)[:5])}?" if matches else \

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
+from .errors import BackendError
 from .failures import shorten
 from .legacy import as_executor, capabilities_of
 from .policy import Failure, Peer, RestartSettings, decide
@@ -57,6 +58,10 @@ from .state import FINAL_STATES, RunRecord, process_start_ticks
 
 HEARTBEAT_EVERY = 5.0  # seconds between record saves while nothing changes
 HEARTBEAT_STALE = 30.0  # a launcher silent this long is presumed dead (`diloco resume` may take over)
+# A control plane that cannot answer (throttling past the SDK's retries, a network blip) leaves
+# every rank's last known status standing; only an outage this long stops the launcher (the
+# replicas keep running, and `diloco resume` reattaches).
+POLL_OUTAGE_LIMIT = 900.0
 
 
 class GroupState(str, Enum):
@@ -109,6 +114,7 @@ class Supervisor:
         self.state = GroupState(record.data.get("state", GroupState.INIT.value))
         self.rounds = RoundWatcher(record, rendezvous=request.rendezvous, run_id=request.run_id,
                                    n_replicas=request.n_replicas, clock=clock)
+        self._outage_since: float | None = None
 
     # -- persistence -----------------------------------------------------------------------
 
@@ -166,6 +172,25 @@ class Supervisor:
             res.error = f"exit code {res.exit_code}"
         return res
 
+    def _poll(self, st: RankState) -> ReplicaStatus | None:
+        """The rank's status, or None while the backend cannot say (see POLL_OUTAGE_LIMIT): a
+        `poll_failed` event marks the start of an outage, `poll_recovered` its end."""
+        try:
+            status = self.executor.poll(st.handle)
+        except BackendError as exc:
+            now = self.clock()
+            if self._outage_since is None:
+                self._outage_since = now
+                self._event("poll_failed", rank=st.rank, error=shorten(str(exc)))
+            if now - self._outage_since > POLL_OUTAGE_LIMIT:
+                raise BackendError(f"{exc} (the backend has not answered for {now - self._outage_since:.0f}s; the "
+                                   f"replicas keep running: `diloco resume {self.record.run_id}` reattaches)") from None
+            return None
+        if self._outage_since is not None:
+            self._event("poll_recovered", after_seconds=round(self.clock() - self._outage_since, 1))
+            self._outage_since = None
+        return status
+
     def tick(self) -> GroupState:
         """One monitor pass: poll every rank, react to changes, relaunch what is due."""
         now = self.clock()
@@ -173,8 +198,8 @@ class Supervisor:
         for st in self.ranks:
             if st.handle is None or st.relaunch_at is not None or st.status.ended:
                 continue
-            status = self.executor.poll(st.handle)
-            if status.value == st.status:
+            status = self._poll(st)
+            if status is None or status.value == st.status:
                 continue
             changed = True
             was, st.status = st.status, RankStatus.of(status)
