@@ -66,3 +66,17 @@ def test_a_recorded_run_is_never_overwritten(state_dir):
     with pytest.raises(UserError, match="already recorded"):
         RunRecord.create("same-id", {"state": "INIT"})
     assert RunRecord.load("same-id").data["marker"] == 1
+
+
+def test_an_error_holding_rich_markup_is_shown_as_text(state_dir):
+    from rich.console import Console
+
+    from diloco.display import status_table
+    from diloco.rankstate import RankState
+
+    rank = RankState(0)
+    rank.last_error = "ValueError: [/] closed nothing [link=https://evil.example]click[/link]"
+    record = RunRecord.create("markup-run", {"state": "FAILED", "ranks": [rank.to_dict()]})
+    console = Console(width=200, record=True)
+    console.print(status_table(record, None))  # rich read "[/]" as markup and raised MarkupError
+    assert "[/] closed nothing [link=https://evil.example]click[/link]" in console.export_text()

@@ -13,6 +13,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .failures import cause
 from .state import RunRecord
@@ -134,8 +135,9 @@ def status_table(record: RunRecord, live: dict[int, str] | None) -> Table:
             status += " (relaunch pending)"
         if r.given_up:
             status += " (given up)"
-        table.add_row(str(r.rank), str(attempt), status, str(r.restarts), str(r.preemptions),
-                      cause(r.last_error)[:80])
+        # Text, not str: an error message is the replica's text, never rich markup ("[/]" would crash).
+        table.add_row(str(r.rank), str(attempt), Text(status), str(r.restarts), str(r.preemptions),
+                      Text(cause(r.last_error)[:80]))
     return table
 
 
