@@ -1,17 +1,18 @@
-"""The tiny-LM DiLoCo main job through `backend = "modal"`, end to end without Modal's cloud.
+"""The tiny-LM DiLoCo main job through `backend = "modal"`, end to end against the fake Modal server.
 
-The real modal SDK defines the app, image and secrets; the calls that need Modal's cloud go
-through the double in diloco_modal.testing (each sandbox a detached local process that sees
-only what a Modal container would). Every CLI call is another process (`python -m
-diloco_modal.testing ...` is the diloco CLI with the double installed), so durable handles are
-exercised for real. Remote means remote: replicas meet in an s3:// rendezvous on a moto server;
-AWS credentials reach them only as the spec's forwarded secrets (a Modal secret).
+Every CLI call is another process running the real modal client, pointed at the fake Modal
+server (diloco_modal.testing: a gRPC servicer of modal_proto's ModalClient service in its own
+process), so durable handles are exercised for real. Each sandbox or function input is a
+detached local process that holds only what a Modal container would. Remote means remote:
+replicas meet in an s3:// rendezvous on a moto server; AWS credentials reach them only as the
+spec's forwarded secrets (a Modal secret, or the spawn's input in function mode).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,60 +25,57 @@ from diloco.testing.scenarios import StandIn, cancel_from_another_shell, killed_
 
 pytest.importorskip("diloco_modal")
 
-TOKEN = {"MODAL_TOKEN_ID": "ak-test", "MODAL_TOKEN_SECRET": "as-test"}
-
 
 @pytest.fixture
 def cloud(tmp_path):
-    from diloco_modal.definition import CODE_DIR
     from diloco_modal.testing import FakeModal
 
-    fake = FakeModal(tmp_path / "modal-cloud", image_paths={CODE_DIR: str(ROOT / "examples" / "tiny-lm")},
-                     grace_seconds=10.0)  # a loaded test machine took over 3 s to stop a replica
-    yield fake
-    deadline = time.monotonic() + 15
-    while fake.live_processes() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    leftover = fake.live_processes()
-    with fake:  # terminate anything a failed test left, then report it
-        pass
+    # grace: a loaded test machine took over 3 s to stop a replica
+    fake = FakeModal(tmp_path / "modal-cloud", grace_seconds=10.0).start()
+    try:
+        yield fake
+        deadline = time.monotonic() + 15
+        while fake.live_processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        leftover = fake.live_processes()
+    finally:
+        fake.stop()  # terminate anything a failed test left
     assert not leftover, f"processes still running in Modal containers: {leftover}"
+    assert fake.unimplemented() == [] and fake.server_errors() == []
 
 
-def modal_spec(tmp_path, s3, **kw):
+def modal_spec(tmp_path, s3, backend: str = "", **kw):
     spec = on_s3(tiny_spec(tmp_path, **kw), s3)
     text = spec.read_text().replace('backend = "local"\n', "")
     text = text.replace("round_timeout = 120", "round_timeout = 10\ncheckpoint_every = 2")
-    text += '\n[backend]\nname = "modal"\napp_name = "tiny-lm"\n'
+    text += '\n[backend]\nname = "modal"\n' + (backend or 'app_name = "tiny-lm"\n')
     spec.write_text(text)
     return spec
 
 
 def cli_env(cloud, state, token=True):
-    from diloco_modal.testing import ROOT_ENV
-
-    env = {**os.environ, "DILOCO_STATE_DIR": str(state), ROOT_ENV: str(cloud.root)}
-    if token:
-        env.update(TOKEN)
-    else:
-        for k in TOKEN:
+    env = {**os.environ, "DILOCO_STATE_DIR": str(state), **cloud.env}
+    if not token:
+        for k in ("MODAL_TOKEN_ID", "MODAL_TOKEN_SECRET"):
             env.pop(k, None)
         env["MODAL_CONFIG_PATH"] = str(state / "no-modal.toml")
     return env
 
 
 def modal_cli(cloud, state, *args, timeout=600, token=True):
-    return subprocess.run([sys.executable, "-m", "diloco_modal.testing", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True,
                           timeout=timeout, env=cli_env(cloud, state, token))
 
 
 def start(cloud, state, *args):
-    proc = subprocess.Popen([sys.executable, "-m", "diloco_modal.testing", *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "diloco", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=cli_env(cloud, state))
     return proc, proc.stdout.readline().split()[1].rstrip(":")
 
 
-def test_tiny_lm_through_modal_survives_a_kill_and_a_preemption(tmp_path, cloud, s3):
+def test_tiny_lm_through_modal_survives_a_kill_a_preemption_and_a_timeout(tmp_path, cloud, s3):
+    """A SIGKILLed container (rank 2) and one that reached its timeout (rank 3, exit 124) are
+    relaunched; a preempted one (rank 1) too, without spending the restart budget; the run goes on."""
     state = tmp_path / "state"
     spec = modal_spec(tmp_path, s3, steps=200, sync_every=25, restart="backoff = 0.2\nmax_restarts_per_rank = 3")
     dry = modal_cli(cloud, state, "dryrun", str(spec))
@@ -92,14 +90,17 @@ def test_tiny_lm_through_modal_survives_a_kill_and_a_preemption(tmp_path, cloud,
     ids = {r["rank"]: r["handle"]["metadata"]["id"] for r in record_of(state, run_id)["ranks"]}
     # what the dry run showed is what was created (its run id aside); the secrets' values only in the container
     planned = json.loads(json.dumps(plan["sandboxes"][0]).replace(plan["sandboxes"][0]["tags"]["diloco-run"], run_id))
-    created = json.loads((cloud.root / "objects" / ids[0] / "spec.json").read_text())
+    created = cloud.spec(ids[0])
     for key in ("command", "name", "tags", "timeout", "workdir", "gpu"):
         assert created[key] == planned[key], key
+    assert {f"/root/diloco-workdir/{f['path']}" for f in plan["image"]["workdir"]["shipment"]["largest"]} <= \
+        set(created["files"])  # the shipped workdir, as the dry run listed it
     forwarded = {k: v for k, v in created["env"].items() if k in planned["secrets"]["forwarded"]}
     assert {k: v for k, v in created["env"].items() if k not in forwarded} == planned["env"]
     assert set(forwarded) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} and "REDACTED" not in forwarded.values()
     assert cloud.kill(ids[2], signal.SIGKILL)  # a crashed container
     assert cloud.preempt(ids[1])  # Modal takes a GPU sandbox's machine away
+    cloud.expire(ids[3])  # one rank's sandbox reaches Modal's limit on its life
     out, _ = launcher.communicate(timeout=600)
     assert launcher.returncode == 0, out
     record = record_of(state, run_id)
@@ -107,11 +108,15 @@ def test_tiny_lm_through_modal_survives_a_kill_and_a_preemption(tmp_path, cloud,
     ranks = record["ranks"]
     assert ranks[2]["restarts"] == 1 and ranks[2]["handle"]["metadata"]["attempt"] == 1
     assert ranks[1]["restarts"] == 0 and ranks[1]["preemptions"] == 1  # not a failure: no budget spent
+    assert ranks[3]["restarts"] == 1 and ranks[3]["handle"]["metadata"]["attempt"] == 1
     kinds = [(e["event"], e.get("rank")) for e in events_of(state, run_id)]
     assert ("preempted", 1) in kinds and ("failed", 2) in kinds and ("failed", 1) not in kinds
+    timed_out = next(e for e in events_of(state, run_id) if e["event"] == "failed" and e.get("rank") == 3)
+    assert "timed out (exit code 124)" in timed_out["error"]
+    assert cloud.exit(ids[3])["status"] == "timeout"
     preempted = next(e for e in events_of(state, run_id) if e["event"] == "preempted")
     assert "preempted: the platform sent SIGINT" in preempted["error"]
-    for rank in (1, 2):  # the relaunched replicas rejoined from the store, not from scratch
+    for rank in (1, 2, 3):  # the relaunched replicas rejoined from the store, not from scratch
         logs = modal_cli(cloud, state, "logs", run_id, "--rank", str(rank), "--attempt", "1").stdout
         joined = [line for line in logs.splitlines() if "joined at round" in line]
         assert joined and int(joined[0].split("joined at round ")[1].split()[0]) >= 2, logs[-2000:]
@@ -120,9 +125,7 @@ def test_tiny_lm_through_modal_survives_a_kill_and_a_preemption(tmp_path, cloud,
 
 
 def standin(cloud) -> StandIn:
-    from diloco_modal.testing import ROOT_ENV
-
-    return StandIn(cloud.live_processes, env={ROOT_ENV: str(cloud.root), **TOKEN}, module="diloco_modal.testing")
+    return StandIn(cloud.live_processes, env=cloud.env)  # the plain diloco CLI, its modal client pointed at the fake
 
 
 def test_a_killed_launcher_is_resumed_from_another_process(tmp_path, cloud, s3):
@@ -139,3 +142,44 @@ def test_no_modal_token_is_one_line(tmp_path, cloud, s3):
     assert proc.returncode == 2 and "no Modal token configured: run `modal token new`" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert cloud.objects() == []  # nothing launched
+
+
+FUNCTION_APP = """
+import modal
+
+import diloco_modal
+
+app = modal.App("tiny-lm-fn")
+image = diloco_modal.replica_image().add_local_python_source("tiny_lm")
+
+
+@app.function(image=image, timeout=3600)
+def replica(rank: int, **launch):
+    return diloco_modal.run_replica(rank, **launch)
+"""
+
+
+def test_function_mode_preemption_restarts_the_input_and_the_replica_rejoins(tmp_path, cloud, s3):
+    """Modal restarts a preempted function input (run_replica raises KeyboardInterrupt on the
+    SIGINT); the launcher sees the call go on, and the restarted replica rejoins from the store."""
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(ROOT / "examples" / "tiny-lm" / "tiny_lm.py", work / "tiny_lm.py")
+    (work / "tiny_lm_fn.py").write_text(FUNCTION_APP)
+    state = tmp_path / "state"
+    spec = modal_spec(tmp_path, s3, backend='function = "tiny_lm_fn:replica"\ndeploy = true\n', steps=200,
+                      sync_every=25, replicas=2)
+    spec.write_text(spec.read_text().replace(str(ROOT / "examples" / "tiny-lm"), str(work)))
+    launcher, run_id = start(cloud, state, "run", str(spec))
+    wait_for_round(state, run_id, 2)
+    call_id = record_of(state, run_id)["ranks"][1]["handle"]["metadata"]["id"]
+    assert cloud.preempt(call_id)
+    out, _ = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, out
+    record = record_of(state, run_id)
+    one_global_model(record)
+    assert len(cloud.restarts(call_id)) == 1  # the same call, its input restarted in a new container
+    assert record["ranks"][1]["restarts"] == 0 and record["ranks"][1]["handle"]["metadata"]["id"] == call_id
+    logs = modal_cli(cloud, state, "logs", run_id, "--rank", "1").stdout
+    joined = [line for line in logs.splitlines() if "joined at round" in line]
+    assert joined and int(joined[-1].split("joined at round ")[1].split()[0]) >= 2, logs[-2000:]

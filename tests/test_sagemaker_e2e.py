@@ -3,9 +3,11 @@
 The real boto3 clients talk HTTP to a moto server (S3 for the rendezvous and the code, CloudWatch
 Logs, IAM, Secrets Manager) and, through AWS_ENDPOINT_URL_SAGEMAKER, to the training-job control
 plane in diloco_sagemaker.testing, whose instances run each job as local processes with the
-/opt/ml layout, the job's Environment and the role's credentials. Every CLI call is its own
-process, so durable handles (job names) are exercised for real. The spec's forwarded AWS keys
-reach the replicas through Secrets Manager, never the job's Environment.
+/opt/ml layout, the job's Environment, the role's credentials and an interpreter holding only
+what the image declares. The launcher's shell is an IAM user holding exactly the README's
+policy, every call authorized by the control plane. Every CLI call is its own process, so
+durable handles (job names) are exercised for real. The spec's forwarded AWS keys reach the
+replicas through Secrets Manager, never the job's Environment.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def plane(tmp_path, s3):
 
     assert create_execution_role(s3["env"]["AWS_ENDPOINT_URL"]) == ROLE
     with FakeSageMaker(tmp_path / "sagemaker", aws_endpoint=s3["env"]["AWS_ENDPOINT_URL"], grace_seconds=3.0,
-                       spot_wait_seconds=3.0) as fake:
+                       spot_wait_seconds=3.0, stopping_seconds=2.0) as fake:
         yield fake
         deadline = time.monotonic() + 20
         while fake.live_processes() and time.monotonic() < deadline:
@@ -103,10 +105,42 @@ def test_tiny_lm_on_sagemaker_survives_a_failed_job_and_a_spot_interruption(tmp_
         logs = sm_cli(plane, state, "logs", run_id, "--rank", str(rank), "--attempt", str(attempt), "-n", "2000").stdout
         joined = [line for line in logs.splitlines() if "joined at round" in line]
         assert joined and int(joined[-1].split("joined at round ")[1].split()[0]) >= 2, logs[-2000:]
-    described = boto3.client("sagemaker", endpoint_url=plane.endpoint).describe_training_job(TrainingJobName=jobs[0])
+    launcher_shell = boto3.session.Session(aws_access_key_id=plane.launcher_keys["AWS_ACCESS_KEY_ID"],
+                                           aws_secret_access_key=plane.launcher_keys["AWS_SECRET_ACCESS_KEY"])
+    described = launcher_shell.client("sagemaker", endpoint_url=plane.endpoint).describe_training_job(
+        TrainingJobName=jobs[0])
     assert "testing" not in json.dumps(described["Environment"])  # the forwarded keys went to Secrets Manager
     keys = [o["Key"] for o in s3["client"].list_objects_v2(Bucket=s3["bucket"], Prefix=f"runs/{run_id}/")["Contents"]]
     assert any("/reduced/" in k for k in keys)  # they met in S3
+    from diloco_sagemaker.permissions import launcher_actions
+
+    # the launcher's shell held exactly the README's policy; a run without a cancel needed all of it but StopTrainingJob
+    assert set(plane.authorized) | {"sagemaker:StopTrainingJob"} == set(launcher_actions())
+
+
+def test_one_rank_reaching_its_max_runtime_fails_alone_and_is_relaunched(tmp_path, plane, s3):
+    """SageMaker stops a job at MaxRuntimeInSeconds: Training → Stopping → Stopped/MaxRuntimeExceeded.
+    Stopping must read as still running (not cancelled: that would cancel the run), the end as a
+    failure with exit 124, relaunched like any failure while the other ranks train on."""
+    state = tmp_path / "state"
+    spec = sm_spec(tmp_path, s3, steps=150, sync_every=25, restart="backoff = 0.2\nmax_restarts_per_rank = 2")
+    launcher, run_id = start(plane, state, "run", str(spec))
+    wait_for_round(state, run_id, 1)
+    jobs = {r["rank"]: r["handle"]["metadata"]["job"] for r in record_of(state, run_id)["ranks"]}
+    assert plane.expire(jobs[3])  # rank 3's job reaches its MaxRuntimeInSeconds now
+    out, _ = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, out
+    record = record_of(state, run_id)
+    one_global_model(record)
+    rank3 = record["ranks"][3]
+    assert rank3["restarts"] == 1 and rank3["handle"]["metadata"]["job"] == jobs[3].removesuffix("-a0") + "-a1"
+    assert all(r["restarts"] == 0 for r in record["ranks"] if r["rank"] != 3)
+    seen = [t["Status"] for t in plane.job(jobs[3])["SecondaryStatusTransitions"]]
+    assert seen[-2:] == ["Stopping", "MaxRuntimeExceeded"], seen
+    events = events_of(state, run_id)
+    failed = [e for e in events if e["event"] == "failed"]
+    assert [e["rank"] for e in failed] == [3] and "ran past the spec's timeout" in failed[0]["error"], failed
+    assert not [e for e in events if e["event"] in ("cancelled", "run_cancelled")], events
 
 
 def standin(plane) -> StandIn:

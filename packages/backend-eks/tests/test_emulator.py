@@ -1,6 +1,6 @@
-"""The eks backend end to end through the real kubernetes client over HTTP, against kmock's
-Kubernetes API emulator on 127.0.0.1 with a test-side Job controller and kubelet (no runnable
-kube-apiserver exists here; see diloco_eks.testing for what the stand-in does)."""
+"""The eks backend end to end through the real kubernetes client over HTTP, against the strict
+Kubernetes stand-in on 127.0.0.1 (kmock's API emulator behind an API server's validation, with a
+Job controller and kubelet; no runnable kube-apiserver exists here; see diloco_eks.testing)."""
 
 from __future__ import annotations
 
@@ -34,11 +34,7 @@ class TestEksConformance(ExecutorConformance):
 
 
 def test_forbidden_names_the_verb_and_resource(cluster):
-    import kmock
-
-    cluster.emulator["post", kmock.resource("batch", "v1", "jobs"), kmock.namespace("locked")] << 403 << {
-        "kind": "Status", "status": "Failure", "reason": "Forbidden",
-        "message": 'jobs.batch is forbidden: User "dev" cannot create resource "jobs" in API group "batch"'}
+    cluster.deny("create", "jobs", "locked")
     ex = EksExecutor(image="img", namespace="locked", api_url=cluster.url, command=RUNNER)
     with pytest.raises(BackendError) as err:
         launch(ex, 2, REPORT, run_id="forbidden-run")

@@ -239,6 +239,18 @@ def test_options_are_declared_with_the_old_defaults():
     ({"ttl_seconds_after_finished": -5}, "backend.ttl_seconds_after_finished"),
     ({"per_index": "yes"}, "backend.per_index"),
     ({"namespace": "Not_A_Name"}, "backend.namespace"),
+    # values that go into the Job verbatim, which the API server would refuse at submit (422)
+    ({"labels": {"team": "ML Platform"}}, "backend.labels"),
+    ({"labels": {"bad key!": "x"}}, "backend.labels"),
+    ({"labels": {"team": "t" * 64}}, "backend.labels"),
+    ({"node_selector": {"pool": "gpu pool"}}, "backend.node_selector"),
+    ({"gpu_types": {"L4": {"count": 1, "instance_type": "g6 xlarge"}}}, "backend.gpu_types"),
+    ({"memory": "64GB"}, "backend.memory"),
+    ({"cpu": "two"}, "backend.cpu"),
+    ({"service_account": "My_SA"}, "backend.service_account"),
+    ({"runtime_class": "gVisor"}, "backend.runtime_class"),
+    ({"tolerations": [{"key": "gpu", "operator": "Exists", "value": "yes"}]}, "backend.tolerations"),
+    ({"tolerations": [{"key": "gpu", "effect": "NoSchedul"}]}, "backend.tolerations"),
     ({"imag": "x"}, "backend.imag"),
 ])
 def test_bad_backend_option_is_one_line_naming_the_key(table, key):

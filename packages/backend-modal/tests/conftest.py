@@ -1,28 +1,23 @@
-"""The Modal double (diloco_modal.testing) around every test that needs Modal's cloud."""
+"""The fake Modal cloud (diloco_modal.testing) around every test that needs Modal's cloud: its
+server in its own process, this process's real modal client pointed at it."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-
-@pytest.fixture
-def modal_token(monkeypatch):
-    """A configured Modal token, as `modal token new` leaves one (the double never checks its value)."""
-    monkeypatch.setenv("MODAL_TOKEN_ID", "ak-test")
-    monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-test")
+from diloco.testing.scenarios import wait_until_nothing_runs
 
 
 @pytest.fixture
-def fake_modal(tmp_path, modal_token, monkeypatch):
-    from diloco_modal.testing import ROOT_ENV, FakeModal
+def fake_modal(tmp_path, monkeypatch):
+    from diloco_modal.testing import FakeModal, forget_modal_client
 
-    root = tmp_path / "modal-cloud"
-    with FakeModal(root, grace_seconds=2.0) as fake:
-        monkeypatch.setenv(ROOT_ENV, str(root))
-        yield fake
-    deadline = time.monotonic() + 10
-    while fake.live_processes() and time.monotonic() < deadline:  # SIGKILLed processes take a moment to go
-        time.sleep(0.1)
-    assert not fake.live_processes()
+    with FakeModal(tmp_path / "modal-cloud", grace_seconds=2.0, call_graph_lag=1.0) as fake:
+        for key, value in fake.env.items():
+            monkeypatch.setenv(key, value)
+        forget_modal_client()
+        yield fake  # each test's cloud is a new server: its client is made anew
+    forget_modal_client()
+    assert wait_until_nothing_runs(fake.live_processes, 10) == []
+    assert fake.unimplemented() == [], f"the client called RPCs the fake does not implement: {fake.unimplemented()}"
+    assert fake.server_errors() == [], "\n".join(fake.server_errors())

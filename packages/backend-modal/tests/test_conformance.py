@@ -1,4 +1,5 @@
-"""The core conformance kit, against both modes of the Modal backend through the Modal double."""
+"""The core conformance kit, against both modes of the Modal backend: the real modal client in
+front of the fake Modal server (diloco_modal.testing)."""
 
 from __future__ import annotations
 
@@ -28,11 +29,7 @@ class TestFunctionModeConformance(ExecutorConformance):
 
         app_dir = tmp_path / "app"
         app_dir.mkdir()
-        (app_dir / "replica_app.py").write_text(FUNCTION_APP)
-        fake_modal.config["pythonpath"] = [str(app_dir)]
-        from diloco_modal.testing import _write_json
-
-        _write_json(fake_modal.root / "config.json", fake_modal.config)
+        (app_dir / "replica_app.py").write_text(FUNCTION_APP)  # deployed with its module, as modal mounts it
         monkeypatch.syspath_prepend(str(app_dir))
         sys.modules.pop("replica_app", None)
         self.app_dir = app_dir
@@ -63,11 +60,8 @@ def test_a_failed_create_at_rank_k_cancels_the_ranks_already_started(fake_modal)
     from diloco.errors import BackendError
 
     fake_modal.fail_creates_after(1)
-    with pytest.raises(BackendError, match=r"launching rank 1 on Modal failed: .*no GPU capacity.*the 1 replica\(s\) "
+    with pytest.raises(BackendError, match=r"launching rank 1 on Modal failed: .*No GPU capacity.*the 1 replica\(s\) "
                                            r"already started were cancelled"):
         launch(ModalExecutor(), 3, "diloco.testing.entrypoints:sleep", {"seconds": 60}, run_id="r1")
     (started,) = fake_modal.objects("sb-")
-    from diloco_modal.testing import FakeSandbox
-
-    sb = FakeSandbox(fake_modal, started)
-    assert sb.poll() == 137 and sb.get_tags()["diloco-cancelled"] == "1"
+    assert fake_modal.exit(started)["status"] == "terminated" and fake_modal.tags(started)["diloco-cancelled"] == "1"

@@ -41,10 +41,20 @@ def test_dryrun_shows_the_whole_sandbox_definition_without_secrets(tmp_path):
     plan = json.loads(proc.stdout)
     image = plan["image"]
     assert image["base"]["debian_slim"]["python_version"] == f"{sys.version_info.major}.{sys.version_info.minor}"
-    assert any(p.startswith("diloco-replica") for p in image["pip"]) and "datasets" in image["pip"]
+    # the launcher's own diloco, as wheels named in the plan, installed from their paths in the image
+    names = [w["file"] for w in image["wheels"]]
+    assert [n.split("-")[0] for n in names] == ["diloco_core", "diloco_replica"]
+    assert all(n.endswith(".whl") for n in names)
+    assert image["steps"][:2] == [{"copy": w["file"], "to": w["path"]} for w in image["wheels"]]
+    assert image["steps"][2] == {"run": "python -m pip install " + " ".join(w["path"] for w in image["wheels"])}
+    assert image["steps"][3] == {"run": "python -m pip install datasets"} and image["pip"] == ["datasets"]
+    assert image["steps"][4] == {"requirements": image["requirements"]}
     assert image["requirements"].endswith("requirements.txt")
-    assert image["workdir"] == {"local": str(tmp_path.resolve()), "remote": CODE_DIR,
-                                "ignore": image["workdir"]["ignore"]} and ".venv" in image["workdir"]["ignore"]
+    assert "diloco-core" not in json.dumps(image) and "diloco-replica" not in json.dumps(image)  # no index
+    shipped = image["workdir"]
+    assert shipped["local"] == str(tmp_path.resolve()) and shipped["remote"] == CODE_DIR
+    assert shipped["shipment"]["files"] == 3 and shipped["shipment"]["bytes"] > 0  # train.py, requirements, diloco.toml
+    assert {f["path"] for f in shipped["shipment"]["largest"]} == {"train.py", "requirements.txt", "diloco.toml"}
     sb = plan["sandboxes"][1]
     assert sb["gpu"] == "H100:8" and sb["region"] == "us-east" and sb["workdir"] == CODE_DIR
     assert sb["command"][:3] == ["python", "-m", "diloco_replica.torchrun"] and "8" in sb["command"]  # 8 GPUs, 8 processes
@@ -96,17 +106,30 @@ def test_gpu_names_follow_modal():
 def test_the_definition_builds_real_modal_objects_without_a_token(tmp_path, monkeypatch):
     import modal
 
+    from diloco_modal.wheels import materialize
+
     monkeypatch.delenv("MODAL_TOKEN_ID", raising=False)
+    (tmp_path / "code").mkdir()
     plan = plan_for(ModalExecutor(volumes={"/data": "corpus"},
                                   bucket_mounts={"/b": {"bucket": "ckpts", "read_only": True}}),
-                    2, EP, run_id="r1", workdir=str(tmp_path)).body
-    image = build_image(modal, plan["image"])
+                    2, EP, run_id="r1", workdir=str(tmp_path / "code")).body
+    image = build_image(modal, plan["image"], materialize(plan["image"]["wheels"], tmp_path / "wheels"))
     mounts = build_mounts(modal, plan["sandboxes"][0], None)
     assert isinstance(image, modal.Image)
     assert isinstance(mounts["/data"], modal.Volume) and isinstance(mounts["/b"], modal.CloudBucketMount)
     registry = plan_for(ModalExecutor(image="ghcr.io/me/train:1"), 1, EP, run_id="r1").body["image"]
-    assert registry["base"] == {"registry": "ghcr.io/me/train:1"} and registry["pip"] == []
-    assert isinstance(build_image(modal, registry), modal.Image)
+    assert registry["base"] == {"registry": "ghcr.io/me/train:1"} and registry["pip"] == [] and "wheels" not in registry
+    assert isinstance(build_image(modal, registry, {}), modal.Image)
+
+
+def test_wheels_that_changed_since_the_plan_are_refused(tmp_path):
+    from diloco_modal.wheels import materialize
+
+    plan = plan_for(ModalExecutor(), 1, EP, run_id="r1").body["image"]["wheels"]
+    stale = [{**plan[0], "sha256": "0" * 64}, plan[1]]
+    with pytest.raises(UserError, match=r"the diloco installed here changed since the plan \(diloco_core-.*whl "
+                                        r"differs\): plan and launch again"):
+        materialize(stale, tmp_path)
 
 
 def test_listing_backends_does_not_import_modal():
@@ -117,8 +140,10 @@ def test_listing_backends_does_not_import_modal():
 
 
 @pytest.mark.skipif(not os.environ.get("DILOCO_ISOLATED_ENV"), reason="needs the isolated modal environment")
-@pytest.mark.parametrize("module", ["torch", "numpy", "diloco_replica", "kubernetes"])
+@pytest.mark.parametrize("module", ["torch", "numpy", "kubernetes"])
 def test_installing_core_and_this_backend_pulls_no_torch(module):
+    """diloco-replica is installed next to the launcher with --no-deps (it is packed into the
+    default image as a wheel, never run here): still no torch."""
     import importlib.util
 
     assert importlib.util.find_spec(module) is None

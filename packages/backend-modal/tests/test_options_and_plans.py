@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -48,27 +49,15 @@ def test_a_bad_backend_option_is_one_line_naming_it(table, key):
     assert f"backend.{key}" in message and len(message.splitlines()) == 1, message
 
 
-def test_the_sandbox_plan_is_exactly_what_submit_sends(fake_modal, tmp_path, monkeypatch):
-    """Each `Sandbox.create` gets the planned command, name, tags, resources and environment; the
-    forwarded secret's value appears only in the one place Modal receives secrets."""
-    import modal
-
-    from diloco_modal.testing import FakeSecret, FakeVolume, _write_json
-
+def test_the_sandbox_plan_is_exactly_what_submit_sends(fake_modal, tmp_path):
+    """Each sandbox is created with the planned command, name, tags, resources and environment,
+    as the real client sends them (SandboxCreate, recorded by the fake server); the forwarded
+    secret's value travels only as a Modal secret, and reaches the container's environment."""
     code = tmp_path / "code"
     code.mkdir()
-    fake_modal.config["image_paths"] = {CODE_DIR: str(code)}
-    _write_json(fake_modal.root / "config.json", fake_modal.config)
+    (code / "train.py").write_text("x = 1\n")
     fake_modal.add_secret("aws", {"AWS_REGION": "eu-west-1"})
     fake_modal.add_volume("corpus")
-    creates = []
-    real_create = modal.Sandbox.create
-
-    def recording_create(*args, **kwargs):
-        creates.append((args, kwargs))
-        return real_create(*args, **kwargs)
-
-    monkeypatch.setattr(modal.Sandbox, "create", staticmethod(recording_create))
     executor = ModalExecutor(app_name="plan-check", secrets=["aws"], volumes={"/data": "corpus"}, cpu=1,
                              memory=512, region="us-east", cloud="aws")
     plan = plan_for(executor, 2, SLEEP, {"seconds": 60}, run_id="plan-check", gpu="T4", workdir=str(code),
@@ -77,20 +66,25 @@ def test_the_sandbox_plan_is_exactly_what_submit_sends(fake_modal, tmp_path, mon
     plan.body["sandboxes"][1]["env"]["MARK"] = "from-the-plan"  # submit sends the plan, it does not plan again
     handles = executor.submit(plan)
     try:
+        creates = fake_modal.rpcs("SandboxCreate")  # a GPU sandbox: the client's V1 path
         assert [h.rank for h in handles] == [0, 1] and len(creates) == 2
-        for (args, kwargs), req in zip(creates, plan.body["sandboxes"]):
-            assert list(args) == req["command"]
-            for key in ("name", "tags", "gpu", "timeout", "workdir", "cpu", "memory", "region", "cloud"):
-                assert kwargs[key] == req[key], key
-            assert kwargs["env"] == req["env"] and SECRET not in str(kwargs["env"])
-            assert kwargs["app"].name == plan.body["app"] == "plan-check"
-            assert {p: v.name for p, v in kwargs["volumes"].items() if isinstance(v, FakeVolume)} == req["volumes"]
-            secrets = kwargs["secrets"]
-            assert all(isinstance(s, FakeSecret) for s in secrets)
-            assert [s.name for s in secrets if s.name] == req["secrets"]["named"] == ["aws"]
-            assert [s.values for s in secrets if not s.name] == [{"HF_TOKEN": SECRET}]  # the value, only here
-            assert req["secrets"]["forwarded"] == {"HF_TOKEN": "REDACTED"}
-        assert creates[1][1]["env"]["MARK"] == "from-the-plan" and "MARK" not in creates[0][1]["env"]
+        for handle, create, req in zip(handles, creates, plan.body["sandboxes"]):
+            sent = create["request"]["definition"]
+            assert sent["entrypoint_args"] == req["command"] and sent["name"] == req["name"]
+            assert {t["tag_name"]: t["tag_value"] for t in create["request"]["tags"]} == req["tags"]
+            assert sent["timeout_secs"] == req["timeout"] and sent["workdir"] == req["workdir"] == CODE_DIR
+            assert sent["resources"]["milli_cpu"] == 1000 and sent["resources"]["memory_mb"] == 512
+            assert sent["resources"]["gpu_config"] == {"gpu_type": "T4", "count": 1}
+            assert sent["scheduler_placement"]["regions"] == ["us-east"] and sent["cloud_provider_str"] == "aws"
+            assert SECRET not in json.dumps(create)  # the value went as a secret's content, not in the definition
+            started = fake_modal.spec(handle.metadata["id"])
+            assert started["volumes"] == req["volumes"] == {"/data": "corpus"}
+            env = started["env"]
+            assert env["HF_TOKEN"] == SECRET and env["AWS_REGION"] == "eu-west-1"  # forwarded and named secrets
+            assert {k: v for k, v in env.items() if k not in ("HF_TOKEN", "AWS_REGION")} == req["env"]
+            assert req["secrets"] == {"forwarded": {"HF_TOKEN": "REDACTED"}, "named": ["aws"]}
+        assert fake_modal.spec(handles[1].metadata["id"])["env"]["MARK"] == "from-the-plan"
+        assert "MARK" not in fake_modal.spec(handles[0].metadata["id"])["env"]
         assert handles[0].metadata["app"] == "plan-check" and SECRET not in handles[0].to_json()
     finally:
         for h in handles:

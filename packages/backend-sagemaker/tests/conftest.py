@@ -1,13 +1,35 @@
-"""AWS for the sagemaker backend's tests: a moto server (S3, CloudWatch Logs, IAM, Secrets Manager
-over real HTTP) and the training-job control plane from diloco_sagemaker.testing beside it."""
+"""AWS for the sagemaker backend's tests: a moto server (S3, CloudWatch Logs, IAM, STS, Secrets
+Manager over real HTTP) and the training-job control plane from diloco_sagemaker.testing beside
+it; the tests' shell is the launcher's IAM user (the README's policy), every call authorized."""
 
 from __future__ import annotations
 
 import time
+from importlib import metadata
 
 import pytest
 
 ROLE = "arn:aws:iam::123456789012:role/diloco-sagemaker"
+
+
+def installed(dist: str) -> bool:
+    try:
+        metadata.distribution(dist)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+# pytorch_version ships wheels of the launcher's diloco-replica: only where it is installed
+needs_replica = pytest.mark.skipif(not installed("diloco-replica"),
+                                   reason="builds a wheel of diloco-replica, which this environment does not hold")
+
+
+def pytest_report_header(config):
+    """Which model the stand-in held every request to (the installed botocore's, read now)."""
+    from diloco_sagemaker import servicemodel
+
+    return f"sagemaker stand-in: requests validated against botocore {servicemodel.botocore_version()}'s model"
 
 
 @pytest.fixture

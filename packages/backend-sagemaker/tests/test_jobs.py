@@ -42,6 +42,17 @@ def wait_for(ex, handle, wanted: set[str], timeout: float = 60) -> str:
     return status
 
 
+def client(service: str):
+    """A client of the launcher's shell: the control plane's endpoints, the launcher's IAM user."""
+    return boto3.session.Session().client(service)
+
+
+def admin(plane, service: str):
+    """moto directly, as the account's administrator (what the launcher may not do)."""
+    return boto3.session.Session().client(service, endpoint_url=plane.config["aws_endpoint"], region_name="us-east-1",
+                                          aws_access_key_id="testing", aws_secret_access_key="testing")
+
+
 def job_name(handle) -> str:
     return handle.metadata["job"]
 
@@ -75,13 +86,13 @@ def test_a_spot_interruption_waits_and_comes_back_without_failing(sagemaker):
         time.sleep(0.05)
     assert status is ReplicaStatus.SUCCEEDED and {"pending", "running"} <= seen
     assert any(d.startswith("Interrupted: spot capacity was reclaimed") for d in details), details
-    job = boto3.client("sagemaker").describe_training_job(TrainingJobName=job_name(h))
+    job = client("sagemaker").describe_training_job(TrainingJobName=job_name(h))
     assert [t["Status"] for t in job["SecondaryStatusTransitions"]].count("Training") == 2
     assert ex.stream_logs(h).count("rank 0 sleeping 4") == 2  # both instance starts, two log streams
 
 
 def test_the_workdir_and_secrets_reach_the_container_but_not_the_job_description(sagemaker, workdir, monkeypatch):
-    sm = boto3.client("secretsmanager")
+    sm = admin(sagemaker, "secretsmanager")
     try:
         sm.create_secret(Name="prod/db", SecretString=json.dumps({"password": "pw-from-secrets-manager"}))
     except sm.exceptions.ResourceExistsException:
@@ -98,12 +109,12 @@ def test_the_workdir_and_secrets_reach_the_container_but_not_the_job_description
 
     logs = ex.stream_logs(handles[0])
     assert f"token_sha={hashlib.sha256(token.encode()).hexdigest()[:12]}" in logs and "db=pw" in logs
-    described = json.dumps(boto3.client("sagemaker").describe_training_job(TrainingJobName=job_name(handles[0])),
+    described = json.dumps(client("sagemaker").describe_training_job(TrainingJobName=job_name(handles[0])),
                            default=str)
     assert token not in described and "pw-from-secrets-manager" not in described
-    keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="diloco-sm", Prefix="sagemaker/code-1/code/")
+    keys = [o["Key"] for o in client("s3").list_objects_v2(Bucket="diloco-sm", Prefix="sagemaker/code-1/code/")
             ["Contents"]]
-    assert sorted(k.rsplit("/", 1)[1] for k in keys) == ["bootstrap.py", "source.tar.gz"]
+    assert sorted(k.rsplit("/", 1)[1] for k in keys) == ["bootstrap.py", "secretsreader.py", "source.tar.gz"]
     # a relaunch runs the code the run started with, even after the workdir changed
     (workdir / "mytrain.py").write_text(TRAIN.replace('version="v1"', 'version="v2"'))
     again = launch(ex, 2, "mytrain:main", {}, run_id="code-1", ranks=[1], attempt=1, timeout=600,
@@ -123,11 +134,11 @@ def test_submit_sends_exactly_the_plan_with_secret_values_only_in_secrets_manage
     handles = ex.submit(planned)
     assert [h.rank for h in handles] == [0, 1]
     assert [sagemaker.received(h.metadata["job"]) for h in handles] == planned.body["jobs"]  # the plan, verbatim
-    secret = boto3.client("secretsmanager").get_secret_value(SecretId=planned.body["secrets_manager"]["secret"])
+    secret = admin(sagemaker, "secretsmanager").get_secret_value(SecretId=planned.body["secrets_manager"]["secret"])
     assert json.loads(secret["SecretString"]) == {"HF_TOKEN": token}  # the values go here, and only here
     bucket, _, prefix = planned.body["code"]["s3_uri"].removeprefix("s3://").partition("/")
-    keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]]
-    assert sorted(k.rsplit("/", 1)[1] for k in keys) == ["bootstrap.py", "source.tar.gz"]
+    keys = [o["Key"] for o in client("s3").list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]]
+    assert sorted(k.rsplit("/", 1)[1] for k in keys) == ["bootstrap.py", "secretsreader.py", "source.tar.gz"]
     results = ex.collect(handles, timeout=90)
     assert [r.status for r in results] == ["succeeded", "succeeded"], [r.error for r in results]
     # a relaunch plan submits exactly its own jobs, handles in the request's rank order
@@ -155,7 +166,7 @@ def test_kill_timeout_and_stop_read_as_a_user_expects(sagemaker):
     assert res_late.status == "failed" and res_late.exit_code == 124
     assert "ran past the spec's timeout" in res_late.error.splitlines()[0]
     assert res_stopped.status == "cancelled"
-    assert boto3.client("sagemaker").describe_training_job(TrainingJobName=job_name(stopped))[
+    assert client("sagemaker").describe_training_job(TrainingJobName=job_name(stopped))[
         "TrainingJobStatus"] == "Stopped"
 
 

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from conftest import ROLE
+from conftest import ROLE, needs_replica
 from diloco.errors import SpecError, UserError
 from diloco.legacy import make_executor
 from diloco.protocol import ReplicaStatus
@@ -33,13 +33,13 @@ def plan(monkeypatch, n=2, **kw):
 
 
 @pytest.mark.parametrize("gpu,expected", [
-    ("H100", "ml.p5.48xlarge"), ("H100:8", "ml.p5.48xlarge"), ("A100", "ml.p4d.24xlarge"),
+    ("H100", "ml.p5.48xlarge"), ("H100:1", "ml.p5.4xlarge"), ("H100:8", "ml.p5.48xlarge"), ("A100", "ml.p4d.24xlarge"),
     ("a10g", "ml.g5.xlarge"), ("A10G:4", "ml.g5.12xlarge"), ("T4", "ml.g4dn.xlarge"), (None, "ml.m5.xlarge")])
 def test_the_gpu_picks_the_instance(gpu, expected):
     assert instance_type(gpu) == expected
 
 
-@pytest.mark.parametrize("gpu,words", [("H100:2", "choose H100:8 (ml.p5.48xlarge)"), ("B9000", "unknown GPU type"),
+@pytest.mark.parametrize("gpu,words", [("H100:2", "choose H100:1 (ml.p5.4xlarge), H100:8 (ml.p5.48xlarge)"), ("B9000", "unknown GPU type"),
                                        ("A10G:3", "A10G:1 (ml.g5.xlarge), A10G:4")])
 def test_a_gpu_with_no_instance_is_one_line_naming_the_choices(gpu, words):
     with pytest.raises(UserError, match=words.replace("(", r"\(").replace(")", r"\)")):
@@ -154,9 +154,12 @@ def test_the_executor_declares_its_options_and_capabilities():
 
 
 def test_the_workdir_shipped_is_the_requests(monkeypatch, tmp_path):
+    (tmp_path / "train.py").write_text("x = 1\n")
     body = plan(monkeypatch, n=1, workdir=str(tmp_path))
-    assert body["code"] == {"s3_uri": "s3://bucket/diloco-sagemaker/tiny-lm-20261122-101010-ab12/code/",
-                            "workdir": str(tmp_path)}
+    assert body["code"]["s3_uri"] == "s3://bucket/diloco-sagemaker/tiny-lm-20261122-101010-ab12/code/"
+    assert body["code"]["workdir"] == str(tmp_path)
+    assert body["code"]["shipped"] == {"root": str(tmp_path.resolve()), "files": 1, "bytes": 6,
+                                       "largest": [{"path": "train.py", "bytes": 6}], "ignore": []}
     assert plan(monkeypatch, n=1, workdir=str(tmp_path), include_workdir=False)["code"]["workdir"] is None
     assert plan(monkeypatch, n=1)["code"]["workdir"] is None  # no workdir in the request: nothing shipped
 
@@ -181,7 +184,11 @@ def test_a_dry_run_without_a_role_plans_but_submitting_needs_one(monkeypatch):
     ({"spot": True, "max_wait": 100}, {"timeout": 3600}, "max_wait .* must be at least the timeout"),
     ({"max_wait": 100}, {}, "only applies with spot"),
     ({}, {"timeout": 40 * 24 * 3600}, "outside SageMaker's MaxRuntimeInSeconds"),
-    ({}, {"env": {"BIG": "x" * 2000}}, "BIG has 2000"),
+    ({}, {"env": {"BIG": "x" * 2000}}, r"\[env\] BIG is 2000 characters; SageMaker allows at most 512"),
+    ({}, {"env": {"BIG": "x" * 600}}, r"\[env\] BIG is 600 characters; SageMaker allows at most 512"),  # 513-1024
+    ({"tags": {"team": "llm!"}}, {}, r"SageMaker would refuse rank 0's CreateTrainingJob: Value 'llm!' at "
+                                    r"'tags.1.member.value' failed to satisfy constraint: Member must satisfy regular "
+                                    r"expression pattern"),
 ])
 def test_bad_launches_are_one_line(monkeypatch, kw, launch, words):
     with pytest.raises(UserError, match=words):
@@ -202,6 +209,7 @@ def test_no_s3_prefix_without_an_s3_rendezvous(monkeypatch):
         plan_for(SageMakerExecutor(role=ROLE, image=IMAGE), 1, "train:main", rendezvous="gs://b/runs")
 
 
+@needs_replica
 def test_the_official_pytorch_image_through_the_images_extra(monkeypatch):
     monkeypatch.setenv("AWS_REGION", "us-west-2")
     ex = SageMakerExecutor(role=ROLE, pytorch_version="2.8", py_version="py312")
@@ -218,8 +226,55 @@ def test_the_official_pytorch_image_through_the_images_extra(monkeypatch):
     assert job["AlgorithmSpecification"]["TrainingImage"] == "763.dkr/pytorch:2.8"
     assert calls == [(("pytorch", "us-west-2"), {"version": "2.8", "py_version": "py312",
                                                   "instance_type": "ml.p5.48xlarge", "image_scope": "training"})]
-    installs = json.loads(job["Environment"]["DILOCO_PIP_INSTALL"])  # the official image has no diloco
+    installs = json.loads(job["Environment"]["DILOCO_WHEELS"])  # the official image has no diloco: shipped
     assert [p.split("==")[0] for p in installs] == ["diloco-core", "diloco-replica"]
+    assert "DILOCO_PIP_INSTALL" not in job["Environment"]  # nothing from an index
+
+
+def official_image(monkeypatch, uri: str) -> None:
+    core = types.ModuleType("sagemaker.core")
+    core.image_uris = types.SimpleNamespace(retrieve=lambda *a, **k: uri)
+    monkeypatch.setitem(sys.modules, "sagemaker", types.ModuleType("sagemaker"))
+    monkeypatch.setitem(sys.modules, "sagemaker.core", core)
+
+
+@pytest.mark.parametrize("py_version,uri", [("py310", "763.dkr/pytorch-training:2.1.0-gpu-py310"),
+                                            (None, "763.dkr/pytorch-training:2.1.0-gpu-py310-cu121-ubuntu20.04")])
+def test_an_official_image_whose_python_cannot_hold_diloco_is_refused_at_plan_time(monkeypatch, py_version, uri):
+    official_image(monkeypatch, uri)
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    ex = SageMakerExecutor(role=ROLE, pytorch_version="2.1", py_version=py_version)
+    with pytest.raises(UserError) as err:
+        plan_for(ex, 1, "train:main", rendezvous=RDV)
+    text = str(err.value)
+    assert len(text.splitlines()) == 1 and "with Python 3.10 cannot install diloco-" in text and "py311" in text, text
+
+
+@needs_replica
+def test_the_official_image_plan_lists_the_wheels_shipped_and_installs_them_without_an_index(monkeypatch):
+    official_image(monkeypatch, "763.dkr/pytorch-training:2.8.0-gpu-py312-cu129-ubuntu22.04-sagemaker")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    body = plan_for(SageMakerExecutor(role=ROLE, pytorch_version="2.8"), 1, "train:main", rendezvous=RDV).body
+    wheels = body["code"]["wheels"]
+    files = [w["file"] for w in wheels["files"]]
+    assert wheels["python"] == "3.12" and files[0].startswith("diloco_core-") and files[1].startswith("diloco_replica-")
+    assert not any(f.startswith(("torch-", "numpy-")) for f in files)  # the image holds them
+    env = body["jobs"][0]["Environment"]
+    assert json.loads(env["DILOCO_WHEELS"]) == wheels["install"] and "DILOCO_PIP_INSTALL" not in env
+
+
+def test_launcher_values_over_512_characters_ship_in_a_file_and_the_version_stays(monkeypatch):
+    body = plan(monkeypatch, n=2, env={"PLAIN": "ok"})
+    assert body["code"]["env_files"] == {}
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
+    ex = SageMakerExecutor(role=ROLE, image=IMAGE)
+    long = plan_for(ex, 2, "train:main", {"prompt": "p" * 700}, run_id="long-args-1", rendezvous=RDV).body
+    (name, values), = long["code"]["env_files"].items()
+    assert set(values) == {"PROMPT", "DILOCO_ENTRYPOINT_ARGS"} and len(values["PROMPT"]) == 700
+    for job in long["jobs"]:  # both ranks share the file: the values are the same
+        env = job["Environment"]
+        assert env["DILOCO_ENV_FILE"] == name and max(map(len, env.values())) <= 512
+        assert env["DILOCO_VERSION"].startswith("diloco-core==")  # core's check of the replica's diloco
 
 
 def test_no_image_is_one_line(monkeypatch):
@@ -237,7 +292,7 @@ def job(status, secondary, **kw):
     ("InProgress", "Restarting", "pending"), ("InProgress", "Pending", "pending"),
     ("InProgress", "Training", "running"), ("InProgress", "Uploading", "running"),
     ("Completed", "Completed", "succeeded"), ("Failed", "Failed", "failed"),
-    ("Stopping", "Stopping", "cancelled"), ("Stopped", "Stopped", "cancelled"),
+    ("Stopping", "Stopping", "running"), ("Stopped", "Stopped", "cancelled"),
     ("Stopped", "MaxRuntimeExceeded", "failed"), ("Stopped", "MaxWaitTimeExceeded", "failed"),
 ])
 def test_statuses_map_onto_the_protocol(status, secondary, expected):

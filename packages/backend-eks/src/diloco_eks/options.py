@@ -1,7 +1,8 @@
 """The eks backend's `[backend]` options: declared once (`EksOptions`), checked by core.
 
 Types, bounds and choices are checked from the declaration (`diloco.options`), each as one line
-naming `backend.KEY`; `check` adds what the declaration cannot say (a namespace's shape).
+naming `backend.KEY`; `check` adds what the declaration cannot say (a namespace's shape, and
+that labels, selectors, quantities and names are values the API server accepts).
 The same object shapes every pod (`diloco_eks.manifest`) and says how to reach the cluster
 (`diloco_eks.api`).
 """
@@ -13,6 +14,7 @@ from typing import Any
 
 from diloco.options import option
 
+from . import k8s_values
 from .manifest import dns_label
 
 
@@ -53,7 +55,26 @@ class EksOptions:
                                             "every rank", min=0)
 
     def check(self) -> None:
-        """What the declaration cannot check; a ValueError naming the key (a spec error, one line)."""
+        """What the declaration cannot check; a ValueError naming the key (a spec error, one line).
+
+        Values that go into the Job verbatim must be what the API server accepts there
+        (`diloco_eks.k8s_values`): otherwise a dry run shows a manifest no cluster takes."""
         if self.namespace != dns_label(self.namespace, 63):
             raise ValueError(f"`backend.namespace` {self.namespace!r} is not a valid Kubernetes name "
                              f"(lowercase letters, digits and '-', at most 63)")
+        instance_types = [t["instance_type"] for t in (self.gpu_types or {}).values()
+                          if isinstance(t, dict) and t.get("instance_type") is not None]
+        problems = {
+            "labels": [k8s_values.labels_problem(self.labels or {})],
+            "node_selector": [k8s_values.labels_problem(self.node_selector or {})],
+            "gpu_types": [k8s_values.label_value_problem(t) for t in instance_types],  # a node selector value
+            "cpu": [self.cpu and k8s_values.quantity_problem(self.cpu)],
+            "memory": [self.memory and k8s_values.quantity_problem(self.memory)],
+            "service_account": [self.service_account and k8s_values.subdomain_problem(self.service_account)],
+            "runtime_class": [self.runtime_class and k8s_values.subdomain_problem(self.runtime_class)],
+            "tolerations": [k8s_values.toleration_problem(t) for t in self.tolerations or []],
+        }
+        for key, found in problems.items():
+            problem = next(filter(None, found), None)
+            if problem:
+                raise ValueError(f"`backend.{key}`: {problem}; Kubernetes would refuse the Job")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .replica import run_replica
 
-__all__ = ["ModalExecutor", "ModalOptions", "run_replica"]
+__all__ = ["ModalExecutor", "ModalOptions", "replica_image", "run_replica"]
 
 
 def __getattr__(name: str):
@@ -16,6 +16,10 @@ def __getattr__(name: str):
         from .executor import ModalExecutor
 
         return ModalExecutor
+    if name == "replica_image":
+        from .wheels import replica_image
+
+        return replica_image
     if name == "ModalOptions":
         from .options import ModalOptions
 

@@ -2,19 +2,23 @@
 
 `image_definition` and `sandbox_request` turn the [backend] options (`ModalOptions`) and the
 launch request into JSON-able dicts, which is what `diloco dryrun` prints and what the tests
-check; `build_image` / `build_mounts` turn those dicts into modal objects only when launching.
+check (the image's wheels and steps, the workdir's shipment); `build_image` / `build_mounts`
+turn those dicts into modal objects only when launching, refusing a workdir that changed since.
 Nothing here talks to Modal's servers.
 """
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 from diloco.errors import UserError
-from diloco.replicaenv import REDACTED, pinned_requirement
+from diloco.replicaenv import REDACTED
+from diloco.shipping import select_files
 
+from . import wheels
 from .options import ModalOptions
 
 CODE_DIR = "/root/diloco-workdir"  # where the spec's workdir lands inside every container
@@ -23,8 +27,6 @@ MAX_GPUS = 8
 # Modal's GPU names (https://modal.com/docs/guide/gpu); `[backend] gpu_types` adds newer ones.
 GPU_TYPES = ("T4", "L4", "A10", "A10G", "L40S", "A100", "A100-40GB", "A100-80GB", "H100", "H100!", "H200",
              "B200", "B200+")
-# Ignored when the workdir is shipped: never upload a virtualenv, git history or caches.
-WORKDIR_IGNORE = [".git", ".venv", "venv", "__pycache__", "*.pyc", ".mypy_cache", ".pytest_cache", "node_modules"]
 CANCEL_TAG = "diloco-cancelled"
 
 
@@ -55,22 +57,33 @@ def modal_timeout(timeout: float) -> int:
 
 def image_definition(opts: ModalOptions, workdir: str | None) -> dict[str, Any]:
     """The container image, as data: a registry image (which must hold diloco-replica), or
-    debian_slim with diloco and the user's packages; then the workdir's code at CODE_DIR."""
+    debian_slim with the launcher's own diloco as wheels (`wheels`, never from an index); then
+    the user's packages; then the workdir's shipped files at CODE_DIR (`shipment`: what
+    `diloco.shipping.select_files` chose, summarized). `steps` are the build steps, in order."""
+    out: dict[str, Any] = {}
+    steps: list[dict[str, str]] = []
     if opts.image:
-        base: dict[str, Any] = {"registry": opts.image}
-        pip = list(opts.pip)
+        out["base"] = {"registry": opts.image}
     else:
         version = opts.python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
-        base = {"debian_slim": {"python_version": version}}
-        pip = [pinned_requirement("diloco-core"), pinned_requirement("diloco-replica"), *opts.pip]
-    out: dict[str, Any] = {"base": base, "pip": pip}
+        out["base"] = {"debian_slim": {"python_version": version}}
+        out["wheels"] = wheels.planned()
+        steps += [{"copy": w["file"], "to": w["path"]} for w in out["wheels"]]
+        steps.append({"run": wheels.install_command(out["wheels"])})
+    out["pip"] = list(opts.pip)
+    if opts.pip:
+        steps.append({"run": shlex.join(["python", "-m", "pip", "install", *opts.pip])})
     if opts.requirements:
         path = (Path(workdir or ".") / opts.requirements).resolve()
         if not path.is_file():
             raise UserError(f"[backend] requirements {opts.requirements!r}: no such file {str(path)!r}")
         out["requirements"] = str(path)
+        steps.append({"requirements": str(path)})
+    out["steps"] = steps
     if opts.include_workdir and workdir:
-        out["workdir"] = {"local": str(Path(workdir).resolve()), "remote": CODE_DIR, "ignore": WORKDIR_IGNORE}
+        shipment = select_files(workdir, opts.ignore)
+        out["workdir"] = {"local": str(shipment.root), "remote": CODE_DIR, "ignore": list(opts.ignore),
+                          "shipment": shipment.summary()}
     return out
 
 
@@ -102,19 +115,29 @@ def sandbox_name(run_id: str, rank: int, attempt: int) -> str:
 # -- modal objects (only when launching) -------------------------------------------------------
 
 
-def build_image(modal: Any, definition: dict[str, Any]) -> Any:
+def build_image(modal: Any, definition: dict[str, Any], wheel_files: dict[str, Path]) -> Any:
+    """The modal Image of a definition, step by step as planned; `wheel_files` are the planned
+    wheels built here ({file name: local path}, `wheels.materialize`)."""
     base = definition["base"]
     if "registry" in base:
         image = modal.Image.from_registry(base["registry"])
     else:
         image = modal.Image.debian_slim(python_version=base["debian_slim"]["python_version"])
-    if definition.get("pip"):
-        image = image.pip_install(*definition["pip"])
-    if definition.get("requirements"):
-        image = image.pip_install_from_requirements(definition["requirements"])
+    for step in definition["steps"]:
+        if "copy" in step:
+            image = image.add_local_file(wheel_files[step["copy"]], step["to"], copy=True)
+        elif "run" in step:
+            image = image.run_commands(step["run"])
+        else:
+            image = image.pip_install_from_requirements(step["requirements"])
     shipped = definition.get("workdir")
     if shipped:  # last: Modal adds local files at container start, after every build step
-        image = image.add_local_dir(shipped["local"], shipped["remote"], ignore=shipped["ignore"])
+        shipment = select_files(shipped["local"], shipped["ignore"])
+        if shipment.summary() != shipped["shipment"]:
+            raise UserError(f"the workdir {shipped['local']!r} changed since it was planned: plan and launch again, "
+                            f"so what is uploaded is what the dry run listed")
+        image = image.add_local_dir(shipment.root, shipped["remote"],
+                                    ignore=lambda rel: not shipment.includes(Path(rel).as_posix()))
     return image
 
 

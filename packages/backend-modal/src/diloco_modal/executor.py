@@ -2,8 +2,9 @@
 
 Two modes, one executor:
 
-- **Sandbox mode** (default): from the spec alone (gpu, an image or debian_slim + pip, the
-  workdir's code, forwarded and named secrets, volumes, bucket mounts, timeout, region, cloud)
+- **Sandbox mode** (default): from the spec alone (gpu, an image or debian_slim with the
+  launcher's own diloco as wheels (`wheels`) + pip, the workdir's shipped files, forwarded and
+  named secrets, volumes, bucket mounts, timeout, region, cloud)
   each replica attempt is one `modal.Sandbox` running the replica command every backend runs
   (`diloco.procgroup.replica_command`: the runner, or torchrun over L processes). Sandboxes,
   not functions, because a sandbox is a process: it has an exit code (so a config error, a
@@ -13,13 +14,15 @@ Two modes, one executor:
   the `@app.function` (image, GPU, volumes, secrets, timeout); each replica is `fn.spawn(rank=i,
   diloco_env=..., processes_per_replica=L, diloco_secrets=...)`, whose body calls
   `diloco_modal.run_replica`. The spec's forwarded `secrets` travel as that call's input (Modal
-  keeps inputs for the call's lifetime); long-lived credentials belong in the function's own
-  `secrets=[modal.Secret.from_name(...)]`.
+  keeps inputs for the call's lifetime; sent as CBOR, not pickle); long-lived credentials belong
+  in the function's own `secrets=[modal.Secret.from_name(...)]`. A call's status is its output
+  record (`calls`), never `get()`, and never the best-effort call graph alone.
 
 `plan` builds the body (`diloco_modal.plans`) and `submit` hands exactly that to Modal, adding
 the secret values only there. Durable handles hold only ids (`sb-…`, `fc-…`), rebuilt with
 `Sandbox.from_id` / `FunctionCall.from_id`, so `diloco status/logs/cancel/resume` work from any
-shell after the launcher is gone (how a replica ended is read in `diloco_modal.results`).
+shell after the launcher is gone (how a replica ended is read in `results`, its output lines in
+`logtail`: Modal's log entries are chunks, not lines).
 
 modal is imported on first use, never at import or for a plan of sandbox mode.
 """
@@ -27,7 +30,13 @@ modal is imported on first use, never at import or for a plan of sandbox mode.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from diloco.options import options_from
@@ -36,8 +45,8 @@ from diloco.request import LaunchPlan, LaunchRequest
 from diloco.submitting import start_each
 from diloco.waiting import poll_until_terminal, unless_failed
 
+from . import calls, logtail, results, wheels
 from . import definition as d
-from . import results
 from .functions import check_given, check_ref, function_ref, resolve_function
 from .options import ModalOptions
 from .plans import PREEMPTION_SIGNAL, RANK_TAG, function_plan, sandbox_plan
@@ -71,6 +80,15 @@ class ModalExecutor:
         if self._function_obj is None:
             check_ref(self.options.function)
         self._objects: dict[str, Any] = {}
+        self._wheels: Path | None = None
+
+    def _wheel_dir(self) -> Path:
+        """Where this executor builds the launcher's wheels (kept while it lives: the image's
+        files are uploaded when the first sandbox is created)."""
+        if self._wheels is None:
+            self._wheels = Path(tempfile.mkdtemp(prefix="diloco-wheels-"))
+            weakref.finalize(self, shutil.rmtree, self._wheels, True)
+        return self._wheels
 
     @property
     def mode(self) -> str:
@@ -115,7 +133,8 @@ class ModalExecutor:
         modal, body, env_name = sdk(), plan.body, plan.body["environment"]
         app = self._call(f"look up app {body['app']!r}", modal.App.lookup, body["app"], create_if_missing=True,
                          environment_name=env_name)
-        image = d.build_image(modal, body["image"])
+        wheel_files = wheels.materialize(body["image"].get("wheels", []), self._wheel_dir())
+        image = d.build_image(modal, body["image"], wheel_files)
         values = plan.request.secrets.reveal()
         by_rank = {int(req["tags"][RANK_TAG]): req for req in body["sandboxes"]}
 
@@ -141,9 +160,10 @@ class ModalExecutor:
 
         def spawn(rank: int) -> str:
             row = by_rank[rank]
-            call_ = self._call(f"spawn rank {rank}", fn.spawn, rank=rank, diloco_env=row["diloco_env"],
-                               processes_per_replica=row["processes_per_replica"],
-                               diloco_secrets={k: values[k] for k in row["diloco_secrets"]})
+            with _cbor_payloads():
+                call_ = self._call(f"spawn rank {rank}", fn.spawn, rank=rank, diloco_env=row["diloco_env"],
+                                   processes_per_replica=row["processes_per_replica"],
+                                   diloco_secrets={k: values[k] for k in row["diloco_secrets"]})
             self._objects[call_.object_id] = call_
             return call_.object_id
         return spawn
@@ -161,14 +181,15 @@ class ModalExecutor:
                 return ReplicaStatus.SUCCEEDED
             tags = self._call(f"read the tags of {md['id']}", obj.get_tags)
             return ReplicaStatus.CANCELLED if tags.get(d.CANCEL_TAG) else ReplicaStatus.FAILED
-        return results.call_status(self._call(f"poll {md['id']}", obj.get_call_graph), md["id"])
+        return self._call(f"poll {md['id']}", calls.outcome, obj).status
 
     def stream_logs(self, handle: ReplicaHandle, *, n_lines: int = 200) -> str:
+        """The last `n_lines` whole lines of output (`logtail`: Modal's entries are raw chunks)."""
         md = dict(handle.metadata)
         obj = self._object(md)
-        entries = self._call(f"read the logs of {md['id']}", lambda: list(obj.logs.tail(n_lines)))
-        return results.log_text(entries, n_lines) or \
-            f"(no output yet from {md['id']}; {md.get('url') or dashboard_url(md['id'])})\n"
+        text = self._call(f"read the logs of {md['id']}", logtail.tail_text, lambda k: list(obj.logs.tail(k)),
+                          n_lines)
+        return text or f"(no output yet from {md['id']}; {md.get('url') or dashboard_url(md['id'])})\n"
 
     def collect(self, handles: Sequence[ReplicaHandle], *, timeout: float | None = None) -> list[ReplicaResult]:
         statuses = poll_until_terminal(self, handles, timeout=timeout, interval=0.5)
@@ -183,7 +204,8 @@ class ModalExecutor:
         if md["mode"] == "sandbox":
             code = self._call(f"poll {md['id']}", self._object(md).poll)
         else:
-            code = results.exit_code_in(tail)
+            code = self._call(f"poll {md['id']}", calls.outcome, self._object(md)).exit_code or \
+                results.exit_code_in(tail)
         error = results.failure_error(tail, code, md["id"], md.get("url") or dashboard_url(md["id"]))
         return ReplicaResult(handle.rank, status, code if code is not None else 1, error, None, handle.attempt)
 
@@ -191,14 +213,31 @@ class ModalExecutor:
 
     def cancel(self, handle: ReplicaHandle) -> None:
         """Terminate the sandbox (tagged as cancelled first, so any shell reads it as such) or
-        cancel the call with its containers. A replica that already ended keeps its status."""
+        cancel the call with its containers. A replica that already ended keeps its status: a
+        sandbox is left alone once it has an exit code; a call is always cancelled (cancelling an
+        ended call changes nothing on Modal, and whether it ended is not always known yet)."""
         md = dict(handle.metadata)
-        if self.poll(handle).is_terminal:
-            return
         obj = self._object(md)
         if md["mode"] == "sandbox":
+            if self._call(f"poll {md['id']}", obj.poll) is not None:
+                return
             tags = self._call(f"read the tags of {md['id']}", obj.get_tags)
             self._call(f"tag {md['id']}", obj.set_tags, {**tags, d.CANCEL_TAG: "1"})
             self._call(f"terminate {md['id']}", obj.terminate)
         else:
             self._call(f"cancel {md['id']}", obj.cancel, terminate_containers=True)
+
+
+@contextmanager
+def _cbor_payloads() -> Iterator[None]:
+    """Spawn inputs as CBOR, not pickle, where the function accepts it (the client falls back to
+    pickle for one that does not), unless MODAL_PAYLOAD_FORMAT says otherwise: the container
+    then decodes plain data instead of unpickling."""
+    if "MODAL_PAYLOAD_FORMAT" in os.environ:
+        yield
+        return
+    os.environ["MODAL_PAYLOAD_FORMAT"] = "cbor"
+    try:
+        yield
+    finally:
+        os.environ.pop("MODAL_PAYLOAD_FORMAT", None)

@@ -31,6 +31,8 @@ class ModalOptions:
     pip: list[str] = option([], help="extra pip requirements for the default image")
     requirements: str | None = option(None, help="a requirements file for the default image")
     include_workdir: bool = option(True, help="ship the spec's workdir into the container")
+    ignore: list[str] = option([], help="gitignore-style patterns of workdir files not to ship (credentials, .env*, "
+                                        "*.pem, .git, virtualenvs and .gitignored files never ship)")
     secrets: list[str] = option([], help="names of Modal secrets to attach (the store's credentials, for example)")
     volumes: dict[str, str] = option({}, help="Modal volumes to mount, {path = volume name}")
     bucket_mounts: dict[str, dict[str, Any]] = option(

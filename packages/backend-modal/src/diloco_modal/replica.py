@@ -6,9 +6,16 @@
 
 The executor spawns the function once per replica with `rank=i` as an explicit keyword (a Modal
 container starts with a clean environment, so the rank cannot travel through it) and the rest
-of the replica's environment in `diloco_env` (and the spec's forwarded secrets in `diloco_secrets`). This module sets them and runs the same replica
-command every backend runs (`diloco.procgroup.replica_command`: the runner, or torchrun over
-`processes_per_replica` runners), forwarding Modal's preemption notice (SIGINT) and SIGTERM.
+of the replica's environment in `diloco_env` (and the spec's forwarded secrets in
+`diloco_secrets`). This module sets them and runs the same replica command every backend runs
+(`diloco.procgroup.replica_command`: the runner, or torchrun over `processes_per_replica`
+runners), forwarding Modal's preemption notice (SIGINT) and SIGTERM.
+
+Preemption: Modal's container runtime restarts an input (in a new container, on the same
+input) only when the function raises KeyboardInterrupt, which is how its SIGINT surfaces; any
+other exception becomes the input's failed result. So when the replica stopped because of the
+SIGINT (exit 75, "preempted"), `run_replica` raises KeyboardInterrupt and Modal restarts the
+input: the replica rejoins from the store, as a relaunched one does on any backend.
 
 Stdlib and diloco-core only: the container needs diloco-replica for training, not modal here.
 """
@@ -25,6 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from diloco import envvars
+from diloco.errors import EXIT_PREEMPTED
 from diloco.failures import cause
 from diloco.procgroup import replica_command
 from diloco.runner import RESULT_PREFIX
@@ -39,7 +47,8 @@ def run_replica(rank: int, diloco_env: Mapping[str, str], processes_per_replica:
     """Run one replica in this container and return its entrypoint's (JSON) result.
 
     Raises `ReplicaFailed` with the replica's cause line (the same one `diloco status` shows) so
-    the Modal call fails visibly; the cause is also the last line of the call's logs.
+    the Modal call fails visibly; the cause is also the last line of the call's logs. A replica
+    preempted by Modal's SIGINT raises KeyboardInterrupt instead, so Modal restarts the input.
     """
     env = {**os.environ, **{str(k): str(v) for k, v in {**diloco_env, **(diloco_secrets or {})}.items()},
            envvars.ENV_RANK: str(int(rank))}
@@ -47,7 +56,13 @@ def run_replica(rank: int, diloco_env: Mapping[str, str], processes_per_replica:
         result_path = os.path.join(tmp, "result.json")
         env[envvars.ENV_RESULT_PATH] = result_path
         proc = subprocess.Popen(replica_command(processes_per_replica, python=sys.executable), env=env)
-        forwarded = {sig: signal.signal(sig, lambda s, _f: proc.send_signal(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
+        notices: list[int] = []
+
+        def forward(sig: int, _frame: Any) -> None:
+            notices.append(sig)
+            proc.send_signal(sig)
+
+        forwarded = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             code = proc.wait()
         finally:
@@ -62,4 +77,8 @@ def run_replica(rank: int, diloco_env: Mapping[str, str], processes_per_replica:
         if result.get("result") is not None:  # the launcher reads it from the call's logs (JSON, never pickle)
             print(f"{RESULT_PREFIX}{json.dumps({'result': result['result']}, default=repr)}", flush=True)
         return result.get("result")
-    raise ReplicaFailed(f"{cause(result.get('error')) or 'replica failed'} (exit code {code})")
+    why = f"{cause(result.get('error')) or 'replica failed'} (exit code {code})"
+    if code == EXIT_PREEMPTED and signal.SIGINT in notices:
+        print(f"{why}; Modal restarts this input", file=sys.stderr, flush=True)
+        raise KeyboardInterrupt(why)  # Modal's runtime restarts an input on this, and on nothing else
+    raise ReplicaFailed(why)

@@ -1,38 +1,14 @@
-"""Reading how a replica ended on Modal: a call's status, log text, and the cause line of a failure.
+"""Reading how a replica ended on Modal: the exit code and the cause line of a failure.
 
-Function calls are read through `get_call_graph()` (status only) and their logs, never `get()`:
-that would unpickle whatever the remote side returned, and nothing diloco reads from a network
-is unpickled. A failure's error starts with its cause (the rule in `diloco.failures`), then the
-dashboard URL, then the last lines of output.
+A failure's error starts with its cause (the rule in `diloco.failures`), then the dashboard URL,
+then the last lines of output (`logtail`). A call's status is read in `calls`, never by `get()`.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
-from typing import Any
 
 from diloco.failures import cause_from_log, signal_cause
-from diloco.protocol import ReplicaStatus
-
-
-def call_status(graph: list[Any], call_id: str) -> ReplicaStatus:
-    """A function call's status from its call graph (status only: no result is fetched)."""
-    mine = [i for i in graph if getattr(i, "function_call_id", None) == call_id] or list(graph)
-    if not mine:  # Modal keeps inputs for a limited time: the call's record is gone
-        return ReplicaStatus.FAILED
-    info = mine[0]
-    name = getattr(info.status, "name", str(info.status))
-    if name == "PENDING":
-        return ReplicaStatus.RUNNING if info.task_id else ReplicaStatus.PENDING
-    return {"SUCCESS": ReplicaStatus.SUCCEEDED, "TERMINATED": ReplicaStatus.CANCELLED}.get(name, ReplicaStatus.FAILED)
-
-
-def log_text(entries: Iterable[Any], n_lines: int) -> str:
-    """The last `n_lines` lines of Modal log entries (`modal.types.LogEntry`), '' if none."""
-    text = "".join(e.message if e.message.endswith("\n") else e.message + "\n" for e in entries)
-    lines = text.splitlines()[-n_lines:]
-    return "\n".join(lines) + "\n" if lines else ""
 
 
 def exit_code_in(tail: str) -> int | None:

@@ -1,22 +1,26 @@
 """The first thing a diloco training job runs (its ContainerEntrypoint); uploaded beside the code.
 
 SageMaker downloads the job's `diloco` input channel to /opt/ml/input/data/diloco/ before the
-container starts: this file and, unless the code is baked into the image, `source.tar.gz` (the
-spec's workdir). It then:
+container starts: this file, `secretsreader.py`, and what the run ships — `source.tar.gz` (the
+spec's workdir), `env-<hash>.json` (environment values longer than SageMaker's 512 characters),
+`wheels/` (diloco and what the image lacks, on an official PyTorch image). It then:
 
-1. unpacks the workdir into /opt/ml/code (data-only extraction: no absolute paths, links out
+1. adds the values of `DILOCO_ENV_FILE` to the environment (long entrypoint args, settings);
+2. unpacks the workdir into /opt/ml/code (data-only extraction: no absolute paths, links out
    of the tree or device files) and puts it first on PYTHONPATH;
-2. installs `DILOCO_PIP_INSTALL` (diloco itself on an official PyTorch image, `[backend] pip`);
-3. resolves `DILOCO_SECRETS_MANAGER_REFS` ({"VAR": "secret-id"} or {"VAR": "secret-id#json-key"}) through
-   AWS Secrets Manager with the job's execution role, so secret values never appear in the
-   job's Environment (which anyone allowed to describe the job can read);
-4. runs the replica command it was given (the runner, or torchrun over L processes), forwarding
-   SIGTERM/SIGINT (SageMaker's stop notice) and passing its output through;
-5. on failure writes "exit code N: <cause>" to /opt/ml/output/failure, which SageMaker returns
+3. installs `DILOCO_WHEELS` from the shipped wheels with `pip --no-index` (no package index,
+   no internet needed), then `DILOCO_PIP_INSTALL` (`[backend] pip`, from the index);
+4. resolves `DILOCO_SECRETS_MANAGER_REFS` ({"VAR": "secret-id"} or {"VAR": "secret-id#json-key"})
+   through AWS Secrets Manager with the job's execution role — with boto3 if the image holds it,
+   else with `secretsreader` (standard library) — so secret values never appear in the job's
+   Environment (which anyone allowed to describe the job can read);
+5. runs the replica command it was given (the runner, or torchrun over L processes), forwarding
+   SIGTERM/SIGINT (SageMaker's stop notice reaches this process, PID 1, alone) and passing its
+   output through;
+6. on failure writes "exit code N: <cause>" to /opt/ml/output/failure, which SageMaker returns
    as the job's FailureReason, and exits with the command's own code.
 
-Standard library only, plus boto3 when secrets are referenced (every SageMaker image has it):
-it must run before anything of the user's is importable.
+Standard library only: it must run before anything of the user's is importable.
 """
 
 from __future__ import annotations
@@ -32,8 +36,11 @@ from collections import deque
 ML_ROOT = "/opt/ml"
 CHANNEL = "diloco"
 ARCHIVE = "source.tar.gz"
+WHEELS_DIR = "wheels"
 SECRET_REFS_ENV = "DILOCO_SECRETS_MANAGER_REFS"
-PIP_ENV = "DILOCO_PIP_INSTALL"  # a JSON list of packages to install first (an official image lacks diloco)
+PIP_ENV = "DILOCO_PIP_INSTALL"  # a JSON list of requirements to install from the index ([backend] pip)
+WHEELS_ENV = "DILOCO_WHEELS"  # a JSON list of requirements to install from the shipped wheels only
+ENV_FILE_ENV = "DILOCO_ENV_FILE"  # a JSON file in the channel: {VAR: value} too long for the Environment
 # Only diloco_sagemaker.testing sets it (its instances keep /opt/ml in a directory per job).
 ML_ROOT_ENV = "DILOCO_ML_ROOT"
 EXIT_CONFIG = 78  # diloco.errors.EXIT_CONFIG: a relaunch would fail the same way
@@ -50,17 +57,24 @@ def unpack(archive: str, dest: str) -> None:
         tar.extractall(dest, filter="data")
 
 
-def resolve_secrets(refs: dict[str, str]) -> dict[str, str]:
+def resolve_secrets(refs: dict[str, str], region: str | None) -> dict[str, str]:
     """Secret values by variable name, read from Secrets Manager."""
-    import boto3
+    try:
+        import boto3
+    except ImportError:  # the image holds no boto3: one signed request with the standard library
+        import secretsreader
 
-    client = boto3.client("secretsmanager")
+        creds = secretsreader.credentials()
+        read = lambda sid: secretsreader.get_secret_string(sid, region or "us-east-1", creds)  # noqa: E731
+    else:
+        client = boto3.client("secretsmanager")
+        read = lambda sid: client.get_secret_value(SecretId=sid)["SecretString"]  # noqa: E731
     cache: dict[str, str] = {}
     out = {}
     for var, ref in refs.items():
         secret_id, _, key = ref.partition("#")
         if secret_id not in cache:
-            cache[secret_id] = client.get_secret_value(SecretId=secret_id)["SecretString"]
+            cache[secret_id] = read(secret_id)
         out[var] = json.loads(cache[secret_id])[key] if key else cache[secret_id]
     return out
 
@@ -78,10 +92,49 @@ def describe(code: int, lines: list[str]) -> str:
 
 
 def fail(where: dict[str, str], code: int, cause: str) -> int:
+    print(f"diloco: error: {cause}", flush=True)
     os.makedirs(os.path.dirname(where["failure"]), exist_ok=True)
     with open(where["failure"], "w") as f:
         f.write(f"exit code {code}: {cause}"[:1000])
     return code
+
+
+def pip_install(args: list[str], env: dict[str, str]) -> int:
+    return subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-input", *args], env=env).returncode
+
+
+def prepare(where: dict[str, str], env: dict[str, str]) -> str | None:
+    """Steps 1-4 on `env`; the reason it cannot run the replica, or None."""
+    env_file = env.pop(ENV_FILE_ENV, "")
+    if env_file:
+        with open(os.path.join(where["channel"], env_file)) as f:
+            env.update(json.load(f))
+    archive = os.path.join(where["channel"], ARCHIVE)
+    if os.path.exists(archive):
+        unpack(archive, where["code"])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (where["code"], env.get("PYTHONPATH")) if p)
+        os.chdir(where["code"])
+    wheels = json.loads(env.pop(WHEELS_ENV, "") or "[]")
+    if wheels:
+        found = os.path.join(where["channel"], WHEELS_DIR)
+        code = pip_install(["--no-index", "--find-links", found, *wheels], env)
+        if code:
+            return (f"pip install --no-index --find-links {found} {' '.join(wheels)} failed (exit code {code}): the "
+                    f"wheels shipped with the code do not install on this image's Python")
+    packages = json.loads(env.pop(PIP_ENV, "") or "[]")
+    if packages:
+        code = pip_install(packages, env)
+        if code:
+            return (f"pip install {' '.join(packages)} failed (exit code {code}): [backend] pip needs a package "
+                    f"index the job can reach (a VPC without NAT has none)")
+    refs = json.loads(env.pop(SECRET_REFS_ENV, "") or "{}")
+    if refs:
+        try:
+            env.update(resolve_secrets(refs, env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")))
+        except Exception as exc:  # noqa: BLE001 - any failure here is the run's configuration
+            return (f"cannot read secrets {sorted(refs)} from AWS Secrets Manager with the job's execution role: "
+                    f"{type(exc).__name__}: {exc}")
+    return None
 
 
 def main(argv: list[str]) -> int:
@@ -89,24 +142,9 @@ def main(argv: list[str]) -> int:
     if not argv:
         return fail(where, EXIT_CONFIG, "diloco bootstrap: no replica command given")
     env = dict(os.environ)
-    archive = os.path.join(where["channel"], ARCHIVE)
-    if os.path.exists(archive):
-        unpack(archive, where["code"])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (where["code"], env.get("PYTHONPATH")) if p)
-        os.chdir(where["code"])
-    packages = json.loads(env.pop(PIP_ENV, "") or "[]")
-    if packages:
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-input", *packages], env=env)
-        if done.returncode:
-            return fail(where, EXIT_CONFIG, f"pip install {' '.join(packages)} failed (exit code {done.returncode})")
-    refs = json.loads(env.pop(SECRET_REFS_ENV, "") or "{}")
-    if refs:
-        try:
-            env.update(resolve_secrets(refs))
-        except Exception as exc:  # noqa: BLE001 - any failure here is the run's configuration
-            msg = f"cannot read secrets {sorted(refs)} from AWS Secrets Manager: {type(exc).__name__}: {exc}"
-            print(f"diloco: error: {msg}", flush=True)
-            return fail(where, EXIT_CONFIG, msg)
+    problem = prepare(where, env)
+    if problem:
+        return fail(where, EXIT_CONFIG, problem)
     child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: child.send_signal(s))
@@ -119,7 +157,13 @@ def main(argv: list[str]) -> int:
     code = child.wait()
     if code < 0:
         code = 128 - code
-    return fail(where, code, describe(code, list(tail))) if code else 0
+    if not code:
+        return 0
+    cause = describe(code, list(tail))
+    os.makedirs(os.path.dirname(where["failure"]), exist_ok=True)
+    with open(where["failure"], "w") as f:
+        f.write(f"exit code {code}: {cause}"[:1000])
+    return code
 
 
 if __name__ == "__main__":

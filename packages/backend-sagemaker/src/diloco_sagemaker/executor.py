@@ -3,8 +3,16 @@
 `plan` builds the CreateTrainingJob requests (`request`: the topology and the requests),
 `submit` uploads the code (`source`, run first by `bootstrap` in the container), stores the
 secrets and creates exactly the planned jobs. `status` reads a job's statuses, `logs` its
-CloudWatch output, `aws` holds the clients and reads AWS's errors. Handles hold the job name
-and region only, so `diloco status / logs / cancel / resume` reattach from any shell.
+CloudWatch output, `aws` holds the clients and reads AWS's errors. Handles hold the job name,
+region and creation time only, so `diloco status / logs / cancel / resume` reattach from any shell.
+
+Reads are eventually consistent and may be throttled, so `poll` never turns a read into an
+ending: a job SageMaker does not show yet within `NOT_FOUND_GRACE` seconds of its creation is
+pending (a second attempt must never start while the first may live), a throttle or network
+error that outlasts botocore's retries answers the status last seen, and Stopping reads as
+running unless this executor asked for the stop (a rank reaching its MaxRuntime goes through
+Stopping too, and must fail and be relaunched, not cancel the run). A `diloco cancel` from
+another shell reaches the launcher through the run record; its jobs then read cancelled once Stopped.
 
 Secrets never go into the job's Environment (anyone allowed to describe the job can read it):
 forwarded `secrets` are stored in AWS Secrets Manager as one secret per run
@@ -17,6 +25,7 @@ boto3 is imported on first use, never at import (`diloco backends` stays fast).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,11 +40,16 @@ from diloco.waiting import poll_until_terminal, unless_failed
 from . import request as rq
 from . import source
 from . import status as st
-from .aws import Aws, console_url
+from .aws import Aws, Transient, console_url, is_not_found, is_transient
 from .logs import LOG_GROUP, read_logs
 from .options import SageMakerOptions
 
 __all__ = ["LOG_GROUP", "SageMakerExecutor", "SageMakerOptions", "console_url"]
+
+# How long after CreateTrainingJob a job SageMaker does not show is still taken to exist (its
+# reads lag by seconds); past it, the job is gone and the replica failed.
+NOT_FOUND_GRACE = 300.0
+STOP_PATIENCE = 120.0  # how long cancel keeps asking through throttles and not-yet-visible jobs
 
 
 class SageMakerExecutor:
@@ -56,6 +70,8 @@ class SageMakerExecutor:
         self.options = options_from(SageMakerOptions, options, overrides, backend=self.backend_name)
         self.options.check()
         self.aws = Aws(self.options)
+        self._stopped: set[str] = set()  # jobs this executor called StopTrainingJob on
+        self._last: dict[str, ReplicaStatus] = {}  # the status last read per job
 
     # -- planning and launching ----------------------------------------------------------------
 
@@ -73,7 +89,7 @@ class SageMakerExecutor:
         request, body = plan.request, plan.body
         region, code = body["region"], body["code"]
         self.aws.call(f"upload the code to {code['s3_uri']}", source.upload_code, self.aws.client("s3", region),
-                      code["s3_uri"], code["workdir"])
+                      code, list(self.options.ignore))
         secret = body["secrets_manager"]["secret"]
         if secret:
             self._store_secrets(secret, request.secrets.reveal(), request.run_id, region)
@@ -83,10 +99,11 @@ class SageMakerExecutor:
         def start(rank: int) -> ReplicaHandle:
             job = jobs[rank]
             name = job["TrainingJobName"]
+            created = time.time()
             self.aws.call(f"create {name} on {job['ResourceConfig']['InstanceType']}", sm.create_training_job, **job)
             return ReplicaHandle(rank, self.backend_name, {
                 "run_id": request.run_id, "attempt": request.attempt, "job": name, "region": region,
-                "url": console_url(region, name)})
+                "url": console_url(region, name), "created": created})
 
         return start_each(request.ranks, start, self.cancel, platform="SageMaker", unit="job(s)")
 
@@ -108,13 +125,31 @@ class SageMakerExecutor:
     # -- observing -----------------------------------------------------------------------------
 
     def poll(self, handle: ReplicaHandle) -> ReplicaStatus:
-        job = self.aws.describe(dict(handle.metadata))
-        return ReplicaStatus.FAILED if job is None else st.replica_status(job)
+        md = dict(handle.metadata)
+        try:
+            job = self.aws.describe(md)
+        except Transient:
+            return self._last.get(md["job"], ReplicaStatus.PENDING)
+        if job is None:
+            return ReplicaStatus.PENDING if self._may_still_appear(md) else ReplicaStatus.FAILED
+        status = st.replica_status(job, stop_requested=md["job"] in self._stopped)
+        self._last[md["job"]] = status
+        return status
+
+    def _may_still_appear(self, md: dict) -> bool:
+        """Whether a job SageMaker does not show was created recently enough to be lagging."""
+        return time.time() - float(md.get("created") or 0) < NOT_FOUND_GRACE
 
     def status_detail(self, handle: ReplicaHandle) -> str | None:
         """Why the replica is waiting (a spot interruption SageMaker is retrying, …), for events."""
-        job = self.aws.describe(dict(handle.metadata))
-        return st.detail(job) if job else None
+        md = dict(handle.metadata)
+        try:
+            job = self.aws.describe(md)
+        except Transient:
+            return "SageMaker is throttling DescribeTrainingJob; the status shown is the last one read"
+        if job is None:
+            return "SageMaker does not show the job yet (its reads lag behind CreateTrainingJob)"
+        return st.detail(job)
 
     def stream_logs(self, handle: ReplicaHandle, *, n_lines: int = 200) -> str:
         return read_logs(self.aws, dict(handle.metadata), n_lines)
@@ -128,28 +163,54 @@ class SageMakerExecutor:
         if done is not None:
             return done
         md = dict(handle.metadata)
-        job = self.aws.describe(md) or {"TrainingJobName": md["job"], "FailureReason": "the training job is gone"}
+        try:
+            job = self.aws.describe(md)
+        except Transient:
+            job = {}
+        if job is None:
+            job = {"TrainingJobName": md["job"], "FailureReason": (
+                f"the training job {md['job']} is gone: SageMaker does not know it "
+                f"{time.time() - float(md.get('created') or 0):.0f}s after it was created (deleted, or never created)")}
         tail = self.stream_logs(handle, n_lines=20).strip()
         code = st.exit_code(job)
-        first = cause_from_log(tail) or st.failure_cause(job)
+        job = {"TrainingJobName": md["job"], **job}
+        timed_out = job.get("SecondaryStatus") in st.TIMED_OUT  # SageMaker ended it: its reason comes first
+        first = st.failure_cause(job) if timed_out else (cause_from_log(tail) or st.failure_cause(job))
         error = f"{first}\n{md.get('url', '')}\n{tail}".rstrip()
         return ReplicaResult(handle.rank, status, code if code is not None else 1, error, None, handle.attempt)
 
     # -- stopping ------------------------------------------------------------------------------
 
     def cancel(self, handle: ReplicaHandle) -> None:
-        """StopTrainingJob; a job that already ended keeps its status, other errors surface."""
+        """StopTrainingJob; a job that already ended keeps its status, other errors surface.
+
+        Asked directly (no describe first: right after CreateTrainingJob, SageMaker may not show
+        the job yet), again while it is not found within the grace period or throttled, for at
+        most STOP_PATIENCE seconds: a job left running would train and bill on its own.
+        """
         from botocore.exceptions import ClientError
 
         md = dict(handle.metadata)
-        job = self.aws.describe(md)
-        if job is None or job.get("TrainingJobStatus") in ("Completed", "Failed", "Stopped", "Stopping"):
-            return
-        try:
-            self.aws.client("sagemaker", md.get("region")).stop_training_job(TrainingJobName=md["job"])
-        except ClientError as exc:
-            err = exc.response.get("Error", {})
-            if err.get("Code") == "ValidationException" and ("already" in err.get("Message", "").lower()
-                                                             or "status" in err.get("Message", "").lower()):
-                return  # it ended between the describe and the stop
-            raise self.aws.client_error(f"stop {md['job']}", exc) from None
+        sm = self.aws.client("sagemaker", md.get("region"))
+        self._stopped.add(md["job"])
+        deadline = time.monotonic() + STOP_PATIENCE
+        pause = 0.5
+        while True:
+            try:
+                sm.stop_training_job(TrainingJobName=md["job"])
+                return
+            except ClientError as exc:
+                err = exc.response.get("Error", {})
+                if err.get("Code") == "ValidationException" and ("already" in err.get("Message", "").lower()
+                                                                 or "status" in err.get("Message", "").lower()):
+                    return  # it has ended (or is stopping)
+                retry = is_transient(exc) or (is_not_found(exc) and self._may_still_appear(md))
+                if is_not_found(exc) and not retry:
+                    return  # gone: nothing left to stop
+                if not retry or time.monotonic() > deadline:
+                    raise self.aws.client_error(f"stop {md['job']}", exc) from None
+            except Exception as exc:  # noqa: BLE001 - a network error is retried like a throttle
+                if not is_transient(exc) or time.monotonic() > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 10.0)

@@ -15,7 +15,7 @@ from diloco.errors import UserError
 # GPU → {GPUs per instance: training instance type}. SageMaker's training instance list:
 # https://aws.amazon.com/sagemaker/pricing/ (the "Training" tab); checked 2026-11.
 INSTANCES: dict[str, dict[int, str]] = {
-    "H100": {8: "ml.p5.48xlarge"},
+    "H100": {1: "ml.p5.4xlarge", 8: "ml.p5.48xlarge"},
     "H200": {8: "ml.p5en.48xlarge"},
     "A100": {8: "ml.p4d.24xlarge"},
     "A100-80GB": {8: "ml.p4de.24xlarge"},
@@ -25,6 +25,9 @@ INSTANCES: dict[str, dict[int, str]] = {
     "T4": {1: "ml.g4dn.xlarge", 4: "ml.g4dn.12xlarge"},
     "V100": {1: "ml.p3.2xlarge", 4: "ml.p3.8xlarge", 8: "ml.p3.16xlarge"},
 }
+# A bare name whose smallest instance came later than the name's meaning here: `H100` stayed
+# ml.p5.48xlarge (one process on it, as the README says) when ml.p5.4xlarge appeared; `H100:1` is that one.
+BARE = {"H100": 8}
 CPU_INSTANCE = "ml.m5.xlarge"  # a replica with no `gpu` (small models, smoke tests)
 _INSTANCE_TYPE = re.compile(r"^ml\.[a-z0-9-]+\.[a-z0-9-]+$")
 
@@ -44,7 +47,7 @@ def instance_type(gpu: str | None, override: str | None = None) -> str:
         raise UserError(f"unknown GPU type {name!r} for SageMaker; use one of {', '.join(INSTANCES)}, or set "
                         f"[backend] instance_type (e.g. 'ml.p5.48xlarge')")
     if not count_text:
-        return sizes[min(sizes)]
+        return sizes[BARE.get(name.strip().upper(), min(sizes))]
     if not count_text.strip().isdigit() or int(count_text) not in sizes:
         counts = ", ".join(f"{name.strip().upper()}:{n} ({t})" for n, t in sorted(sizes.items()))
         raise UserError(f"no SageMaker training instance has {count_text.strip()} × {name.strip().upper()}; "

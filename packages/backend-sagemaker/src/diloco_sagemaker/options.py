@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from diloco.errors import UserError
 from diloco.options import option
 
-MAX_KEEP_ALIVE = 3600  # SageMaker's longest warm pool (KeepAlivePeriodInSeconds)
+MAX_KEEP_ALIVE = 3600  # SageMaker's documented longest warm pool (KeepAlivePeriodInSeconds)
 _ROLE_ARN = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+$")
 
 
@@ -42,6 +42,8 @@ class SageMakerOptions:
                                               "(default: s3://<rendezvous bucket>/diloco-sagemaker)")
     output_path: str | None = option(None, help="the jobs' S3OutputPath (default: <s3_prefix>/<run>/output)")
     include_workdir: bool = option(True, help="upload the spec's workdir as the job's source")
+    ignore: list[str] = option([], help="gitignore-style patterns of the workdir never shipped (on top of "
+                                        ".gitignore, caches, and credentials, which never ship)")
     tags: dict[str, str] = option({}, help="extra tags on every job")
     secret_refs: dict[str, str] = option({}, help="{ENV_NAME = Secrets Manager ARN} resolved in the container, "
                                                   "never in the request")

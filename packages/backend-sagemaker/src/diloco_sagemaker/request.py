@@ -1,8 +1,11 @@
 """What a replica is on SageMaker, as data: one CreateTrainingJob request per replica attempt.
 
 Nothing here talks to AWS. `plan_body` turns the `[backend]` options (`SageMakerOptions`) and a
-`LaunchRequest` into the plan: the code's S3 prefix, the Secrets Manager names, and the exact
-requests `create_training_job` receives (`training_job_request`), which `diloco dryrun` prints.
+`LaunchRequest` into the plan: the code's S3 prefix and what is shipped there (the workdir's
+files, long environment values, wheels for an official image), the Secrets Manager names, and
+the exact requests `create_training_job` receives (`training_job_request`), which `diloco
+dryrun` prints. Each request is checked against botocore's model of CreateTrainingJob and
+SageMaker's documented rules before anything is uploaded (`refuse_what_sagemaker_refuses`).
 Topology: one training job per replica, InstanceCount 1 — per-rank status, per-rank relaunch
 and independent spot interruptions; replicas meet only through S3.
 """
@@ -16,20 +19,24 @@ from typing import Any
 
 from diloco.errors import UserError
 from diloco.procgroup import replica_command
-from diloco.replicaenv import pinned_requirement
 from diloco.request import LaunchRequest
 
-from .bootstrap import CHANNEL, ML_ROOT, PIP_ENV, SECRET_REFS_ENV
+from . import servicemodel, servicerules
+from .bootstrap import CHANNEL, ML_ROOT, PIP_ENV, SECRET_REFS_ENV, WHEELS_ENV
+from .environment import fit_environment
 from .instances import instance_type
+from .officialimage import planned_wheels, resolve_image
 from .options import SageMakerOptions
 
 BOOTSTRAP_FILE = "bootstrap.py"
+SECRETS_READER_FILE = "secretsreader.py"
 ENTRYPOINT = ["python", f"{ML_ROOT}/input/data/{CHANNEL}/{BOOTSTRAP_FILE}"]
 RUN_TAG, RANK_TAG, ATTEMPT_TAG = "diloco-run", "diloco-rank", "diloco-attempt"
-MAX_RUNTIME = 28 * 24 * 3600  # SageMaker's longest MaxRuntimeInSeconds
+MAX_RUNTIME = servicerules.MAX_RUNTIME_SECONDS  # SageMaker's longest MaxRuntimeInSeconds: 28 days
 SECRET_PREFIX = "diloco/"  # one Secrets Manager secret per run: diloco/<run id>
-MAX_ENV_VALUE, MAX_ENV_ENTRIES = 1024, 100
+MAX_ARCHIVE_BYTES = 512 << 20
 _JOB_NAME = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
+ROLE_PLACEHOLDER = "<[backend] role: the SageMaker execution role ARN>"
 
 
 def job_name(run_id: str, rank: int, attempt: int) -> str:
@@ -56,52 +63,14 @@ def default_prefix(opts: SageMakerOptions, rendezvous: str | None) -> str:
 
 
 def code_uri(opts: SageMakerOptions, rendezvous: str | None, run_id: str) -> str:
-    """The input channel's prefix: the bootstrap and the workdir archive of this run."""
+    """The input channel's prefix: the bootstrap and what the run ships."""
     return f"{default_prefix(opts, rendezvous)}/{run_id}/code/"
 
 
-def resolve_image(opts: SageMakerOptions, region: str, instance: str) -> str:
-    """The training image: `image` as given, or the official PyTorch training image for
-    `pytorch_version` through sagemaker-core's image_uris (the optional `images` extra)."""
-    if opts.image:
-        return opts.image
-    if not opts.pytorch_version:
-        raise UserError("[backend] image is needed: an ECR image with diloco-replica installed (see "
-                        "packages/replica/README.md), or pytorch_version = \"2.8\" for the official PyTorch "
-                        "training image (pip install 'diloco-backend-sagemaker[images]')")
-    try:
-        from sagemaker.core import image_uris
-    except ImportError:
-        raise UserError("[backend] pytorch_version needs sagemaker-core's image list: pip install "
-                        "'diloco-backend-sagemaker[images]', or give an ECR `image`") from None
-    try:
-        return image_uris.retrieve("pytorch", region, version=opts.pytorch_version, py_version=opts.py_version,
-                                   instance_type=instance, image_scope="training")
-    except ValueError as exc:
-        raise UserError(f"[backend] pytorch_version {opts.pytorch_version!r}: {exc}") from None
-
-
-def pip_packages(opts: SageMakerOptions) -> list[str]:
-    """What the bootstrap installs first: diloco itself on an official image, then `pip`."""
-    base = [pinned_requirement("diloco-core"), pinned_requirement("diloco-replica")] if opts.pytorch_version else []
-    return base + list(opts.pip)
-
-
-def check_environment(env: dict[str, str]) -> None:
-    """SageMaker's Environment limits, as one line naming the variable."""
-    if len(env) > MAX_ENV_ENTRIES:
-        raise UserError(f"SageMaker allows at most {MAX_ENV_ENTRIES} environment variables per job; this run "
-                        f"needs {len(env)}: move some [env] entries into your code")
-    for k, v in env.items():
-        if len(v) > MAX_ENV_VALUE:
-            raise UserError(f"SageMaker limits each environment value to {MAX_ENV_VALUE} characters; {k} has "
-                            f"{len(v)}: move large entrypoint args or settings into a file in the workdir")
-
-
-def training_job_request(opts: SageMakerOptions, *, name: str, region: str, image: str, instance: str,
-                         env: dict[str, str], processes: int, timeout: float, code: str, output: str,
+def training_job_request(opts: SageMakerOptions, *, name: str, image: str, instance: str, env: dict[str, str],
+                         processes: int, timeout: float, code: str, output: str,
                          tags: dict[str, str]) -> dict[str, Any]:
-    """One CreateTrainingJob request (env must already be free of secret values)."""
+    """One CreateTrainingJob request (env must already be free of secret values and within limits)."""
     runtime = int(timeout)
     if not 1 <= runtime <= MAX_RUNTIME:
         raise UserError(f"timeout {timeout:g}s is outside SageMaker's MaxRuntimeInSeconds (1..{MAX_RUNTIME}, "
@@ -115,14 +84,13 @@ def training_job_request(opts: SageMakerOptions, *, name: str, region: str, imag
         stopping["MaxWaitTimeInSeconds"] = wait
     elif opts.max_wait is not None:
         raise UserError("[backend] max_wait only applies with spot = true")
-    check_environment(env)
     resources: dict[str, Any] = {"InstanceType": instance, "InstanceCount": 1,
                                  "VolumeSizeInGB": int(opts.volume_size_gb)}
     if opts.keep_alive:
         resources["KeepAlivePeriodInSeconds"] = int(opts.keep_alive)
     request: dict[str, Any] = {
         "TrainingJobName": name,
-        "RoleArn": opts.role or "<[backend] role: the SageMaker execution role ARN>",
+        "RoleArn": opts.role or ROLE_PLACEHOLDER,
         "AlgorithmSpecification": {"TrainingImage": image, "TrainingInputMode": "File",
                                    "ContainerEntrypoint": list(ENTRYPOINT),
                                    "ContainerArguments": replica_command(processes)},
@@ -140,17 +108,46 @@ def training_job_request(opts: SageMakerOptions, *, name: str, region: str, imag
     return request
 
 
-def bootstrap_env(refs: dict[str, str], packages: list[str]) -> dict[str, str]:
-    """What the bootstrap reads: secret references (names, never values) and packages to install."""
+def refuse_what_sagemaker_refuses(job: dict[str, Any], rank: int) -> None:
+    """One line for the first thing SageMaker would refuse in `job` (its model, its documented
+    rules). Enums are left to the service: it learns new instance types before a client's model."""
+    checked = job if job["RoleArn"] != ROLE_PLACEHOLDER else {**job, "RoleArn": "arn:aws:iam::000000000000:role/r"}
+    problems = servicemodel.check("CreateTrainingJob", checked, enums=False)
+    found = problems.serialization + problems.validation + servicerules.create_training_job(checked)
+    if found:
+        raise UserError(f"SageMaker would refuse rank {rank}'s CreateTrainingJob: {found[0]} (botocore "
+                        f"{servicemodel.botocore_version()}'s model of the API): check the [backend] options and "
+                        f"[env] it comes from")
+
+
+def bootstrap_env(refs: dict[str, str], packages: list[str], wheels: dict[str, Any] | None) -> dict[str, str]:
+    """What the bootstrap reads: secret references (names, never values) and what to install."""
     out = {SECRET_REFS_ENV: json.dumps(refs, sort_keys=True)} if refs else {}
     if packages:
         out[PIP_ENV] = json.dumps(packages)
+    if wheels:
+        out[WHEELS_ENV] = json.dumps(wheels["install"])
     return out
 
 
+def shipped_workdir(opts: SageMakerOptions, request: LaunchRequest) -> dict[str, Any] | None:
+    """What of the workdir is shipped (`diloco.shipping`: never credentials, .gitignore honoured,
+    `[backend] ignore` added), as `diloco dryrun` shows it; None when nothing is shipped."""
+    if not (opts.include_workdir and request.workdir):
+        return None
+    from diloco.shipping import select_files
+
+    shipment = select_files(request.workdir, ignore=opts.ignore)
+    if shipment.total_bytes > MAX_ARCHIVE_BYTES:
+        raise UserError(f"workdir {request.workdir!r} holds {shipment.total_bytes >> 20} MiB to ship, more than "
+                        f"{MAX_ARCHIVE_BYTES >> 20} MiB: keep data and checkpoints in S3, add patterns to "
+                        f"[backend] ignore, or set include_workdir = false and bake the code into the image")
+    return shipment.summary()
+
+
 def plan_body(opts: SageMakerOptions, request: LaunchRequest, region: str) -> dict[str, Any]:
-    """What the executor submits for `request`: the code's prefix (and the workdir shipped there),
-    the run's Secrets Manager secret (names, never values) and one CreateTrainingJob per rank."""
+    """What the executor submits for `request`: the code's prefix and what is shipped there, the
+    run's Secrets Manager secret (names, never values) and one CreateTrainingJob per rank."""
     run_id, attempt = request.run_id, request.attempt
     instance = instance_type(request.gpu, opts.instance_type)
     image = resolve_image(opts, region, instance)
@@ -158,20 +155,28 @@ def plan_body(opts: SageMakerOptions, request: LaunchRequest, region: str) -> di
     output = opts.output_path or f"{default_prefix(opts, request.rendezvous)}/{run_id}/output"
     forwarded = request.secrets.names
     refs = {**{k: f"{SECRET_PREFIX}{run_id}#{k}" for k in forwarded}, **opts.secret_refs}
-    extra = bootstrap_env(refs, pip_packages(opts))
-    jobs = []
+    wheels = planned_wheels(opts, image)
+    extra = bootstrap_env(refs, list(opts.pip), wheels)
+    jobs, env_files = [], {}
     for rank in request.ranks:
         env = request.replica_env(rank)
         env.pop("PYTHONPATH", None)  # the bootstrap puts the unpacked workdir there
         env.setdefault("AWS_REGION", region)
         env.setdefault("AWS_DEFAULT_REGION", region)
         env.update(extra)
-        jobs.append(training_job_request(
-            opts, name=job_name(run_id, rank, attempt), region=region, image=image, instance=instance, env=env,
+        env, long_values = fit_environment(env, user_keys=set(request.env))
+        if long_values:
+            env_files[env["DILOCO_ENV_FILE"]] = long_values
+        job = training_job_request(
+            opts, name=job_name(run_id, rank, attempt), image=image, instance=instance, env=env,
             processes=request.processes_per_replica, timeout=request.timeout, code=code, output=output,
-            tags={RUN_TAG: run_id, RANK_TAG: str(rank), ATTEMPT_TAG: str(attempt)}))
-    workdir = request.workdir if opts.include_workdir and request.workdir else None
-    return {"region": region, "code": {"s3_uri": code, "workdir": workdir},
+            tags={RUN_TAG: run_id, RANK_TAG: str(rank), ATTEMPT_TAG: str(attempt)})
+        refuse_what_sagemaker_refuses(job, rank)
+        jobs.append(job)
+    workdir = shipped_workdir(opts, request)
+    return {"region": region,
+            "code": {"s3_uri": code, "workdir": request.workdir if workdir else None, "shipped": workdir,
+                     "env_files": env_files, "wheels": wheels},
             "secrets_manager": {"secret": f"{SECRET_PREFIX}{run_id}" if forwarded else None,
                                 "forwarded": forwarded, "references": dict(opts.secret_refs)},
             "jobs": jobs}

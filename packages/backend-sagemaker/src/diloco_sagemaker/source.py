@@ -1,63 +1,27 @@
-"""The run's code on S3: the bootstrap and the spec's workdir as one archive, uploaded once per run.
+"""The run's code on S3, uploaded once per run under the job's `diloco` input channel prefix.
 
-Both go under the job's `diloco` input channel prefix, which SageMaker downloads to
-/opt/ml/input/data/diloco/ before the container starts. Uploads are create-only: a relaunch
-of rank r at attempt 3 runs the code the run started with, even if the workdir changed since.
+SageMaker downloads that prefix to /opt/ml/input/data/diloco/ before the container starts:
+
+- `bootstrap.py` and `secretsreader.py` (standard library only: the container's first steps);
+- `source.tar.gz`: the workdir's shipped files, chosen by `diloco.shipping` exactly as the plan
+  showed them (never `.env*`, `.aws/`, keys or credentials at any depth; `.gitignore` honoured);
+- `env-<hash>.json`: environment values longer than SageMaker allows (`environment`);
+- `wheels/`: diloco and what an official PyTorch image lacks (`officialimage`).
+
+Uploads are create-only: a relaunch of rank r at attempt 3 runs the code the run started with,
+even if the workdir changed since.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import io
-import os
-import tarfile
+import json
+import tempfile
 from pathlib import Path
+from typing import Any
 
-from diloco.errors import UserError
-
-from . import bootstrap
-from .request import BOOTSTRAP_FILE
-
-# Never ship a virtualenv, git history or caches; data belongs in S3, not in the code archive.
-IGNORE = [".git", ".venv", "venv", "__pycache__", "*.pyc", ".mypy_cache", ".pytest_cache", "node_modules",
-          ".ipynb_checkpoints", ".DS_Store"]
-MAX_ARCHIVE_BYTES = 512 << 20
-
-
-def archive_workdir(workdir: str) -> bytes:
-    """A reproducible tar.gz of `workdir` (sorted, zeroed owners and times)."""
-    root = Path(workdir)
-    if not root.is_dir():
-        raise UserError(f"workdir {workdir!r} is not a directory")
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(d for d in dirnames if not _ignored(d))
-            for name in sorted(filenames):
-                if _ignored(name):
-                    continue
-                path = Path(dirpath) / name
-                if path.is_symlink() or not path.is_file():
-                    continue
-                info = tar.gettarinfo(str(path), arcname=str(path.relative_to(root)))
-                info.uid = info.gid = 0
-                info.uname = info.gname = ""
-                info.mtime = 0
-                with open(path, "rb") as f:
-                    tar.addfile(info, f)
-            if buf.tell() > MAX_ARCHIVE_BYTES:
-                raise UserError(f"workdir {workdir!r} packs to more than {MAX_ARCHIVE_BYTES >> 20} MiB: keep data "
-                                f"and checkpoints in S3, or set [backend] include_workdir = false and bake the "
-                                f"code into the image")
-    return buf.getvalue()
-
-
-def _ignored(name: str) -> bool:
-    return any(fnmatch.fnmatch(name, pattern) for pattern in IGNORE)
-
-
-def bootstrap_source() -> bytes:
-    return Path(bootstrap.__file__).read_bytes()
+from . import bootstrap, secretsreader
+from .bootstrap import WHEELS_DIR
+from .request import BOOTSTRAP_FILE, SECRETS_READER_FILE
 
 
 def split_s3(uri: str) -> tuple[str, str]:
@@ -65,17 +29,33 @@ def split_s3(uri: str) -> tuple[str, str]:
     return bucket, key
 
 
-def upload_code(s3, code_prefix: str, workdir: str | None) -> None:
-    """Put the bootstrap and the workdir archive under `code_prefix`, unless already there."""
+def put_once(s3: Any, bucket: str, key: str, body: bytes) -> None:
+    """Create `key` unless it exists (a relaunch keeps the run's first upload)."""
     from botocore.exceptions import ClientError
 
-    bucket, prefix = split_s3(code_prefix)
-    files = {BOOTSTRAP_FILE: bootstrap_source()}
-    if workdir:
-        files[bootstrap.ARCHIVE] = archive_workdir(workdir)
+    try:
+        s3.put_object(Bucket=bucket, Key=key, Body=body, IfNoneMatch="*")
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "ConditionalRequestConflict"):
+            raise
+
+
+def upload_code(s3: Any, code: dict[str, Any], ignore: list[str]) -> None:
+    """Put everything the plan's `code` section names under its prefix."""
+    bucket, prefix = split_s3(code["s3_uri"])
+    files = {BOOTSTRAP_FILE: Path(bootstrap.__file__).read_bytes(),
+             SECRETS_READER_FILE: Path(secretsreader.__file__).read_bytes()}
+    if code.get("workdir"):
+        from diloco.shipping import select_files
+
+        files[bootstrap.ARCHIVE] = select_files(code["workdir"], ignore=ignore).tar_bytes()
+    for name, values in (code.get("env_files") or {}).items():
+        files[name] = json.dumps(values, sort_keys=True).encode()
     for name, body in files.items():
-        try:
-            s3.put_object(Bucket=bucket, Key=prefix + name, Body=body, IfNoneMatch="*")
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "ConditionalRequestConflict"):
-                raise
+        put_once(s3, bucket, prefix + name, body)
+    if code.get("wheels"):
+        from .officialimage import build_wheels
+
+        with tempfile.TemporaryDirectory(prefix="diloco-wheels-") as tmp:
+            for wheel in build_wheels(Path(tmp)):
+                put_once(s3, bucket, f"{prefix}{WHEELS_DIR}/{wheel.name}", wheel.read_bytes())

@@ -11,9 +11,13 @@ map onto the protocol's five statuses:
 - InProgress + Training / Uploading / Updating → running.
 - Completed → succeeded. Failed → failed (FailureReason carries the replica's exit code and
   cause, written by the bootstrap to /opt/ml/output/failure).
-- Stopping / Stopped → cancelled (someone called StopTrainingJob), except Stopped +
-  MaxRuntimeExceeded (the spec's timeout: failed, exit 124) and Stopped + MaxWaitTimeExceeded
-  (spot capacity did not come back within max_wait: failed, exit 124).
+- Stopping → running, unless diloco itself asked for the stop (`stop_requested`: then
+  cancelled). SageMaker shows Stopping/Stopping both after StopTrainingJob and when a job
+  reaches MaxRuntimeInSeconds or MaxWaitTimeInSeconds; only the end tells them apart, and the
+  supervisor cancels the whole run when one rank reads cancelled: one rank's timeout must not.
+- Stopped + MaxRuntimeExceeded (the spec's timeout) and Stopped + MaxWaitTimeExceeded (spot
+  capacity did not come back within max_wait) → failed, exit 124: relaunched per the restart policy.
+- Stopped (someone called StopTrainingJob) → cancelled.
 """
 
 from __future__ import annotations
@@ -40,16 +44,17 @@ TIMED_OUT = {"MaxRuntimeExceeded": "ran past the spec's timeout (MaxRuntimeInSec
 _EXIT = re.compile(r"exit code:? (-?\d+)")
 
 
-def replica_status(job: dict[str, Any]) -> ReplicaStatus:
+def replica_status(job: dict[str, Any], *, stop_requested: bool = False) -> ReplicaStatus:
+    """The protocol's status of a described job; `stop_requested`: diloco called StopTrainingJob on it."""
     status, secondary = job.get("TrainingJobStatus"), job.get("SecondaryStatus")
     if status == "InProgress":
         return ReplicaStatus.RUNNING if secondary in RUNNING_SECONDARY else ReplicaStatus.PENDING
     if status == "Completed":
         return ReplicaStatus.SUCCEEDED
-    if status == "Stopped" and secondary in TIMED_OUT:
-        return ReplicaStatus.FAILED
-    if status in ("Stopping", "Stopped"):
-        return ReplicaStatus.CANCELLED
+    if status == "Stopping":
+        return ReplicaStatus.CANCELLED if stop_requested else ReplicaStatus.RUNNING
+    if status == "Stopped":
+        return ReplicaStatus.FAILED if secondary in TIMED_OUT else ReplicaStatus.CANCELLED
     return ReplicaStatus.FAILED  # Failed, Deleting, or a status this code does not know yet
 
 

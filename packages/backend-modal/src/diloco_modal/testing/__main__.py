@@ -1,12 +1,14 @@
-"""`python -m diloco_modal.testing <diloco args>`: the diloco CLI with the Modal double installed
-(its root from DILOCO_FAKE_MODAL). For tests: this is how a launcher in another process, a second
-shell's `diloco status` or a `diloco resume` see the same double."""
+"""`python -m diloco_modal.testing <diloco args>`: the diloco CLI with the modal client pointed at
+the fake cloud whose root is in DILOCO_FAKE_MODAL (its server must be running). Tests may as
+well run `python -m diloco` with `FakeModal.env`; this is a shortcut for a shell."""
 
 from __future__ import annotations
 
+import os
+
 from . import FakeModal
 
-FakeModal.from_env().install()
+os.environ.update(FakeModal.from_env().env)
 
 from diloco.cli import main  # noqa: E402
 

@@ -1,82 +1,137 @@
-"""`python -m diloco_modal.testing.container DIR`: one container of the Modal double.
+"""`python -m diloco_modal.testing.container DIR`: one container of the fake Modal cloud.
 
-The session leader of its own process group (so terminate kills everything it started); runs
-the sandbox's command, or the function's body, with a container's environment; writes the
-output to DIR/output.log and how it ended to DIR/exit.json. See `diloco_modal.testing`.
+The leader of its own process group (so terminate and cancel kill everything it started). It
+runs the sandbox's command, or one function input (`diloco_modal.testing.call`), with only what
+a Modal container would hold: the image's basics (PATH, HOME, locale), the definition's
+environment and secrets, its mounts' files under DIR/fs (a path in the container, such as
+/root/diloco-workdir, is mapped there); never the test's own AWS_* or DILOCO_* variables.
+
+As Modal does:
+- output is captured as log entries of raw chunks that do not respect line ends (a line may be
+  split over several entries, an entry may hold the end of one line and the start of the next),
+  each with its source (stdout/stderr), time and task, in DIR/logs.jsonl;
+- the sandbox's or function's timeout kills it (status timeout, exit 124);
+- a preemption (`FakeModal.preempt`) sends SIGINT to the workload, waits the grace period, then
+  kills it. A sandbox then ends with whatever its workload exited with; a function input is
+  restarted in a new container (a new task) if it was interrupted, that is if it raised
+  KeyboardInterrupt or was still running at the kill; any other exception fails the input.
 """
 
 from __future__ import annotations
 
+import codecs
 import os
-import secrets
+import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-from .files import ROOT_ENV, _node_env, _read_json, _write_json, write_exit
+from .store import ROOT_ENV, Store, append_jsonl, new_id, read_json, write_exit, write_json
+
+_NODE_VARS = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV")
+_CHUNK = (1, 40)  # sizes of log entries, in characters: small, so lines are split often
 
 
-def _mapper(image_paths: dict[str, str]):
-    """Paths inside the 'image' → where this machine holds them."""
+def _mapper(fs: Path):
+    """A path in the container → where this machine holds it (only paths the mounts created)."""
     def one(value: str) -> str:
-        for remote, local in image_paths.items():
-            if value == remote or value.startswith(remote.rstrip("/") + "/"):
-                return local + value[len(remote):]
+        if value.startswith("/") and (fs / value.lstrip("/")).exists():
+            return str(fs / value.lstrip("/"))
         return value
-
     return lambda value: os.pathsep.join(one(v) for v in value.split(os.pathsep))
 
 
-def main(obj_dir: Path) -> int:
-    config = _read_json(Path(os.environ[ROOT_ENV]) / "config.json", {})
-    spec = _read_json(obj_dir / "spec.json")
-    to_local = _mapper(config.get("image_paths") or {})
-    env = {**_node_env(), **{k: to_local(str(v)) for k, v in (spec.get("env") or {}).items()}, ROOT_ENV: os.environ[ROOT_ENV]}
-    env["PYTHONPATH"] = os.pathsep.join([*config.get("pythonpath", []), *filter(None, [env.get("PYTHONPATH")])])
+def _pump(stream, fd: int, log: Path, task: dict, seed: int) -> None:
+    """Copy one output stream into log entries of random sizes, cut without regard to lines."""
+    rng = random.Random(seed)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    while True:
+        data = os.read(stream.fileno(), 65536)
+        text = decoder.decode(data, final=not data)
+        while text:
+            size = rng.randint(*_CHUNK)
+            append_jsonl(log, {"t": time.time_ns(), "fd": fd, "data": text[:size], "task_id": task["task_id"],
+                               "input_id": task.get("input_id", "")})
+            text = text[size:]
+        if not data:
+            return
+
+
+def _run(obj: Path, cmd: list[str], env: dict[str, str], cwd: str, info: dict, deadline: float | None,
+         grace: float) -> tuple[int, bool]:
+    """One workload to its end: (exit code, whether it was preempted)."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL)
+    write_json(obj / "container.json", {**info, "workload_pid": proc.pid})
+    pumps = [threading.Thread(target=_pump, args=(s, fd, obj / "logs.jsonl", info, hash((info["task_id"], fd))))
+             for s, fd in ((proc.stdout, 1), (proc.stderr, 2))]
+    for t in pumps:
+        t.start()
+    if (obj / "exit.json").exists():  # terminated while it started
+        os.killpg(0, signal.SIGKILL)
+    noticed = None
+    while proc.poll() is None:
+        time.sleep(0.05)
+        if (deadline is not None and time.monotonic() > deadline) or (obj / "expire").exists():
+            write_exit(obj, "timeout", 124)
+            os.killpg(0, signal.SIGKILL)
+        if (obj / "preempting").exists():
+            noticed = noticed or time.monotonic()
+            if time.monotonic() - noticed > grace:
+                proc.kill()  # the grace period is over: the machine goes away
+    for t in pumps:
+        t.join(timeout=5)
+    preempted = (obj / "preempting").exists()
+    if preempted:
+        (obj / "preempting").unlink()
+    code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+    return code, preempted
+
+
+def main(obj: Path) -> int:
+    store = Store(os.environ[ROOT_ENV])
+    spec = read_json(obj / "spec.json")
+    grace = float(store.config.get("grace_seconds", 5.0))
+    fs = obj / "fs"
+    to_local = _mapper(fs)
+    env = {**{k: os.environ[k] for k in _NODE_VARS if k in os.environ},
+           **{k: to_local(str(v)) for k, v in (spec.get("env") or {}).items()}}
+    image_path = os.environ.get("PYTHONPATH")  # the "image" is this machine's Python, with its own path
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), image_path]))
     if spec["kind"] == "sandbox":
         cmd = list(spec["command"])
         if cmd and cmd[0] in ("python", "python3"):
             cmd[0] = sys.executable  # the image's Python
-        cwd = to_local(spec["workdir"]) if spec.get("workdir") else str(obj_dir)
-    else:
-        cmd = [sys.executable, "-m", "diloco_modal.testing.call", str(obj_dir)]
-        cwd = str(obj_dir)
+        cwd = to_local(spec["workdir"]) if spec.get("workdir") else str(fs)
+    else:  # a function input: Modal puts /root (where the function's module is mounted) on sys.path
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(fs / "root"), env.get("PYTHONPATH")]))
+        cmd = [sys.executable, "-m", "diloco_modal.testing.call", str(obj)]
+        cwd = str(fs / "root") if (fs / "root").is_dir() else str(fs)
     timeout = spec.get("timeout")
     deadline = time.monotonic() + float(timeout) if timeout else None
-    grace = float(config.get("grace_seconds", 5.0))
-    info = {"pid": os.getpid(), "task_id": f"ta-{secrets.token_hex(8)}"}
-    log = obj_dir / "output.log"
+    info = {"pid": os.getpid(), "input_id": spec.get("input_id", "")}
     while True:
-        if (obj_dir / "exit.json").exists():  # terminated before it started
+        if (obj / "exit.json").exists():  # terminated before it started
             return 137
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL)
-        _write_json(obj_dir / "container.json", {**info, "workload_pid": proc.pid})
-        if (obj_dir / "exit.json").exists():  # terminated while it started
-            os.killpg(0, signal.SIGKILL)
-        noticed = None
-        while proc.poll() is None:
-            time.sleep(0.05)
-            if deadline is not None and time.monotonic() > deadline:
-                write_exit(obj_dir, "timeout", 124)
-                os.killpg(0, signal.SIGKILL)
-            if (obj_dir / "preempting").exists():
-                noticed = noticed or time.monotonic()
-                if time.monotonic() - noticed > grace:
-                    proc.kill()  # the grace period is over: the machine goes away
-        preempted = (obj_dir / "preempting").exists()
-        if preempted:
-            (obj_dir / "preempting").unlink()
-            if spec["kind"] == "function":  # Modal restarts a preempted input in a new container
-                with open(log, "a") as out:
-                    out.write("[modal] the container was preempted; input restarted\n")
-                info["task_id"] = f"ta-{secrets.token_hex(8)}"
-                continue
-        code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
-        write_exit(obj_dir, "success" if code == 0 else "failure", code)
+        info["task_id"] = new_id("ta")
+        (obj / "outcome.json").unlink(missing_ok=True)
+        code, preempted = _run(obj, cmd, env, cwd, info, deadline, grace)
+        if spec["kind"] == "sandbox":
+            write_exit(obj, "success" if code == 0 else "failure", code)
+            return code
+        outcome = read_json(obj / "outcome.json") or {"status": "interrupted" if preempted else "failure",
+                                                      "exception": f"container exited with code {code}"}
+        if preempted and outcome["status"] == "interrupted":  # Modal restarts the input in a new container
+            append_jsonl(obj / "logs.jsonl", {"t": time.time_ns(), "fd": 3, "task_id": info["task_id"],
+                                              "input_id": info["input_id"],
+                                              "data": "Runner interrupted due to worker preemption: input restarted\n"})
+            append_jsonl(obj / "restarts.jsonl", {"at": time.time(), "task_id": info["task_id"]})
+            continue
+        status = "success" if outcome["status"] == "success" else "failure"
+        write_exit(obj, status, code, exception=outcome.get("exception", ""), traceback=outcome.get("traceback", ""))
         return code
 
 

@@ -1,8 +1,25 @@
-"""One training job's instance in the test control plane: `python -m diloco_sagemaker.testing.instance JOBDIR CONFIG`.
+"""One training job's instance: `python -m diloco_sagemaker.testing.instance JOBDIR CONFIG`.
 
-Does what SageMaker does with a job (see the package docstring): statuses, channels, /opt/ml,
-the container, CloudWatch Logs, output upload, time limits, stop and spot interruption. Its
-state is JOBDIR/state.json, read by the control plane for DescribeTrainingJob.
+Does with a job what SageMaker documents (DescribeTrainingJob's SecondaryStatus, managed spot
+training, StopTrainingJob), writing JOBDIR/state.json for DescribeTrainingJob:
+
+- InProgress: Starting → Downloading (the input channels, from S3 into /opt/ml/input/data/<channel>/)
+  → DownloadingTrainingImage (the image's interpreter, `images`) → Training → Uploading (/opt/ml/model)
+  → Completed; or Failed, with FailureReason from /opt/ml/output/failure;
+- StopTrainingJob: Stopping → Stopped. MaxRuntimeInSeconds reached (training time) or
+  MaxWaitTimeInSeconds reached (time since creation, waiting for spot capacity included):
+  Stopping → Stopped with SecondaryStatus MaxRuntimeExceeded / MaxWaitTimeExceeded;
+- a spot interruption: InProgress/Interrupted, then after a wait InProgress/Starting again on a
+  fresh /opt/ml, with a new log stream;
+- ending a container: SIGTERM to its PID 1 only (the entrypoint; it forwards to its children if
+  it wants to), then after the grace period (SageMaker: 120 seconds) SIGKILL to every process
+  of the container. When PID 1 exits, whatever it left running dies with the container.
+
+The container runs ContainerEntrypoint + ContainerArguments with the job's Environment, the
+image's interpreter first on PATH, /opt/ml mapped to a directory per job (DILOCO_ML_ROOT tells
+diloco's bootstrap), the execution role's credentials from a container credentials endpoint
+(AWS_CONTAINER_CREDENTIALS_FULL_URI, served by the control plane) and no package index
+(PIP_INDEX_URL points nowhere: a VPC without NAT).
 """
 
 from __future__ import annotations
@@ -19,11 +36,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import INTERRUPT_REQUEST, STOP_REQUEST, read_json, write_json
+from . import images
+from .jobfiles import EXPIRE_REQUEST, INTERRUPT_REQUEST, STOP_REQUEST, read_json, write_json
+from .logship import LogShipper
 
-LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 HOST = "algo-1"
-ROLE_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}  # the execution role's
+NO_INDEX = "http://127.0.0.1:9/simple/"  # nothing listens there: pip fails fast, as without internet
+TIME_LIMITS = ("MaxRuntimeExceeded", "MaxWaitTimeExceeded")
 
 
 class Instance:
@@ -33,18 +52,20 @@ class Instance:
         self.dir, self.config = jobdir, config
         self.req = read_json(jobdir / "request.json")
         self.name = self.req["TrainingJobName"]
-        kw = {"endpoint_url": config["aws_endpoint"], "region_name": config["region"], **{
-            "aws_access_key_id": "testing", "aws_secret_access_key": "testing"}}
+        kw = {"endpoint_url": config["aws_endpoint"], "region_name": config["region"],
+              "aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
         self.s3, self.logs = boto3.client("s3", **kw), boto3.client("logs", **kw)
         self.training_seconds = 0.0
         self.container: subprocess.Popen | None = None
 
     @property
     def flag(self) -> str | None:
-        """"stop" (StopTrainingJob) or "interrupt" (a spot interruption): requests the control plane
-        leaves as files, so one that arrives while this process is still starting is not lost."""
+        """"stop" (StopTrainingJob), "interrupt" (a spot interruption) or a time limit a test makes
+        the job reach now ("MaxRuntimeExceeded"), left as files by the plane."""
         if (self.dir / STOP_REQUEST).exists():
             return "stop"
+        if (self.dir / EXPIRE_REQUEST).exists():
+            return (self.dir / EXPIRE_REQUEST).read_text().strip() or "MaxRuntimeExceeded"
         return "interrupt" if (self.dir / INTERRUPT_REQUEST).exists() else None
 
     # -- state ---------------------------------------------------------------------------------
@@ -64,37 +85,42 @@ class Instance:
     def pause(self) -> None:
         time.sleep(self.config["step_seconds"])
 
+    def wait_exceeded(self) -> bool:
+        limit = self.req["StoppingCondition"].get("MaxWaitTimeInSeconds")
+        return bool(limit) and time.time() - self.req["CreationTime"] > limit
+
     # -- the job -------------------------------------------------------------------------------
 
     def run(self) -> None:
-        created = self.req["CreationTime"]
         limits = self.req["StoppingCondition"]
         while True:
             self.pause()
             if self.flag == "stop":
-                return self.stopped("Stopped")
+                return self.stop_before_training("Stopped")
+            if self.wait_exceeded():
+                return self.stop_before_training("MaxWaitTimeExceeded")
             self.set("InProgress", "Starting", "Preparing the instances for training")
             self.pause()
             ml = self.fresh_ml_root()
             self.set("InProgress", "Downloading", "Downloading input data")
             self.download_channels(ml)
+            self.set("InProgress", "DownloadingTrainingImage", "Downloading the training image")
+            bindir = self.start_image()
             if self.flag == "stop":
-                return self.stopped("Stopped")
+                return self.stop_before_training("Stopped")
             self.set("InProgress", "Training", "Training image download completed. Training in progress.",
                      TrainingStartTime=self.state().get("TrainingStartTime") or time.time())
-            outcome, code = self.train(ml, created, limits)
+            outcome, code = self.train(ml, bindir, limits)
             if outcome == "interrupt":
-                self.set("InProgress", "Interrupted", "Spot instance was interrupted; waiting for capacity")
                 end = time.monotonic() + self.config["spot_wait_seconds"]
-                while time.monotonic() < end and self.flag != "stop":
+                while time.monotonic() < end and self.flag != "stop" and not self.wait_exceeded():
                     time.sleep(0.1)
-                if self.flag == "stop":
-                    return self.stopped("Stopped")
+                if self.flag == "stop" or self.wait_exceeded():
+                    return self.stop_before_training("Stopped" if self.flag == "stop" else "MaxWaitTimeExceeded")
                 (self.dir / INTERRUPT_REQUEST).unlink(missing_ok=True)
-                self.set("InProgress", "Restarting", "Restarting the job on new spot capacity")
-                continue
-            if outcome in ("stop", "MaxRuntimeExceeded", "MaxWaitTimeExceeded"):
-                return self.stopped("Stopped" if outcome == "stop" else outcome)
+                continue  # back to Starting, on new capacity
+            if outcome == "stop" or outcome in TIME_LIMITS:
+                return self.ended("Stopped", "Stopped" if outcome == "stop" else outcome, "Training job stopped")
             if code == 0:
                 self.set("InProgress", "Uploading", "Uploading generated training model")
                 self.upload_model(ml)
@@ -103,10 +129,10 @@ class Instance:
             reason = failure.read_text()[:1024] if failure.exists() else f", exit code: {code}"
             return self.ended("Failed", "Failed", "Training job failed", FailureReason=f"AlgorithmError: {reason}")
 
-    def stopped(self, secondary: str) -> None:
-        if secondary == "Stopped":
-            self.set("Stopping", "Stopping", "Stopping the training job")
-            self.pause()
+    def stop_before_training(self, secondary: str) -> None:
+        """Stopped while no container runs (starting, or waiting for spot capacity)."""
+        self.set("Stopping", "Stopping", "Stopping the training job")
+        time.sleep(self.config["stopping_seconds"])
         self.ended("Stopped", secondary, "Training job stopped")
 
     def ended(self, status: str, secondary: str, message: str, **extra: Any) -> None:
@@ -143,10 +169,19 @@ class Instance:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 self.s3.download_file(bucket, obj["Key"], str(target))
 
-    def container_env(self, ml: Path) -> dict[str, str]:
-        path = os.pathsep.join([self.config["python_bin"], "/usr/local/bin", "/usr/bin", "/bin"])
+    def start_image(self) -> Path:
+        """The image's interpreter for this start: a fresh container over the image's layer."""
+        image = self.req["AlgorithmSpecification"]["TrainingImage"]
+        layer = images.image_layer(Path(self.config["root"]), image, self.config.get("images"))
+        return images.container_python(layer, self.dir / "container")
+
+    def container_env(self, ml: Path, bindir: Path) -> dict[str, str]:
+        path = os.pathsep.join([str(bindir), "/usr/local/bin", "/usr/bin", "/bin"])
         env = {"PATH": path, "HOME": str(self.dir), "LANG": "C.UTF-8", "TRAINING_JOB_NAME": self.name,
-               "TRAINING_JOB_ARN": self.req["TrainingJobArn"], "DILOCO_ML_ROOT": str(ml), **ROLE_CREDENTIALS}
+               "TRAINING_JOB_ARN": self.req["TrainingJobArn"], "DILOCO_ML_ROOT": str(ml),
+               "AWS_CONTAINER_CREDENTIALS_FULL_URI": f"{self.config['endpoint']}/container-credentials/{self.name}",
+               "PIP_INDEX_URL": NO_INDEX, "PIP_RETRIES": "0", "PIP_TIMEOUT": "2",
+               "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_CACHE_DIR": "1"}
         env.update(self.req.get("Environment") or {})
         return env
 
@@ -155,11 +190,11 @@ class Instance:
         argv = list(spec.get("ContainerEntrypoint") or ["train"]) + list(spec.get("ContainerArguments") or [])
         return [a.replace("/opt/ml", str(ml)) for a in argv]
 
-    def train(self, ml: Path, created: float, limits: dict[str, int]) -> tuple[str, int | None]:
+    def train(self, ml: Path, bindir: Path, limits: dict[str, int]) -> tuple[str, int | None]:
         """Run the container to its end; ("exited", code), or why it was ended from outside."""
         stream = f"{self.name}/{HOST}-{int(time.time() * 1000)}"
         shipper = LogShipper(self.logs, stream, self.dir / "container.log")
-        self.container = subprocess.Popen(self.command(ml), env=self.container_env(ml), cwd=str(ml),
+        self.container = subprocess.Popen(self.command(ml), env=self.container_env(ml, bindir), cwd=str(ml),
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         state = self.state()
         state["container_pid"] = self.container.pid
@@ -169,36 +204,46 @@ class Instance:
         started = time.monotonic()
         outcome = "exited"
         while self.container.poll() is None:
-            elapsed = self.training_seconds + time.monotonic() - started
-            if self.flag in ("stop", "interrupt"):
+            if self.flag in ("stop", "interrupt", *TIME_LIMITS):
                 outcome = self.flag
-            elif elapsed > limits["MaxRuntimeInSeconds"]:
+            elif self.training_seconds + time.monotonic() - started > limits["MaxRuntimeInSeconds"]:
                 outcome = "MaxRuntimeExceeded"
-            elif limits.get("MaxWaitTimeInSeconds") and time.time() - created > limits["MaxWaitTimeInSeconds"]:
+            elif self.wait_exceeded():
                 outcome = "MaxWaitTimeExceeded"
             if outcome != "exited":
+                if outcome == "interrupt":
+                    self.set("InProgress", "Interrupted", "Spot instance was interrupted; waiting for capacity")
+                else:
+                    self.set("Stopping", "Stopping", "Stopping the training job")
                 self.end_container()
+                if outcome != "interrupt":
+                    time.sleep(self.config["stopping_seconds"])  # SageMaker uploads and tears down meanwhile
                 break
             time.sleep(0.1)
         code = self.container.wait()
+        self.kill_container_group()  # PID 1 is gone: so is the container, and all it still ran
         self.training_seconds += time.monotonic() - started
         reader.join(timeout=10)
         shipper.close()
         return outcome, (128 - code if code < 0 else code)
 
     def end_container(self) -> None:
-        """SIGTERM, then SIGKILL after the grace period (SageMaker gives 120 s)."""
+        """SIGTERM to PID 1 only, then SIGKILL to the whole container after the grace period."""
         assert self.container is not None
         try:
-            os.killpg(self.container.pid, signal.SIGTERM)
+            os.kill(self.container.pid, signal.SIGTERM)
         except ProcessLookupError:
             return
         deadline = time.monotonic() + self.config["grace_seconds"]
         while self.container.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
+        self.kill_container_group()
+
+    def kill_container_group(self) -> None:
+        assert self.container is not None
         try:
             os.killpg(self.container.pid, signal.SIGKILL)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             pass
 
     def upload_model(self, ml: Path) -> None:
@@ -209,49 +254,6 @@ class Instance:
             tar.add(str(ml / "model"), arcname=".")
         key = "/".join(p for p in (prefix, self.name, "output", "model.tar.gz") if p)
         self.s3.put_object(Bucket=bucket, Key=key, Body=buf.getvalue())
-
-
-class LogShipper:
-    """Container output → CloudWatch Logs (one event per line, batched), and a local copy."""
-
-    def __init__(self, logs: Any, stream: str, local: Path):
-        self.logs, self.stream, self.local = logs, stream, open(local, "ab")
-        try:
-            logs.create_log_group(logGroupName=LOG_GROUP)
-        except logs.exceptions.ResourceAlreadyExistsException:
-            pass
-        logs.create_log_stream(logGroupName=LOG_GROUP, logStreamName=stream)
-        self.pending: list[dict[str, Any]] = []
-        self.lock = threading.Lock()
-        self.done = threading.Event()
-        threading.Thread(target=self._flush_every, args=(0.3,), daemon=True).start()
-
-    def _flush_every(self, seconds: float) -> None:
-        """Like the CloudWatch agent: lines show up within a moment even when output pauses."""
-        while not self.done.wait(seconds):
-            self.flush()
-
-    def pump(self, pipe: Any) -> None:
-        for raw in pipe:
-            self.local.write(raw)
-            self.local.flush()
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            with self.lock:
-                self.pending.append({"timestamp": int(time.time() * 1000), "message": line})
-            if len(self.pending) >= 100:
-                self.flush()
-        self.flush()
-
-    def flush(self) -> None:
-        with self.lock:  # one batch at a time, in order
-            batch, self.pending = self.pending, []
-            if batch:
-                self.logs.put_log_events(logGroupName=LOG_GROUP, logStreamName=self.stream, logEvents=batch)
-
-    def close(self) -> None:
-        self.done.set()
-        self.flush()
-        self.local.close()
 
 
 def main(argv: list[str]) -> int:
