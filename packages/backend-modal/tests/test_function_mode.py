@@ -7,8 +7,10 @@ import time
 
 import pytest
 
+
 from diloco.errors import UserError
 from diloco.testing import launch, plan_for
+from diloco.testing import wait_for_status as wait_for
 from diloco_modal.executor import ModalExecutor
 
 EP = "diloco.testing.entrypoints:report"
@@ -42,13 +44,6 @@ def app_module(fake_modal, tmp_path, monkeypatch):
     sys.modules.pop(name, None)
 
 
-def wait_for(executor, handle, wanted: set[str], timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    status = executor.poll(handle).value
-    while status not in wanted and time.monotonic() < deadline:
-        time.sleep(0.1)
-        status = executor.poll(handle).value
-    return status
 
 
 def test_a_function_whose_app_is_not_deployed_gets_advice_that_works(fake_modal, app_module):

@@ -10,10 +10,12 @@ import time
 import boto3
 import pytest
 
+
 from conftest import ROLE
 from diloco.errors import UserError
 from diloco.protocol import ReplicaStatus
 from diloco.testing import SLEEP, launch, plan_for
+from diloco.testing import wait_for_status as wait_for
 from diloco_sagemaker.executor import SageMakerExecutor
 
 IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/diloco:test"
@@ -33,13 +35,6 @@ def executor(**kw) -> SageMakerExecutor:
     return SageMakerExecutor(**{"role": ROLE, "image": IMAGE, "s3_prefix": "s3://diloco-sm/sagemaker", **kw})
 
 
-def wait_for(ex, handle, wanted: set[str], timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    status = ex.poll(handle).value
-    while status not in wanted and time.monotonic() < deadline:
-        time.sleep(0.1)
-        status = ex.poll(handle).value
-    return status
 
 
 def client(service: str):

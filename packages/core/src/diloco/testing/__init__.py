@@ -68,6 +68,16 @@ def launch(executor: Any, n_replicas: int, entrypoint: Any, args: dict[str, Any]
     return executor.submit(executor.plan(request_for(n_replicas, entrypoint, args, **fields)))
 
 
+def wait_for_status(executor: Any, handle: ReplicaHandle, wanted: set[str], timeout: float = 60) -> str:
+    """Poll `handle` until its status is one of `wanted` (or `timeout` passes); the last status."""
+    deadline = time.monotonic() + timeout
+    status = executor.poll(handle)
+    while status.value not in wanted and time.monotonic() < deadline:
+        time.sleep(0.1)
+        status = executor.poll(handle)
+    return status.value
+
+
 class ExecutorConformance(abc.ABC):
     n_replicas = 3
     wait_timeout = 60.0
@@ -92,12 +102,7 @@ class ExecutorConformance(abc.ABC):
         return launch(executor, kwargs.pop("n", self.n_replicas), entrypoint, args, **kwargs)
 
     def wait_until(self, executor: Executor, handle: ReplicaHandle, wanted: set[str]) -> str:
-        deadline = time.monotonic() + self.wait_timeout
-        status = executor.poll(handle)
-        while status.value not in wanted and time.monotonic() < deadline:
-            time.sleep(0.1)
-            status = executor.poll(handle)
-        return status.value
+        return wait_for_status(executor, handle, wanted, timeout=self.wait_timeout)
 
     # the contract -------------------------------------------------------------------------
 
