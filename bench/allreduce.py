@@ -5,6 +5,12 @@ For N = 2, 4 processes and 1 / 10 / 100 MB of fp32 per replica, each process tim
 reduce-scatter + all-gather through files) on the same tensor. Per configuration the time of
 a round is the slowest replica's; the median over repeats is reported. Prints JSON.
 Target: store/gloo ratio ≤ 1.0 at 100 MB, N = 4.
+
+BENCH_FINITE=1 also times each store round with the finiteness checks (`diloco_replica.finite`:
+every contribution, every mean, every reduced shard read) switched off, interleaved with the
+checked rounds, and reports `finite_check_ratio` = checked / unchecked; and, since a busy
+machine's I/O noise can drown a few percent, the same ratio for a round's compute alone
+(`compute_check_ratio`: verify, sum, encode and decode one replica's share, no store).
 """
 
 from __future__ import annotations
@@ -23,6 +29,69 @@ import torch.multiprocessing as mp
 REPEATS = int(os.environ.get("BENCH_REPEATS", "3"))
 SIZES_MB = [int(x) for x in os.environ.get("BENCH_SIZES_MB", "1,10,100").split(",")]
 WORLDS = [int(x) for x in os.environ.get("BENCH_WORLDS", "2,4").split(",")]
+FINITE = os.environ.get("BENCH_FINITE") == "1"
+
+
+def finite_checks(on: bool) -> None:
+    """Switch the replica's finiteness checks on or off (off: every vector counts as finite)."""
+    from diloco_replica import allreduce, finite, repairs
+
+    real = finite.__dict__.setdefault("_real_all_finite", finite.all_finite)
+    check = real if on else (lambda x: True)
+    for module in (finite, allreduce, repairs):
+        module.all_finite = check
+
+
+def round_compute(world: int, numel: int, repeats: int = 7) -> dict:
+    """One replica's CPU work in a round, without the store: verify and sum the N−1 contributions
+    to its shard (plus its own), encode, pack and decode the mean, then verify, check and copy out
+    the N−1 other reduced shards. Min over interleaved repeats (noise only adds), checks on/off."""
+    from types import SimpleNamespace
+
+    from diloco_replica.finite import Contribution, accumulate
+    from diloco_replica.repairs import RepairDesk
+    from diloco_replica.wire import Identity, decode_tensor, encode_tensor, joined, pack, unpack
+
+    torch.set_num_threads(1)
+    shard = numel // world
+    own = torch.randn(shard)
+    blobs = [joined(pack(Identity("b", 1, "scatter", 0, m), encode_tensor(torch.randn(shard), "fp32"), codec="fp32",
+                         numel=shard)) for m in range(1, world)]
+    reduced = [joined(pack(Identity("b", 1, "reduced", j, -1), encode_tensor(torch.randn(shard), "fp32"),
+                           codec="fp32", numel=shard)) for j in range(1, world)]
+    desk, out = SimpleNamespace(io=SimpleNamespace(n=world)), torch.empty(numel)
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        objs = [unpack(b, Identity("b", 1, "scatter", 0, m + 1), "k", numel=shard, codec="fp32")
+                for m, b in enumerate(blobs)]
+        parts = [Contribution(0, "k", lambda: own)] + [Contribution(m + 1, "k", o.tensor) for m, o in enumerate(objs)]
+        summed = accumulate(parts, shard)
+        blob = pack(Identity("b", 1, "reduced", 0, -1), encode_tensor(summed.total.div_(world), "fp32"), codec="fp32",
+                    numel=shard)
+        mean = decode_tensor(blob[1], "fp32", shard)
+        if not summed.finite:  # as the reducer does: an fp32 mean of a finite total needs no second look
+            finite_module().all_finite(mean)
+        out[:shard] = mean
+        for j, b in enumerate(reduced):
+            obj = unpack(b, Identity("b", 1, "reduced", j + 1, -1), "k", numel=shard, codec="fp32")
+            out[(j + 1) * shard:(j + 2) * shard] = RepairDesk._usable(desk, obj, None)
+        return time.perf_counter() - t0
+
+    times = {True: [], False: []}
+    for _ in range(repeats):
+        for on in (True, False):
+            finite_checks(on)
+            times[on].append(once())
+    finite_checks(True)
+    c, u = min(times[True]), min(times[False])
+    return {"compute_checked_s": round(c, 4), "compute_unchecked_s": round(u, 4), "compute_check_ratio": round(c / u, 3)}
+
+
+def finite_module():
+    from diloco_replica import finite
+
+    return finite
 
 
 def worker(rank: int, world: int, numel: int, port: int, store_dir: str, queue) -> None:
@@ -42,16 +111,20 @@ def worker(rank: int, world: int, numel: int, port: int, store_dir: str, queue) 
         dist.all_reduce(y)
         gloo.append(time.perf_counter() - t0)
     store = open_store(f"file://{store_dir}")
+    unchecked = []
     for rep in range(REPEATS + 1):
-        ar = StoreAllReduce(store, f"bench-{rep}", rank, world, round_timeout=120, poll_interval=0.002, poll_max=0.02)
-        dist.barrier()
-        t0 = time.perf_counter()
-        ar.run_round(1, x)
-        store_times.append(time.perf_counter() - t0)
-        ar.close()
+        for on in (True, False) if FINITE else (True,):
+            finite_checks(on)
+            ar = StoreAllReduce(store, f"bench-{rep}-{int(on)}", rank, world, round_timeout=120, poll_interval=0.002,
+                                poll_max=0.02)
+            dist.barrier()
+            t0 = time.perf_counter()
+            ar.run_round(1, x)
+            (store_times if on else unchecked).append(time.perf_counter() - t0)
+            ar.close()
     dist.barrier()
     dist.destroy_process_group()
-    queue.put((rank, gloo[1:], store_times[1:]))  # first of each is warm-up
+    queue.put((rank, gloo[1:], store_times[1:], unchecked[1:]))  # first of each is warm-up
 
 
 def free_port() -> int:
@@ -75,7 +148,13 @@ def run(world: int, mb: int, port: int) -> dict:
     gloo = [max(r[1][i] for r in rows) for i in range(REPEATS)]
     store = [max(r[2][i] for r in rows) for i in range(REPEATS)]
     g, s = statistics.median(gloo), statistics.median(store)
-    return {"world": world, "mb": mb, "gloo_s": round(g, 4), "store_file_s": round(s, 4), "ratio_store_vs_gloo": round(s / g, 2)}
+    row = {"world": world, "mb": mb, "gloo_s": round(g, 4), "store_file_s": round(s, 4),
+           "ratio_store_vs_gloo": round(s / g, 2)}
+    if FINITE:
+        u = statistics.median(max(r[3][i] for r in rows) for i in range(REPEATS))
+        row.update(store_unchecked_s=round(u, 4), finite_check_ratio=round(s / u, 3),
+                   **round_compute(world, numel))
+    return row
 
 
 def main() -> None:

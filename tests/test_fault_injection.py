@@ -11,19 +11,27 @@ DILOCO_FAULT_RUNS and DILOCO_FAULT_KILLS scale the SIGKILL soak (CI runs the def
 `test_mixed_fault_soak` mixes every fault kind in each run, on an s3:// rendezvous (moto behind
 a proxy that answers a share of requests with 503 SlowDown / 500 InternalError): SIGKILLs aimed
 at each phase, a SIGSTOP'd straggler held past `round_timeout` and then resumed, corrupt objects
-at rest (a contribution and a reduced shard), and on every other run the launcher SIGKILLed and
+at rest (a contribution and a reduced shard), well-formed objects of the wrong length (a
+contribution and a reduced shard: a writer bug, checksums valid), a replica whose parameters go
+NaN mid-round (DILOCO_FAULT_NONFINITE), and on every other run the launcher SIGKILLed and
 resumed. CI runs one such run; the documented soak is
 
     DILOCO_SOAK_RUNS=20 .venv/bin/python -m pytest tests/test_fault_injection.py -k soak -s
 
 which prints one JSON line per run (injections by kind, relaunches, eval loss against the
 fault-free run) and asserts: no deadlock (every run ends within its timeout), no crash loop
-(relaunches bounded by the kills), survivors bit-identical, eval loss within 3%.
+(relaunches bounded by the kills), survivors bit-identical after every round (no `diverged`
+event) and at the end, a finite final model, eval loss within 3%.
+
+`test_untrusted_objects_are_incidents_and_the_run_succeeds` and
+`test_every_replica_gone_nan_fails_the_run_with_one_line` check the NaN and wrong-length
+injections on their own, as a user sees them: events.jsonl and the run's outcome.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -73,13 +81,17 @@ def start(spec: Path, state_dir: Path, env: dict | None = None) -> tuple[subproc
 
 
 def recovered(proc: subprocess.Popen, out: str, state: Path, run_id: str) -> tuple[dict, list[dict], list[dict]]:
-    """What every fault run must end with: success, four survivors holding one θ, nothing corrupt read."""
+    """What every fault run must end with: success, four survivors holding one finite θ (the same
+    after every round: no `diverged` event), nothing corrupt or non-finite read."""
     assert proc.returncode == 0, out
     record, events = record_of(state, run_id), events_of(state, run_id)
     results = final_results(record)
     assert len(results) == 4
     assert len({r["theta_crc32"] for r in results}) == 1, "survivors disagree on the global model"
-    assert not any("CorruptObject" in (e.get("error") or "") for e in events), "a corrupt object was read"
+    assert all(math.isfinite(r["eval_loss"]) for r in results), "a final model is not finite"
+    assert not any(e["event"] == "diverged" for e in events), "replicas disagreed after some round"
+    for error in (e.get("error") or "" for e in events):
+        assert "CorruptObject" not in error and "RuntimeError" not in error, f"an untrusted object was used: {error}"
     return record, events, results
 
 
@@ -204,6 +216,64 @@ def test_launcher_killed_mid_run_then_resumed_reaches_the_same_state(tmp_path, r
     assert {r["theta_crc32"] for r in results} == {reference["theta_crc32"]}
 
 
+def short_spec(tmp_path: Path, steps: int) -> Path:
+    spec = spec_for(tmp_path)
+    spec.write_text(spec.read_text().replace(f"total_steps = {STEPS}", f"total_steps = {steps}"))
+    return spec
+
+
+def round_of(step: int) -> int:
+    return step // H + 1
+
+
+def test_untrusted_objects_are_incidents_and_the_run_succeeds(tmp_path):
+    """Rank 2's parameters go NaN mid-round 3 (its AdamW moments follow); a contribution of round 2
+    and a reduced shard of round 4 are re-packed one element too long (checksums valid). Before
+    issue 24 the first made every model NaN in a run that "succeeded", the others crashed the
+    reducer until the restarts ran out. Now: incidents, a reset, no crash, one finite model."""
+    nan_step = 2 * H + 10
+    env = {"DILOCO_FAULT_NONFINITE": f"2:{nan_step}", "DILOCO_FAULT_WRONG_LENGTH": "scatter:2:0:1,reduced:4:3"}
+    proc, run_id = start(short_spec(tmp_path, 6 * H), tmp_path / "state", env)
+    try:
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        proc.kill()
+    record, events, results = recovered(proc, out, tmp_path / "state", run_id)
+    assert not any(e["event"] in ("failed", "relaunch_scheduled") for e in events), out  # nothing crashed
+    incidents = [e for e in events if e["event"] == "incident"]
+    nan_round = round_of(nan_step)
+    left_out = [e for e in incidents if "non-finite" in e["problem"] and "left out" in e["action"]]
+    assert left_out and all(e["round"] == nan_round and e["replica"] == 2 for e in left_out), incidents
+    assert all(e["object"].startswith(f"{run_id}/r{nan_round:08d}/scatter/") and e["object"].endswith("/2")
+               for e in left_out)
+    reset = [e for e in incidents if "reset its model and inner optimizer state" in e["action"]]
+    assert [(e["round"], e["replica"]) for e in reset] == [(nan_round, 2)]
+    layout = {e["object"].split("/", 1)[1]: e["action"] for e in incidents if "wrong layout" in e["problem"]}
+    assert set(layout) == {"r00000002/scatter/0/1", "r00000004/reduced/3"}, incidents
+    assert "left out" in layout["r00000002/scatter/0/1"] and "re-published" in layout["r00000004/reduced/3"]
+    losses = {e["round"]: e["loss"] for e in events if e["event"] == "round"}
+    assert all(math.isfinite(loss) for rnd, loss in losses.items() if rnd > nan_round), losses
+    assert all(r["rounds"] == 6 for r in results)
+
+
+def test_every_replica_gone_nan_fails_the_run_with_one_line(tmp_path):
+    """Training diverges on every replica at once: no finite global state can follow, and
+    relaunching would meet the same NaN again. The run fails at once, saying why, no crash loop."""
+    env = {"DILOCO_FAULT_NONFINITE": ",".join(f"{rank}:{H + 5}" for rank in range(4))}
+    proc, run_id = start(short_spec(tmp_path, 6 * H), tmp_path / "state", env)
+    try:
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0, out
+    events = events_of(tmp_path / "state", run_id)
+    [failed] = [e for e in events if e["event"] == "run_failed"]
+    assert "every contribution" in failed["reason"] and "non-finite" in failed["reason"], failed
+    assert not any(e["event"] == "relaunch_scheduled" for e in events), "relaunched a run that cannot recover"
+    assert record_of(tmp_path / "state", run_id)["state"] == "FAILED"
+    assert "Traceback" not in out and "non-finite" in out
+
+
 SOAK_RUNS = int(os.environ.get("DILOCO_SOAK_RUNS", "1"))
 SOAK_ERROR_RATE = float(os.environ.get("DILOCO_SOAK_ERROR_RATE", "0.02"))
 
@@ -241,15 +311,22 @@ def test_mixed_fault_soak(tmp_path, reference, s3, run_index):
     phase_dir.mkdir()
     corrupt = [f"scatter:{rng.randint(2, 5)}:{rng.randrange(4)}:{rng.randrange(4)}", f"reduced:{rng.randint(6, 9)}:{rng.randrange(4)}"]
     corrupt = [c for c in corrupt if c.split(":")[0] == "reduced" or c.split(":")[2] != c.split(":")[3]]
-    injected = {"sigkill": [], "sigstop": 0, "corrupt_object": len(corrupt), "launcher_kill": 0, "store_error": 0}
+    # drawn after the draws above, so a seed's earlier injections stay what they were
+    owner = rng.randrange(4)
+    wrong_length = [f"scatter:10:{owner}:{(owner + 1 + rng.randrange(3)) % 4}", f"reduced:11:{rng.randrange(4)}"]
+    scatter_round = int(corrupt[0].split(":")[1]) if corrupt[0].startswith("scatter") else -1
+    nan_rank, nan_round = rng.randrange(4), rng.choice([k for k in range(3, 10) if k != scatter_round])
+    nan_step = (nan_round - 1) * H + rng.randint(5, H - 5)
+    injected = {"sigkill": [], "sigstop": 0, "corrupt_object": len(corrupt), "wrong_length": len(wrong_length),
+                "nonfinite": 1, "launcher_kill": 0, "store_error": 0}
     with FaultyS3Proxy(s3["env"]["AWS_ENDPOINT_URL"], error_rate=SOAK_ERROR_RATE, seed=run_index) as proxy:
         spec = on_s3(spec_for(tmp_path), s3)
-        spec.write_text(spec.read_text().replace(s3["env"]["AWS_ENDPOINT_URL"], proxy.url))
+        # the launcher's shell: the store's endpoint (a `secrets` entry) and the fault injections,
+        # which local replicas inherit (a relaunch by a resumed launcher too)
         env = {"DILOCO_FAULT_PHASE_FILE": str(phase_dir / "phase-{rank}"), "DILOCO_FAULT_PHASE_DELAY": "0.15",
-               "DILOCO_FAULT_CORRUPT": ",".join(corrupt), "AWS_ENDPOINT_URL": proxy.url}
-        spec.write_text(spec.read_text().replace("[env]\n", "[env]\n" + "".join(
-            f'{k} = "{v}"\n' for k, v in env.items() if k.startswith("DILOCO_FAULT"))))
-        proc, run_id = start(spec, state, {"AWS_ENDPOINT_URL": proxy.url})
+               "DILOCO_FAULT_CORRUPT": ",".join(corrupt), "DILOCO_FAULT_WRONG_LENGTH": ",".join(wrong_length),
+               "DILOCO_FAULT_NONFINITE": f"{nan_rank}:{nan_step}", "AWS_ENDPOINT_URL": proxy.url}
+        proc, run_id = start(spec, state, env)
         try:
             for k in range(6):
                 time.sleep(rng.uniform(2.0, 5.0))
@@ -266,7 +343,7 @@ def test_mixed_fault_soak(tmp_path, reference, s3, run_index):
                     proc.kill()
                     proc.wait()
                     injected["launcher_kill"] += 1
-                    proc = resume(state, run_id, {"AWS_ENDPOINT_URL": proxy.url})
+                    proc = resume(state, run_id, env)
             out, _ = proc.communicate(timeout=900)  # a deadlock fails here
         finally:
             proc.kill()
@@ -278,6 +355,12 @@ def test_mixed_fault_soak(tmp_path, reference, s3, run_index):
     incidents = [e for e in events if e["event"] == "incident"]
     print(json.dumps({"soak_run": run_index, "injected": {**injected, "sigkill": len(injected["sigkill"])},
                       "kill_phases": injected["sigkill"], "relaunches": relaunches, "incidents": len(incidents),
-                      "eval_loss": round(results[0]["eval_loss"], 4), "reference": round(reference["eval_loss"], 4),
-                      "delta": round(delta, 4)}))
+                      "nonfinite": [nan_rank, nan_round], "eval_loss": round(results[0]["eval_loss"], 4),
+                      "reference": round(reference["eval_loss"], 4), "delta": round(delta, 4)}))
     assert abs(delta) < 0.03
+    problems = " ".join(e["problem"] for e in incidents)
+    # (a writer killed at its round writes no damaged object; all of them missing means none was injected)
+    assert "checksum" in problems or "wrong layout" in problems, "the soak's object faults were not injected"
+    # the NaN replica was left out and reset, unless a relaunch reset it first (a SIGKILL in between)
+    reset = [e for e in incidents if e.get("replica") == nan_rank and "reset its model" in e["action"]]
+    assert reset or next(r for r in record["ranks"] if r["rank"] == nan_rank)["restarts"] > 0, incidents

@@ -61,13 +61,14 @@ def gloo_vs_store(ctx: ReplicaContext, numel: int = 100_003, init_file: str = ""
 
 def mlp_rounds(ctx: ReplicaContext, steps: int = 12, dim: int = 64, delay_rank: int = -1, delay_before_round: int = 0,
                delay_s: float = 0.0, start_delay_s: float = 0.0, crash_at_step: int = -1, perturb_rank: int = -1,
-               perturb_round: int = 0) -> dict:
+               perturb_round: int = 0, nan_ranks: tuple[int, ...] = (), nan_step: int = -1) -> dict:
     """A small MLP under DiLoCo with Adam; records θ's hash after every round.
 
     delay_rank sleeps `delay_s` before its sync of round `delay_before_round` (to miss it);
     start_delay_s delays joining; crash_at_step makes attempt 0 of the rank exit abruptly;
     perturb_rank adds 1e-3 to one element of its θ_global after round `perturb_round` (a bit flip
-    in host memory, as far as DiLoCo can tell).
+    in host memory, as far as DiLoCo can tell); nan_ranks' parameters turn NaN after inner step
+    `nan_step` (a diverged step: the following inner steps poison AdamW's moments too).
     """
     if start_delay_s:
         time.sleep(start_delay_s)
@@ -86,6 +87,10 @@ def mlp_rounds(ctx: ReplicaContext, steps: int = 12, dim: int = 64, delay_rank: 
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if ctx.rank in nan_ranks and step == nan_step and ctx.attempt == 0:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(float("nan"))
         if ctx.rank == delay_rank and step + 1 == delay_before_round * diloco.stride:  # before round r starts
             time.sleep(delay_s)
         info = diloco.step(loss=loss.item())
@@ -95,10 +100,12 @@ def mlp_rounds(ctx: ReplicaContext, steps: int = 12, dim: int = 64, delay_rank: 
         if info is not None:
             hashes[info.round] = theta_crc(diloco)
             rounds.append({"round": info.round, "members": info.members, "member": info.member,
-                           "bytes_up": info.bytes_up, "bytes_down": info.bytes_down})
+                           "bytes_up": info.bytes_up, "bytes_down": info.bytes_down, "loss": info.loss})
     diloco.close()
+    finite = bool(torch.isfinite(diloco.state.theta).all()) and all(bool(torch.isfinite(p).all())
+                                                                    for p in model.parameters())
     out = {"rank": ctx.rank, "hashes": hashes, "rounds": rounds, "final": theta_crc(diloco),
-           "numel": diloco.state.theta.numel()}
+           "numel": diloco.state.theta.numel(), "finite": finite}
     print(json.dumps(out), flush=True)
     return out
 

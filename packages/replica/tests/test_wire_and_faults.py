@@ -57,11 +57,12 @@ def test_not_a_diloco_object():
         unpack(b"\x80\x04\x95pickle-bytes-here-not-ours", ID, "k")
 
 
-def run_round(store, run, n, deltas, *, skip=(), timeout=2.0, min_members=1, r=1):
+def run_round(store, run, n, deltas, *, skip=(), timeout=2.0, min_members=1, r=1, codec="fp32"):
     out, errors = {}, {}
 
     def go(i):
-        ar = StoreAllReduce(store, run, i, n, round_timeout=timeout, min_members=min_members, poll_interval=0.005)
+        ar = StoreAllReduce(store, run, i, n, round_timeout=timeout, min_members=min_members, poll_interval=0.005,
+                            codec=codec)
         try:
             out[i] = ar.run_round(r, deltas[i])
         except Exception as exc:  # collected and asserted by the caller

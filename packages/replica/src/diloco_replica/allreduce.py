@@ -9,7 +9,10 @@ Round r, replica i with pseudo-gradient Δ_i split into N contiguous shards, sha
 3. reduce: the reducer of shard j (j itself if it is a member, else the member at position
    j mod |members|) averages the members' contributions in rank order in fp32, encodes the mean
    with the transport codec and create-only puts ``r/reduced/j``. A contribution that fails its
-   checksum twice is left out of that shard's mean, and the reduced object says so;
+   checksum twice, does not fit the round's layout (`wire.check_layout`) or holds NaN/Inf
+   (`finite`) is left out of that shard's mean, and the reduced object says so — who was left
+   out for non-finite values too, so every replica learns it and that sender resets itself. A
+   mean that would not be finite is never published (`finite.NonFinite` stops the run);
 4. gather: download the other N−1 reduced shards. One that does not appear within the timeout
    (its reducer died) is taken over by exactly one waiting replica — whoever wins the
    create-only ``r/claim/j.<g>`` — while the rest keep waiting for its result; a claimant that
@@ -43,6 +46,7 @@ from diloco.store import Store
 
 from .codecs import sparsify
 from .faults import Faults
+from .finite import NONFINITE, Contribution, NonFinite, accumulate, all_finite
 from .history import History
 from .lanes import Lanes
 from .membership import FellBehind, Membership, RoundFailed
@@ -65,6 +69,7 @@ class RoundResult:
     takeovers: list[int] = field(default_factory=list)
     incidents: list[dict[str, Any]] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # upload / wait / reduce / download seconds
+    nonfinite: list[int] = field(default_factory=list)  # ranks some shard's mean left out for NaN/Inf values
 
 
 class Laps:
@@ -96,7 +101,7 @@ class StoreAllReduce:
                           pool=ThreadPoolExecutor(max_workers=max(2, min(workers, 2 * world_size))),
                           run_id=run_id, rank=rank, n=world_size, round_timeout=round_timeout,
                           poll_interval=poll_interval, poll_max=poll_max, log=log or (lambda msg: None),
-                          faults=Faults(rank, lanes.index))
+                          faults=Faults(rank, lanes.index), codec=codec)
         self.rank, self.n, self.lanes = rank, world_size, lanes
         self.codec, self.topk_density = codec, topk_density
         self.history = History(self.io)
@@ -150,23 +155,26 @@ class StoreAllReduce:
         if not member:
             io.log(f"round {r}: not a member (members {members}); this replica's update is left out")
         incidents: list[dict[str, Any]] = []
+        nonfinite: set[int] = set()
         mine = [j for j in range(self.n) if reducer_of(j, members) == self.rank] if member else []
         mean = delta if in_place else torch.empty_like(delta)
         if mine:
             self.phase("reduce", r)
         for j in mine:
             a, b = bounds[j]
-            mean[a:b] = self._reduce_shard(r, j, bounds[j], members, delta, takeover=False, incidents=incidents)
+            mean[a:b] = self._reduce_shard(r, j, bounds[j], members, delta, takeover=False, incidents=incidents,
+                                           nonfinite=nonfinite)
         laps.lap("reduce")
         self.phase("gather", r)
-        takeovers = self._gather(r, bounds, members, mean, set(mine), delta if member else None, incidents)
+        takeovers = self._gather(r, bounds, members, mean, set(mine), delta if member else None, incidents,
+                                 nonfinite=nonfinite)
         self._run_cleanup()
         if mine:
             self._cleanup_due = (r, mine, members)  # inputs stay one round, for takeovers and repairs
             self.repairs.watch(r)
         laps.lap("download")
         return RoundResult(r, members, mean, member, io.store.traffic.since(before), time.monotonic() - t0,
-                           takeovers, incidents, {"upload": 0.0, **laps.seconds})
+                           takeovers, incidents, {"upload": 0.0, **laps.seconds}, sorted(nonfinite))
 
     def _decided_or_open(self, r: int) -> list[int] | None:
         """Round r's members if already decided (we are late); None if it is open to join."""
@@ -227,54 +235,86 @@ class StoreAllReduce:
         io.put(io.keys.scatter(r, sid, self.rank), blob, written=("scatter", r, sid, self.rank))
 
     def _reduce_shard(self, r: int, j: int, bound: tuple[int, int], members: list[int],
-                      delta: torch.Tensor | None, *, takeover: bool, incidents: list[dict[str, Any]]) -> torch.Tensor:
-        """Average shard j over `members`, publish it (create-only), return the decoded mean."""
+                      delta: torch.Tensor | None, *, takeover: bool, incidents: list[dict[str, Any]],
+                      nonfinite: set[int] | None = None) -> torch.Tensor:
+        """Average shard j over `members`, publish it (create-only), return the decoded mean.
+
+        A contribution missing, unreadable, not of the round's layout or non-finite is left out
+        (an incident each). The published object names who was left out and why; `nonfinite`
+        collects who was left out for NaN/Inf, so that sender learns it and resets.
+        """
         io = self.io
         a, b = bound
         sources = [m for m in members if m != self.rank or delta is None]
         if takeover and j in sources and j != self.rank:
             sources.remove(j)  # a dead owner kept its own part of shard j locally: it is gone
         got = dict(zip(sources, io.pool.map(
-            lambda m: io.get_verified(io.keys.scatter(r, io.sid(j), m), Identity(io.run_id, r, "scatter", io.sid(j), m)),
+            lambda m: io.get_verified(io.keys.scatter(r, io.sid(j), m), Identity(io.run_id, r, "scatter", io.sid(j), m),
+                                      numel=b - a, codec=self.codec),
             sources)))
-        total = torch.zeros(b - a, dtype=torch.float32)
-        used, left_out = [], {}
+        parts, left_out = [], {}
         for m in members:
+            key = io.keys.scatter(r, io.sid(j), m)  # for this replica's own part: the object it would be
             if m == self.rank and delta is not None:
-                total += delta[a:b]
+                parts.append(Contribution(m, key, lambda: delta[a:b]))
             elif m in got:
                 obj, problem = got[m]
                 if obj is None:
                     if problem == "missing":
                         self.membership.check_not_collected(r)
-                    published = self.repairs.published_or_none(r, j)
+                    published = self.repairs.published_or_none(r, j, b - a, nonfinite)
                     if published is not None:  # reduced (and inputs cleaned) while we looked: use that
                         return published
-                    key = io.keys.scatter(r, io.sid(j), m)
-                    left_out[str(m)] = problem
-                    incidents.append({"round": r, "object": key, "writer": m, "problem": problem,
-                                      "action": f"left out of shard {j}'s mean by rank {self.rank}"})
-                    io.log(f"round {r}: {key} from rank {m} is {problem}; left out of shard {j}'s mean")
+                    left_out[str(m)] = self._left_out(r, j, key, m, problem, incidents)
                     continue
-                total += obj.tensor()
-            else:
-                continue
-            used.append(m)
-        if not used:
+                parts.append(Contribution(m, key, obj.tensor))
+        summed = accumulate(parts, b - a)
+        for part in parts:
+            if part.rank in summed.corrupt:
+                problem = summed.corrupt[part.rank]
+                left_out[str(part.rank)] = self._left_out(r, j, part.key, part.rank, problem, incidents)
+            elif part.rank in summed.nonfinite:
+                left_out[str(part.rank)] = self._left_out(r, j, part.key, part.rank, f"{NONFINITE} in its update",
+                                                          incidents, nonfinite=True)
+        if not summed.used:
+            if summed.nonfinite and len(summed.nonfinite) == len(left_out):
+                raise NonFinite(f"round {r}: every contribution to shard {j} is non-finite (NaN or Inf), from ranks "
+                                f"{summed.nonfinite}: training diverged on every member, so no finite global state "
+                                f"can follow; lower the learning rate (or check the data) and start a new run")
             raise RoundFailed(f"round {r}: no usable contribution to shard {j}")
-        mean = total.div_(len(used))  # in place: one shard-sized buffer (same rounding as total / n)
+        mean = summed.total.div_(len(summed.used))  # in place: one shard-sized buffer (same rounding as total / n)
         ident = Identity(io.run_id, r, "reduced", io.sid(j), -1)
         blob = pack(ident, encode_tensor(mean, self.codec), codec=self.codec, numel=b - a,
-                    meta={"members": used, "left_out": left_out, "reducer": self.rank, "takeover": takeover})
+                    meta={"members": summed.used, "left_out": left_out, "nonfinite": summed.nonfinite,
+                          "reducer": self.rank, "takeover": takeover})
+        payload = blob[1] if len(blob) == 2 else b"".join(blob[1:])
+        decoded = decode_tensor(payload, self.codec, b - a)  # exactly what every reader decodes
+        # fp32 decodes to total / k exactly, finite with the total; another codec's range may overflow
+        if not (summed.finite and self.codec == "fp32") and not all_finite(decoded):
+            raise NonFinite(f"round {r}: the mean of shard {j} would be non-finite in transport {self.codec!r} "
+                            f"(it overflowed): training diverged; it is not published. Lower the learning rate and "
+                            f"start a new run")
         if io.put(io.keys.reduced(r, io.sid(j)), blob, create_only=True, written=("reduced", r, io.sid(j))):
             self.repairs.published[j] = (r, blob)
-            payload = blob[1] if len(blob) == 2 else b"".join(blob[1:])
-            return decode_tensor(payload, self.codec, b - a)  # exactly what every reader decodes
-        return self.repairs.read_reduced(r, j, members, incidents)  # someone else won: use theirs
+            if nonfinite is not None:
+                nonfinite.update(summed.nonfinite)
+            return decoded
+        return self.repairs.read_reduced(r, j, b - a, members, incidents, nonfinite)  # someone else won: use theirs
+
+    def _left_out(self, r: int, j: int, key: str, m: int, problem: str, incidents: list[dict[str, Any]], *,
+                  nonfinite: bool = False) -> str:
+        """Record that rank m's part of shard j is not in its mean (an incident); returns why."""
+        incident = {"round": r, "object": key, "writer": m, "problem": problem,
+                    "action": f"left out of shard {j}'s mean by rank {self.rank}"}
+        if nonfinite:
+            incident.update(replica=m, action=f"{incident['action']}; rank {m} resets to θ_global")
+        incidents.append(incident)
+        self.io.log(f"round {r}: {key} from rank {m}: {problem}; left out of shard {j}'s mean")
+        return problem
 
     def _gather(self, r: int, bounds: list[tuple[int, int]], members: list[int], out: torch.Tensor,
                 have: set[int], delta: torch.Tensor | None, incidents: list[dict[str, Any]], *,
-                replay: bool = False) -> list[int]:
+                replay: bool = False, nonfinite: set[int] | None = None) -> list[int]:
         """Fill `out` with every reduced shard not in `have`; one replica takes over any that never appears.
 
         `replay`: the round is known complete, so a shard missing now was garbage-collected under
@@ -291,7 +331,7 @@ class StoreAllReduce:
 
         def fetch(j: int) -> None:
             a, b = bounds[j]
-            out[a:b] = self.repairs.read_reduced(r, j, members, incidents)
+            out[a:b] = self.repairs.read_reduced(r, j, b - a, members, incidents, nonfinite)
 
         pending = []
         while wanted:
@@ -314,7 +354,8 @@ class StoreAllReduce:
                     continue
                 io.log(f"round {r}: reduced shard {j} did not appear in {io.round_timeout:g}s; reducing it here")
                 a, b = bounds[j]
-                out[a:b] = self._reduce_shard(r, j, bounds[j], members, delta, takeover=True, incidents=incidents)
+                out[a:b] = self._reduce_shard(r, j, bounds[j], members, delta, takeover=True, incidents=incidents,
+                                              nonfinite=nonfinite)
                 taken_over.append(j)
                 wanted.remove(j)
             if wanted and all(generation[j] > len(members) for j in wanted):

@@ -21,6 +21,9 @@ lists each block's count, so the format carries any support: a reducer's mean (t
 members' supports) is encoded the same way, with no re-sparsification.
 
 Every decode is deterministic, so every replica decodes the same bytes to the same floats.
+Decoding checks what a codec's layout allows (block scales positive, topk counts and indices
+within their blocks) and raises `BadPayload` otherwise; NaN and Inf survive every encoding, so a
+diverged replica's update still decodes non-finite and is caught (`finite`).
 """
 
 from __future__ import annotations
@@ -51,8 +54,20 @@ def _rows(x: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _absmax_scale(rows: torch.Tensor, levels: int) -> torch.Tensor:
+    """A block's absmax / levels; 1 for an all-zero block. A block holding NaN or Inf keeps its
+    NaN or Inf scale, so it decodes non-finite and the reducer leaves it out (a scale of 1 would
+    launder a diverged replica's NaN into finite numbers)."""
     scale = rows.abs().amax(dim=1) / levels
-    return torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
+def _scales(buf: memoryview, dtype: torch.dtype, count: int) -> torch.Tensor:
+    """A payload's block scales as fp32. The encoder writes only positive (or, for a non-finite
+    block, NaN/Inf) scales; zero or negative ones are another writer's bytes."""
+    scale = torch.frombuffer(buf, dtype=dtype, count=count).float()
+    if bool((scale <= 0).any()):
+        raise BadPayload("a block scale is zero or negative (out of range)")
+    return scale
 
 
 def encoded_nbytes(numel: int, codec: str, payload: memoryview | None = None) -> int:
@@ -104,13 +119,13 @@ def decode(payload: memoryview | bytes, codec: str, numel: int) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=torch.float16, count=numel).float()
     if codec == "int8":
         n_chunks = _blocks(numel, INT8_CHUNK)
-        scale = torch.frombuffer(buf, dtype=torch.float32, count=n_chunks)
+        scale = _scales(buf, torch.float32, n_chunks)
         q = torch.frombuffer(buf, dtype=torch.int8, count=numel, offset=4 * n_chunks).float()
         rows = _rows(q, INT8_CHUNK) * scale[:, None]
         return rows.reshape(-1)[:numel].contiguous()
     if codec == "int4":
         n_blocks = _blocks(numel, INT4_BLOCK)
-        scale = torch.frombuffer(buf, dtype=torch.float16, count=n_blocks).float()
+        scale = _scales(buf, torch.float16, n_blocks)
         packed = torch.frombuffer(buf, dtype=torch.uint8, count=(numel + 1) // 2, offset=2 * n_blocks)
         q = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:numel].float() - 8
         rows = _rows(q, INT4_BLOCK) * scale[:, None]
@@ -164,7 +179,7 @@ def _decode_sparse(buf: memoryview, numel: int) -> torch.Tensor:
     blocks = _blocks(numel, TOPK_BLOCK)
     if buf.nbytes < 6 * blocks:
         raise BadPayload("shorter than its block table")
-    scale = torch.frombuffer(buf, dtype=torch.float32, count=blocks)
+    scale = _scales(buf, torch.float32, blocks)
     counts = torch.frombuffer(buf, dtype=torch.int16, count=blocks, offset=4 * blocks).long()
     kept = int(counts.sum())
     if (counts < 0).any() or (counts > TOPK_BLOCK).any() or buf.nbytes != 6 * blocks + 3 * kept:

@@ -17,6 +17,11 @@ store, an outer SGD-Nesterov step on θ_global (lr 0.7, momentum 0.9 by default)
 into the model. Inner optimizer state stays local. Settings come from the spec's [diloco]
 table (ctx.settings) unless given as keyword arguments here.
 
+A replica whose update was left out of a round for NaN/Inf values (its training diverged; the
+reducers say so in the reduced shards, `RoundResult.nonfinite`) resets: the whole model to
+θ_global, the inner optimizer's state cleared (its moments hold NaN too), the topk residual
+zeroed — what a relaunch would give, without one — and trains on, with an incident that says so.
+
 `model` may be a plain module, a DDP-wrapped one or an FSDP2 (`fully_shard`) one. In a replica
 of L processes (torchrun) each process syncs its lane (`lanes`, `modelview`): 1/L of the
 replicated parameters, or the shards it holds.
@@ -33,6 +38,7 @@ Hiding the sync (docs/sync-modes.md):
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -167,10 +173,13 @@ class DiLoCo:
     def step(self, loss: float | None = None, tokens: int = 0) -> RoundMetrics | None:
         """Call after each inner optimizer step; a round every sync_every/fragments steps.
 
-        Returns the metrics row of a round when its outer step has been applied here.
+        Returns the metrics row of a round when its outer step has been applied here. A
+        non-finite `loss` is left out of the row's mean loss (rows are JSON, which has no NaN); a
+        diverged replica shows as an incident when its update is left out, and resets.
         """
+        self.allreduce.io.faults.after_step(self.global_step, self.view)  # fault injection; off by default
         self.local_steps += 1
-        if loss is not None:
+        if loss is not None and math.isfinite(loss):  # a diverged step is an incident, not a NaN in JSON rows
             self._losses.append(float(loss))
         self._tokens += int(tokens)
         if self.local_steps >= self.stride:
@@ -261,9 +270,21 @@ class DiLoCo:
         self.state.apply(result.round, result.mean, result.members)
         result.mean = None  # the round's one fragment-sized buffer (the mean was written over Δ)
         a, b = self.state.bounds(result.round)
+        tokens, losses, evals = work
+        # the replica's row: every lane's bytes, requests and tokens; the mean loss over its processes;
+        # and whether any lane's update was left out for NaN/Inf (then every lane resets)
+        sums = self.lanes.total({"bytes_up": result.traffic.bytes_up, "bytes_down": result.traffic.bytes_down,
+                                 **result.traffic.requests(), "tokens": tokens,
+                                 "loss_sum": sum(losses), "loss_n": len(losses), "parameters": self.view.numel,
+                                 "nonfinite": int(self.ctx.rank in result.nonfinite)})
+        left_out_nonfinite = sums.pop("nonfinite") > 0
+        incidents = result.incidents + self.allreduce.io.take_found()  # + any met rejoining since the last row
         if not result.member:
             self.state.catch_up()  # others may be rounds ahead: adopt every completed round
+            incidents += self.allreduce.io.take_found()
             self.view.write(self.state.theta)  # and the whole global model, as a rejoining replica does
+        elif left_out_nonfinite:
+            incidents += self._reset_to_global(result.round)
         elif local_at_sync is None:
             self.view.write_part(self.state.theta[a:b], part, self.fragments)
         else:  # overlap: keep the inner steps made since the round began, on top of the new global state
@@ -272,11 +293,6 @@ class DiLoCo:
             now -= local_at_sync
             self.view.write_part(now, part, self.fragments)
         outer_s = time.monotonic() - outer_t0
-        # the replica's row: every lane's bytes, requests and tokens; the mean loss over its processes
-        tokens, losses, evals = work
-        sums = self.lanes.total({"bytes_up": result.traffic.bytes_up, "bytes_down": result.traffic.bytes_down,
-                                 **result.traffic.requests(), "tokens": tokens,
-                                 "loss_sum": sum(losses), "loss_n": len(losses), "parameters": self.view.numel})
         loss_sum, loss_n = sums.pop("loss_sum"), sums.pop("loss_n")
         info = RoundMetrics(
             round=result.round, rank=self.ctx.rank, attempt=self.ctx.attempt, members=result.members,
@@ -284,7 +300,7 @@ class DiLoCo:
             bytes_up=int(sums.pop("bytes_up")), bytes_down=int(sums.pop("bytes_down")),
             parameters=int(sums.pop("parameters")), compute_s=compute_s, sync_s=blocked_s + time.monotonic() - t0,
             requests={k: int(v) for k, v in sums.items()},
-            takeovers=result.takeovers, incidents=result.incidents, t=time.time(),
+            takeovers=result.takeovers, incidents=incidents, t=time.time(),
             phases={"compute": compute_s, **result.phases, "outer": outer_s}, hidden_s=hidden_s,
             step=result.round * self.stride, total_steps=self.total_steps, evals=list(evals))
         self._warn_if_alone(info)
@@ -296,12 +312,32 @@ class DiLoCo:
             self._next_phase()
         return info
 
+    def _reset_to_global(self, r: int) -> list[dict[str, Any]]:
+        """Round r left this replica's update out for NaN/Inf values: its parameters and its inner
+        optimizer's moments are poisoned, and the next round's update would be too. Restart both
+        from θ_global — what a relaunch gives — and train on. Returns the incident (lane 0's)."""
+        self.view.write(self.state.theta)  # the whole model: every fragment went NaN with it
+        if self.inner_opt is not None:
+            self.inner_opt.state.clear()  # AdamW's moments and step counts start afresh, lazily
+            self.inner_opt.zero_grad(set_to_none=True)
+        if self.residual is not None:
+            self.residual.zero_()
+        rank = self.ctx.rank
+        action = (f"rank {rank} reset its model and inner optimizer state to θ_global of round {r} "
+                  f"and carries on")
+        self._log(f"round {r}: this replica's update was non-finite and left out; {action}")
+        if not self.lanes.leader:
+            return []
+        return [{"round": r, "writer": rank, "replica": rank, "action": action,
+                 "problem": "its update held non-finite values (NaN or Inf) and was left out of the round's mean"}]
+
     def _record(self, info: RoundMetrics) -> None:
         """The replica's row for the round: one per replica (lane 0 writes it), with the digest
-        of every lane's state, so a divergence in any lane shows."""
-        digests = self.lanes.exchange(self.state.digest())
+        of every lane's state, so a divergence in any lane shows, and every lane's incidents."""
+        lanes = self.lanes.exchange({"digest": self.state.digest(), "incidents": info.incidents})
         if self.lanes.leader:
-            info.state_digest = "+".join(digests)
+            info.state_digest = "+".join(lane["digest"] for lane in lanes)
+            info.incidents = [i for lane in lanes for i in lane["incidents"]]
             self.recorder.write_row(info)
             self.recorder.maybe_summarize(info.round, info.members)
 

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
+import struct
 import time
+from typing import Any
+
+import torch
+
+from .codecs import decode, encode
+from .wire import Identity, joined, pack
 
 
 class PhaseMarker:
@@ -53,10 +61,67 @@ class CorruptionInjector:
         store.put(key, bytes(blob))
 
 
+class WrongLengthInjector:
+    """Re-packs objects right after they are written with one element too many, as a writer bug
+    would: identity, header and payload checksums all valid, only the layout is wrong.
+
+    DILOCO_FAULT_WRONG_LENGTH="scatter:3:0:1,reduced:5:2" (targets as DILOCO_FAULT_CORRUPT's).
+    """
+
+    def __init__(self):
+        spec = os.environ.get("DILOCO_FAULT_WRONG_LENGTH") or ""
+        self.targets = {tuple(x.split(":")) for x in spec.split(",") if x}
+
+    def __call__(self, store, key: str, kind: str, r: int, owner: int, src: int | None = None) -> None:
+        want = (kind, str(r), str(owner)) + ((str(src),) if src is not None else ())
+        if want in self.targets:
+            store.put(key, lengthened(bytes(store.get(key))))
+
+
+def lengthened(blob: bytes) -> bytes:
+    """`blob` (a packed object, trusted: the injector's own write) with one more element, a zero."""
+    prefix = struct.Struct("<4sBII")
+    hlen = prefix.unpack_from(blob)[2]
+    h = json.loads(blob[prefix.size:prefix.size + hlen])
+    values = decode(memoryview(blob)[prefix.size + hlen:], h["codec"], h["numel"])
+    parts = encode(torch.cat([values, torch.zeros(1)]), h["codec"])
+    ident = Identity(h["run"], h["round"], h["kind"], h["owner"], h["src"])
+    return joined(pack(ident, parts, codec=h["codec"], numel=h["numel"] + 1, meta=h["meta"]))
+
+
+class NonFiniteInjector:
+    """Turns a replica's parameters NaN after a given global inner step, as a diverged step would
+    leave them; the inner steps that follow poison the inner optimizer's state too.
+
+    DILOCO_FAULT_NONFINITE="2:130,0:75": rank 2 after step 130, rank 0 after step 75 (once per
+    process; a relaunched replica that resumes before the step meets it again).
+    """
+
+    def __init__(self, rank: int):
+        spec = os.environ.get("DILOCO_FAULT_NONFINITE") or ""
+        pairs = [x.split(":") for x in spec.split(",") if x]
+        self.steps = {int(step) for who, step in pairs if who == str(rank)}
+
+    def __call__(self, step: int, view: Any) -> None:
+        """`view`: the process's `modelview.ModelView` (its tensors are looked up only when firing)."""
+        if not self.steps or step not in self.steps:
+            return
+        self.steps.discard(step)
+        with torch.no_grad():
+            for t in view.tensors:
+                t.fill_(float("nan"))
+
+
 class Faults:
-    """The fault-injection hooks a round's I/O calls (`roundio.RoundIO`): where a replica is
-    (`phase`) and what it just wrote (`after_write`). Off unless the variables above are set."""
+    """The fault-injection hooks: where a replica is (`phase`), what it just wrote (`after_write`,
+    called by `roundio.RoundIO`) and which inner step it just took (`after_step`, called by
+    `DiLoCo.step`). Off unless the variables above are set."""
 
     def __init__(self, rank: int = 0, lane: int = 0):
         self.phase = PhaseMarker(rank, lane)
-        self.after_write = CorruptionInjector()
+        self._corrupt, self._lengthen = CorruptionInjector(), WrongLengthInjector()
+        self.after_step = NonFiniteInjector(rank)
+
+    def after_write(self, store, key: str, kind: str, r: int, owner: int, src: int | None = None) -> None:
+        self._corrupt(store, key, kind, r, owner, src)
+        self._lengthen(store, key, kind, r, owner, src)

@@ -6,6 +6,12 @@ replicas stay identical without ever sending θ. A replica that starts, restarts
 the retained history, or learns that its state diverged from the others' loads the newest
 usable checkpoint and replays the rounds after it (`history.History`).
 
+Nothing non-finite becomes or leaves the global state: θ_0 from the model, checkpoints loaded
+(`history.History.load`) and θ after every outer step are checked, and a θ that would be NaN or
+Inf stops the run with one line (`finite.NonFinite`) before any checkpoint of it is written.
+Incidents met while loading or replaying (a corrupt checkpoint or reduced shard) are reported
+through `RoundIO.report`, to travel with the replica's next metrics row.
+
 With `fragments = K` the flat vector is K contiguous fragments and round r updates fragment
 (r − 1) mod K only (Streaming DiLoCo's staggered schedule): each fragment keeps its own slice of
 θ_global and of the momentum, so a fragment's outer step sees exactly its own rounds.
@@ -20,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from .allreduce import StoreAllReduce
+from .finite import NonFinite, all_finite
 from .lanes import Retry
 from .membership import FellBehind, RoundFailed
 from .outer import outer_step, state_digest
@@ -76,7 +83,7 @@ class GlobalState:
                     lanes.agree(lambda: self._write_initial(initial))
                     chosen = 0
                 lanes.agree(lambda: self._load(chosen))
-                replayed = self.catch_up()
+                replayed = self.catch_up(during="rejoin")
             except (Retry, FellBehind) as exc:  # GC overtook the load or the replay: start again from newer
                 self.log(f"{exc}; reloading")
                 continue
@@ -99,7 +106,7 @@ class GlobalState:
         self.theta, self.buf = loaded
         self.round = c
 
-    def catch_up(self) -> int:
+    def catch_up(self, *, during: str = "catch-up") -> int:
         """Apply every round completed after ours; returns how many were applied.
 
         Each lane applies what it sees complete, then every lane replays to the furthest of them
@@ -112,6 +119,8 @@ class GlobalState:
         def apply_next() -> None:
             a, b = self.bounds(self.round + 1)
             res = self.ar.fetch(self.round + 1, b - a)
+            for incident in res.incidents:  # e.g. a corrupt reduced shard, re-published by its reducer
+                self.io.report({**incident, "during": during})
             self.apply(res.round, res.mean, res.members)
 
         def replay_complete() -> None:
@@ -138,6 +147,8 @@ class GlobalState:
         if read_initial is None:
             raise RoundFailed("round 0's checkpoint is missing although this replica joined the run before")
         initial = read_initial()
+        if not all_finite(initial):
+            raise NonFinite("the model's initial parameters hold NaN or Inf; fix the model's initialisation")
         if self.io.rank not in self.history.present(0):
             self.history.put_shard(0, self.io.rank, initial, None)
         deadline = time.monotonic() + self.io.round_timeout
@@ -156,8 +167,10 @@ class GlobalState:
         if r != self.round + 1:
             raise RoundFailed(f"applying round {r} on top of round {self.round}")
         a, b = self.bounds(r)
-        outer_step(self.theta[a:b], self.buf[a:b], mean_delta, lr=self.lr, momentum=self.momentum,
-                   nesterov=self.nesterov)
+        if not outer_step(self.theta[a:b], self.buf[a:b], mean_delta, lr=self.lr, momentum=self.momentum,
+                          nesterov=self.nesterov):
+            raise NonFinite(f"round {r}: the outer step made θ_global non-finite (it overflowed: training diverged); "
+                            f"it is not checkpointed. Lower outer_lr or the learning rate and start a new run")
         self.round = r
         if r % self.checkpoint_every == 0:
             mine = [j for j in range(self.io.n) if reducer_of(j, members) == self.io.rank]

@@ -6,7 +6,9 @@
   checkpoint is complete with all N·L. A rejoining replica loads the newest *complete* checkpoint and replays the
   reduced shards of the rounds after it.
 - A checkpoint can be voided (``ckpt/r<round>/void``) by a replica that learns its θ had
-  diverged when it wrote shards of it; loaders and GC skip void checkpoints.
+  diverged when it wrote shards of it, or by a loader that finds a shard corrupt — a bad
+  checksum, the wrong length for its shard, or non-finite values — which is an incident too
+  (`RoundIO.report`); loaders and GC skip void checkpoints.
 - The low-water mark: before GC deletes anything it writes ``history/gc-through-r<p>``
   (create-only). Every round ≤ the highest mark is gone or going, so a replica that has not
   decided such a round must rejoin from a checkpoint, never decide it again — round 1
@@ -22,8 +24,9 @@ import torch
 
 from diloco.store import ObjectExists
 
+from .finite import all_finite
 from .storeaccess import shard_bounds
-from .wire import CorruptObject, Identity, encode_tensor, pack, unpack
+from .wire import CorruptObject, Identity, check_layout, encode_tensor, pack, unpack
 
 if TYPE_CHECKING:
     from .roundio import RoundIO
@@ -108,22 +111,30 @@ class History:
             if blob is None:
                 self.log(f"checkpoint shard {key} vanished while loading; trying the next checkpoint")
                 return None
+            a, b = bounds[j]
             try:
                 got = unpack(blob, Identity(self.keys.run, r, "ckpt", self.shards.sid(j), -1), key)
-            except CorruptObject as exc:
-                self.log(f"{exc}; voiding checkpoint {r} and trying an older one")
-                self.void([r], f"corrupt shard: {exc}")
-                return None
-            if got.meta.get("numel") != numel:
-                from diloco.errors import UserError
+                if got.meta.get("numel") != numel:
+                    from diloco.errors import UserError
 
-                raise UserError(f"{key} holds a model of {got.meta.get('numel')} parameters, this replica has "
-                                f"{numel}: the rendezvous store already holds run {self.keys.run!r} of another "
-                                f"model; use a new run or another rendezvous")
-            a, b = bounds[j]
-            part = got.tensor()
+                    raise UserError(f"{key} holds a model of {got.meta.get('numel')} parameters, this replica has "
+                                    f"{numel}: the rendezvous store already holds run {self.keys.run!r} of another "
+                                    f"model; use a new run or another rendezvous")
+                part = check_layout(got, numel=2 * (b - a), codec="fp32").tensor()
+                if not all_finite(part):
+                    raise CorruptObject(f"{key}: non-finite values in a checkpoint (no replica writes them)")
+            except CorruptObject as exc:
+                self._void_corrupt(r, key, exc)
+                return None
             theta[a:b], buf[a:b] = part[: b - a], part[b - a:]  # copies out of the downloaded buffer
         return theta, buf
+
+    def _void_corrupt(self, r: int, key: str, exc: CorruptObject) -> None:
+        """A checkpoint shard no replica can use: void the checkpoint (loaders go to an older one)
+        and report it, so the launcher shows an `incident` as it does for corruption in a round."""
+        self.void([r], f"corrupt shard: {exc}")
+        self.io.report({"round": r, "object": key, "writer": None, "problem": str(exc), "during": "rejoin",
+                        "action": f"checkpoint {r} voided by rank {self.io.rank}; an older one is loaded"})
 
     # -- garbage collection ------------------------------------------------------------------
 

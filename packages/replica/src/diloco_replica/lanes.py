@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from diloco.errors import UserError
 
+from .finite import NonFinite
 from .membership import FellBehind, RoundFailed
 
 T = TypeVar("T")
@@ -34,7 +35,7 @@ class Retry(Exception):
 
 # What a failure in one lane becomes in the others (anything else: RoundFailed naming the lane).
 _KINDS: dict[str, type[Exception]] = {"FellBehind": FellBehind, "RoundFailed": RoundFailed, "Retry": Retry,
-                                      "UserError": UserError}
+                                      "UserError": UserError, "NonFinite": NonFinite}
 
 
 # A process whose peer died sees its next exchange fail; torchrun notices the death within its

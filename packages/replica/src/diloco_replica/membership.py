@@ -53,8 +53,9 @@ class Membership:
                 return None
             got = unpack(raw, Identity(self.keys.run, r, "members"), key)
         members = got.meta.get("members")
-        if not isinstance(members, list) or not all(isinstance(m, int) for m in members) or not members:
-            raise CorruptObject(f"{key}: malformed membership record")
+        if not isinstance(members, list) or not members or not all(isinstance(m, int) and 0 <= m < self.n
+                                                                   for m in members) or members != sorted(set(members)):
+            raise CorruptObject(f"{key}: malformed membership record (members must be distinct ranks below {self.n})")
         return members
 
     def check_not_collected(self, r: int) -> None:

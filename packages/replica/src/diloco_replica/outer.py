@@ -15,6 +15,8 @@ import zlib
 
 import torch
 
+from .finite import all_finite
+
 
 # Elements per step of the update: its one temporary stays 4 MB, not a model-sized buffer (host
 # memory per replica is θ, momentum and the round's Δ/mean buffer). Chunking changes no result:
@@ -23,11 +25,15 @@ CHUNK = 1 << 20
 
 
 def outer_step(theta: torch.Tensor, momentum_buf: torch.Tensor, grad: torch.Tensor, *, lr: float,
-               momentum: float, nesterov: bool) -> None:
+               momentum: float, nesterov: bool) -> bool:
     """SGD with (Nesterov) momentum, in place: torch.optim.SGD's update with dampening 0.
 
         buf ← momentum·buf + g;  u ← g + momentum·buf (Nesterov) or buf;  θ ← θ − lr·u
+
+    Returns whether θ and the momentum are finite afterwards (an overflow), checked chunk by
+    chunk while each chunk is still in cache, so the caller never publishes a non-finite θ.
     """
+    finite = True
     for a in range(0, theta.numel(), CHUNK):
         t, b, g = theta[a:a + CHUNK], momentum_buf[a:a + CHUNK], grad[a:a + CHUNK]
         if momentum:
@@ -37,6 +43,8 @@ def outer_step(theta: torch.Tensor, momentum_buf: torch.Tensor, grad: torch.Tens
         else:
             update = g.clone()
         t.sub_(update.mul_(lr))  # every operation rounded on its own
+        finite = finite and all_finite(t) and all_finite(b)
+    return finite
 
 
 def state_digest(theta: torch.Tensor, momentum_buf: torch.Tensor) -> str:

@@ -6,6 +6,11 @@ asks with ``r/repair/j`` and waits for ``r/repaired/j``; the reducer's watch thr
 with a backoff capped at `REPAIR_POLL_CAP`, answers with the very bytes it first wrote, which the
 reader verifies the same way. Races with retention end in "use the published result" or
 `FellBehind` (rejoin), never in an exception that costs a restart.
+
+"Corrupt" is anything a reader cannot use: a bad checksum, an object that does not fit the
+round's layout (shard length, codec), non-finite values (a reducer never publishes them), or a
+malformed record of who was left out. Every reader also collects that record (`nonfinite`), so a
+replica learns when its own update was left out for NaN/Inf values.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ from typing import Any
 
 import torch
 
+from .finite import all_finite
 from .membership import Membership, RoundFailed
 from .roundio import RoundIO
 from .storeaccess import reducer_of
-from .wire import Identity
+from .wire import CorruptObject, Identity, Unpacked
 
 # A reducer watches for repair requests for round_timeout after publishing, backing off to one LIST
 # per 30 s: ~20 LISTs a round on S3 for a fault that is rare; a reader asking waits at most that long.
@@ -39,26 +45,43 @@ class RepairDesk:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def published_or_none(self, r: int, j: int) -> torch.Tensor | None:
+    def published_or_none(self, r: int, j: int, numel: int, nonfinite: set[int] | None = None) -> torch.Tensor | None:
         if self.io.store.get(self.io.keys.reduced(r, self.io.sid(j))) is None:
             return None
-        return self.read_reduced(r, j, None, [])
+        return self.read_reduced(r, j, numel, None, [], nonfinite)
 
-    def read_reduced(self, r: int, j: int, members: list[int] | None, incidents: list[dict[str, Any]]) -> torch.Tensor:
-        """Shard j's published mean, verified; a corrupt one is replaced by its reducer's re-publication."""
+    def read_reduced(self, r: int, j: int, numel: int, members: list[int] | None, incidents: list[dict[str, Any]],
+                     nonfinite: set[int] | None = None) -> torch.Tensor:
+        """Shard j's published mean (`numel` values), verified; a corrupt one is replaced by its
+        reducer's re-publication. `nonfinite` gathers whom the reducer left out for NaN/Inf."""
         io = self.io
         ident = Identity(io.run_id, r, "reduced", io.sid(j), -1)
         key = io.keys.reduced(r, io.sid(j))
-        obj, problem = io.get_verified(key, ident)
+        obj, problem = io.get_verified(key, ident, numel=numel, codec=io.codec)
         if obj is not None:
-            return obj.tensor()
-        if problem == "missing":
+            try:
+                return self._usable(obj, nonfinite)
+            except CorruptObject as exc:
+                problem = str(exc)
+        elif problem == "missing":
             self.membership.check_not_collected(r)  # deleted by retention: rejoin
             raise RoundFailed(f"{key} vanished")
-        return self._repaired(r, j, key, problem, members, incidents)
+        return self._repaired(r, j, key, numel, problem, members, incidents, nonfinite)
 
-    def _repaired(self, r: int, j: int, key: str, problem: str, members: list[int] | None,
-                  incidents: list[dict[str, Any]]) -> torch.Tensor:
+    def _usable(self, obj: Unpacked, nonfinite: set[int] | None) -> torch.Tensor:
+        """A verified reduced shard's values, if they are finite and its left-out record is well-formed."""
+        mean = obj.tensor()
+        if not all_finite(mean):
+            raise CorruptObject(f"{obj.key}: non-finite values in a reduced shard (no reducer publishes them)")
+        flagged = obj.meta.get("nonfinite", [])
+        if not isinstance(flagged, list) or not all(isinstance(m, int) and 0 <= m < self.io.n for m in flagged):
+            raise CorruptObject(f"{obj.key}: malformed record of non-finite contributions")
+        if nonfinite is not None:
+            nonfinite.update(flagged)
+        return mean
+
+    def _repaired(self, r: int, j: int, key: str, numel: int, problem: str, members: list[int] | None,
+                  incidents: list[dict[str, Any]], nonfinite: set[int] | None) -> torch.Tensor:
         io = self.io
         ident = Identity(io.run_id, r, "reduced", io.sid(j), -1)
         members = members or self.membership.read(r) or []
@@ -69,11 +92,15 @@ class RepairDesk:
         deadline = time.monotonic() + io.round_timeout
         backoff = io.backoff()
         while True:
-            obj, _ = io.get_verified(io.keys.repaired(r, io.sid(j)), ident)
+            obj, _ = io.get_verified(io.keys.repaired(r, io.sid(j)), ident, numel=numel, codec=io.codec)
             if obj is not None:
+                try:
+                    mean = self._usable(obj, nonfinite)
+                except CorruptObject as exc:  # re-published create-only: it will not get better
+                    raise RoundFailed(f"{key} is corrupt ({problem}) and so is its re-publication: {exc}") from None
                 incidents.append({"round": r, "object": key, "writer": writer, "problem": problem,
                                   "action": f"re-published by its reducer as {io.keys.repaired(r, io.sid(j))}"})
-                return obj.tensor()
+                return mean
             if not backoff.sleep(deadline):
                 self.membership.check_not_collected(r)
                 raise RoundFailed(f"{key} is corrupt ({problem}) and its reducer (rank {writer}) did not re-publish "

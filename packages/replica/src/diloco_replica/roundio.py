@@ -5,6 +5,10 @@ write the same store, under the same keys, counting the same traffic, with the s
 polling and the same fault-injection hooks. `RoundIO` is that one object, made once per replica
 (per lane) by `StoreAllReduce` and handed to each part, so none of them reaches into another
 for it.
+
+It also holds the incidents met outside a round — a corrupt checkpoint or reduced shard found
+while rejoining or catching up (`report`) — until the replica's next metrics row carries them
+(`take_found`), so they reach the round summary and the launcher's `incident` events too.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from diloco.store import ObjectExists
 
@@ -39,6 +43,8 @@ class RoundIO:
     poll_max: float
     log: Callable[[str], None] = lambda msg: None
     faults: Faults = field(default_factory=Faults)
+    codec: str = "fp32"            # the run's transport codec: every scatter and reduced object is in it
+    found: list[dict[str, Any]] = field(default_factory=list)  # incidents met outside a round, not yet reported
 
     def sid(self, j: int) -> int:
         """Shard j of this lane, as the store names it."""
@@ -62,15 +68,26 @@ class RoundIO:
         """This lane's shard indices among the objects under `prefix` (one LIST)."""
         return self.shards.mine(self.store.list_names(prefix))
 
-    def get_verified(self, key: str, ident: Identity):
+    def get_verified(self, key: str, ident: Identity, *, numel: int | None = None, codec: str | None = None):
         """(unpacked, None), (None, "missing") or (None, reason): a corrupt read is retried once,
-        since a torn transfer heals on a second read and damage at rest does not."""
+        since a torn transfer heals on a second read and damage at rest does not. `numel` and
+        `codec`: the layout the object must have (`wire.check_layout`)."""
         for _ in range(2):
             blob = self.store.get(key)
             if blob is None:
                 return None, "missing"
             try:
-                return unpack(blob, ident, key), None
+                return unpack(blob, ident, key, numel=numel, codec=codec), None
             except CorruptObject as exc:
                 reason = str(exc)
         return None, reason
+
+    def report(self, incident: dict[str, Any]) -> None:
+        """An incident met outside a round (rejoin, catch-up): kept for the next metrics row."""
+        self.found.append(incident)
+        self.log(f"incident: {incident.get('object')}: {incident.get('problem')}; {incident.get('action')}")
+
+    def take_found(self) -> list[dict[str, Any]]:
+        """The incidents reported since the last call (each is handed out once)."""
+        found, self.found = self.found, []
+        return found

@@ -7,7 +7,10 @@ encoded (codec, element count) and the payload's length and CRC-32; the header h
 its own, so a flipped bit anywhere in the object is caught. `unpack` checks all of it against
 what the reader expected, so a truncated, corrupted, malformed or foreign object (another run,
 another round, another shard — e.g. from a reused rendezvous URI) raises `CorruptObject` (never
-KeyError or TypeError) and is never averaged in.
+KeyError or TypeError) and is never averaged in. A checksum only proves the bytes are the
+writer's: a reader also states the round's layout — the shard's element count and the run's
+codec — and an object that does not fit it is `CorruptObject` too (`check_layout`), never a
+shape error in the arithmetic that would follow.
 
 The payload is encoded by one of the transport codecs in `codecs` (fp32, bf16, fp16, int8,
 int4, topk); accumulation is always fp32.
@@ -26,8 +29,8 @@ import torch
 
 from .codecs import CODECS, INT8_CHUNK, BadPayload, decode, encode, encoded_nbytes
 
-__all__ = ["CODECS", "INT8_CHUNK", "CorruptObject", "Identity", "Unpacked", "decode_tensor", "encode_tensor",
-           "encoded_nbytes", "joined", "pack", "pack_json", "unpack"]
+__all__ = ["CODECS", "INT8_CHUNK", "CorruptObject", "Identity", "Unpacked", "check_layout", "decode_tensor",
+           "encode_tensor", "encoded_nbytes", "joined", "pack", "pack_json", "unpack"]
 
 MAGIC = b"DLCO"
 VERSION = 2
@@ -92,8 +95,20 @@ class Unpacked:
             raise CorruptObject(f"{self.key}: {exc}") from None
 
 
-def unpack(blob: bytes | memoryview, expect: Identity, key: str) -> Unpacked:
-    """Verify and split an object. Raises CorruptObject naming the key and what is wrong."""
+def check_layout(obj: Unpacked, *, numel: int | None = None, codec: str | None = None) -> Unpacked:
+    """The object fits the round: `numel` elements (its shard's length) in `codec` (the run's)."""
+    got = (obj.header["numel"], obj.header.get("codec"))
+    if (numel is not None and got[0] != numel) or (codec is not None and got[1] != codec):
+        raise CorruptObject(f"{obj.key}: wrong layout for this round: {got[0]} elements in {got[1]!r}, "
+                            f"the round expects {numel if numel is not None else got[0]} in "
+                            f"{codec if codec is not None else got[1]!r}")
+    return obj
+
+
+def unpack(blob: bytes | memoryview, expect: Identity, key: str, *, numel: int | None = None,
+           codec: str | None = None) -> Unpacked:
+    """Verify and split an object; with `numel`/`codec`, also its layout (`check_layout`).
+    Raises CorruptObject naming the key and what is wrong."""
     view = memoryview(blob)
     if view.nbytes < _PREFIX.size:
         raise CorruptObject(f"{key}: truncated ({view.nbytes} bytes, no header)")
@@ -124,7 +139,7 @@ def unpack(blob: bytes | memoryview, expect: Identity, key: str) -> Unpacked:
         raise CorruptObject(f"{key}: foreign object: it is (run, round, kind, owner, src)={got}, expected {want}")
     if header.get("codec") not in CODECS or encoded_nbytes(header["numel"], header["codec"], payload) != payload.nbytes:
         raise CorruptObject(f"{key}: payload size does not match codec {header.get('codec')!r}")
-    return Unpacked(header, payload, key)
+    return check_layout(Unpacked(header, payload, key), numel=numel, codec=codec)
 
 
 def pack_json(identity: Identity, meta: dict[str, Any]) -> bytes:
