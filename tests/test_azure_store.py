@@ -2,7 +2,7 @@
 
 Remote means remote: the run goes through `backend = "eks"` (kmock's Kubernetes API and the
 test-side kubelet from diloco_eks.testing), so each pod sees only what its manifest declares: the
-account name and emulator URL from the spec's [env], the account key through `secrets` (a
+account name, emulator URL and account key through `secrets` (a
 Kubernetes Secret). One pod is SIGKILLed mid-run; its replacement rejoins from the global state in
 the container, and every replica ends holding the same model.
 """
@@ -48,9 +48,8 @@ def cluster(tmp_path):
 def on_azure(spec, az, cluster):
     text = spec.read_text().replace('backend = "local"\n', "")
     head, sep, rest = text.partition("\n[")
-    env = "".join(f'{k} = "{v}"\n' for k, v in az["env"].items())
-    text = (head + f'\nrendezvous = "{az["uri"]}"\nsecrets = ["AZURE_STORAGE_ACCOUNT_KEY"]\n' + sep + rest
-            + f"\n[env]\n{env}"
+    names = ", ".join(f'"{k}"' for k in [*az["env"], "AZURE_STORAGE_ACCOUNT_KEY"])
+    text = (head + f'\nrendezvous = "{az["uri"]}"\nsecrets = [{names}]\n' + sep + rest
             + f'\n[backend]\nname = "eks"\nimage = "ghcr.io/example/tiny-lm:1"\napi_url = "{cluster.url}"\n')
     spec.write_text(text)
     return spec

@@ -5,7 +5,7 @@ server (diloco_modal.testing: a gRPC servicer of modal_proto's ModalClient servi
 process), so durable handles are exercised for real. Each sandbox or function input is a
 detached local process that holds only what a Modal container would. Remote means remote:
 replicas meet in an s3:// rendezvous on a moto server; AWS credentials reach them only as the
-spec's forwarded secrets (a Modal secret, or the spawn's input in function mode).
+spec's forwarded secrets (a Modal secret: attached to the sandbox, or bound to the function's call).
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def test_tiny_lm_through_modal_survives_a_kill_a_preemption_and_a_timeout(tmp_pa
     plan = json.loads(dry.stdout[dry.stdout.index("{"):])
     assert plan["mode"] == "sandbox" and len(plan["sandboxes"]) == 4
     assert "testing" not in dry.stdout.replace("diloco_modal.testing", "")  # moto's credentials never shown
-    assert plan["sandboxes"][0]["secrets"]["forwarded"] == {"AWS_ACCESS_KEY_ID": "REDACTED",
-                                                             "AWS_SECRET_ACCESS_KEY": "REDACTED"}
+    assert plan["sandboxes"][0]["secrets"]["forwarded"] == {  # cloud variables travel only as secrets
+        k: "REDACTED" for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_REGION")}
     launcher, run_id = start(cloud, state, "run", str(spec))
     wait_for_round(state, run_id, 2)
     ids = {r["rank"]: r["handle"]["metadata"]["id"] for r in record_of(state, run_id)["ranks"]}
@@ -97,7 +97,8 @@ def test_tiny_lm_through_modal_survives_a_kill_a_preemption_and_a_timeout(tmp_pa
         set(created["files"])  # the shipped workdir, as the dry run listed it
     forwarded = {k: v for k, v in created["env"].items() if k in planned["secrets"]["forwarded"]}
     assert {k: v for k, v in created["env"].items() if k not in forwarded} == planned["env"]
-    assert set(forwarded) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} and "REDACTED" not in forwarded.values()
+    assert set(forwarded) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_REGION"}
+    assert "REDACTED" not in forwarded.values()
     assert cloud.kill(ids[2], signal.SIGKILL)  # a crashed container
     assert cloud.preempt(ids[1])  # Modal takes a GPU sandbox's machine away
     cloud.expire(ids[3])  # one rank's sandbox reaches Modal's limit on its life

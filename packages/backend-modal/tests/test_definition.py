@@ -147,3 +147,22 @@ def test_installing_core_and_this_backend_pulls_no_torch(module):
     import importlib.util
 
     assert importlib.util.find_spec(module) is None
+
+
+def test_sandbox_names_of_long_run_ids_stay_unique_and_valid():
+    """Run ids are up to 63 characters (`<slug≤30>-<YYYYmmdd-HHMMSS>-<16 hex>`), their randomness at
+    the end: a name cut to Modal's 64 characters must not lose it (two runs, one sandbox name)."""
+    import re
+
+    from diloco_modal.definition import sandbox_name
+
+    stem = "a-thirty-character-slug-for-it-20250101-120000-"
+    one, two = stem + "0123456789abcdef", stem + "0123456789abcdee"
+    assert len(one) == len(two) == 63
+    names = {sandbox_name(run, rank, attempt) for run in (one, two) for rank in (0, 7, 1023) for attempt in (0, 99)}
+    assert len(names) == 12  # every run, rank and attempt its own name
+    for name in names:
+        assert len(name) <= 64 and re.fullmatch(r"[a-zA-Z0-9\-_.]+", name), name
+    assert sandbox_name(one, 3, 2) == sandbox_name(one, 3, 2)  # the same run finds its sandboxes again
+    assert sandbox_name(one, 3, 2).startswith("a-thirty-character-slug") and sandbox_name(one, 3, 2).endswith("-r3-a2")
+    assert sandbox_name("short-run", 3, 2) == "short-run-r3-a2"  # a run id that fits is kept whole

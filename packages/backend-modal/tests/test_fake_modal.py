@@ -66,3 +66,17 @@ def test_a_token_the_service_does_not_accept_is_one_line(fake_modal, monkeypatch
     monkeypatch.setenv("MODAL_TOKEN_SECRET", "as-wrong")
     with pytest.raises(UserError, match=r"^Modal refused the token .*: run `modal token new`$"):
         launch(ModalExecutor(), 1, SLEEP, {"seconds": 1}, run_id="r1")
+
+
+def test_the_readme_names_every_rpc_the_fake_implements():
+    import re
+    from pathlib import Path
+
+    from diloco_modal.testing.server import implemented_rpcs
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("RPCs it implements")[1].split("Any\nother RPC")[0]
+    named = set()
+    for name, v2 in re.findall(r"`(\w+)(\(V2\))?`", section):
+        named |= {name, f"{name}V2"} if v2 else {name}
+    assert set(implemented_rpcs()) == named

@@ -16,6 +16,8 @@ from diloco_modal.executor import ModalExecutor
 EP = "diloco.testing.entrypoints:report"
 SLEEP = "diloco.testing.entrypoints:sleep"
 APP = '''
+import os
+
 import modal
 
 import diloco_modal
@@ -30,6 +32,10 @@ def replica(rank: int, **launch):
 
 def not_a_function():
     pass
+
+
+def hf_token():
+    return os.environ.get("HF_TOKEN")
 '''
 
 
@@ -63,7 +69,7 @@ def test_a_function_whose_app_is_not_deployed_gets_advice_that_works(fake_modal,
 def test_the_functions_own_secrets_reach_the_replica_and_spawns_carry_the_rank(fake_modal, app_module):
     fake_modal.add_secret("hf", {"HF_TOKEN": "hf_from_a_modal_secret"})
     executor = ModalExecutor(function=f"{app_module}:replica", deploy=True)
-    handles = launch(executor, 2, "os:getenv", {"key": "HF_TOKEN"}, run_id="r1")
+    handles = launch(executor, 2, f"{app_module}:hf_token", run_id="r1")
     results = executor.collect(handles, timeout=60)
     assert [r.status for r in results] == ["succeeded", "succeeded"]
     assert [r.result for r in results] == ["hf_from_a_modal_secret"] * 2  # read back as JSON from the logs
@@ -172,7 +178,7 @@ def test_a_function_object_is_kept_aside_and_named_in_the_options(fake_modal, ap
 
 def test_the_function_plan_is_exactly_what_submit_spawns_as_cbor(fake_modal, app_module):
     """Each spawn gets the planned rank, environment and process count, as CBOR (plain data, no
-    pickle); the forwarded secrets' values are added only to `diloco_secrets`."""
+    pickle), and nothing else: the forwarded secrets are a Modal secret (test_secrets)."""
     from modal_proto import api_pb2
 
     from diloco_modal.testing.call import decode_input
@@ -181,15 +187,15 @@ def test_the_function_plan_is_exactly_what_submit_spawns_as_cbor(fake_modal, app
     plan = plan_for(executor, 3, EP, run_id="r1", ranks=[2, 0], attempt=1, env={"PLAIN": "visible"},
                     secret_env={"WANDB_API_KEY": "wandb-secret-value-99"})
     assert "wandb-secret-value-99" not in plan.render()
+    assert plan.body["secrets"] == {"forwarded": {"WANDB_API_KEY": "REDACTED"}}
     handles = executor.submit(plan)
     assert [h.rank for h in handles] == [2, 0] and all(h.attempt == 1 for h in handles)
     for handle, row in zip(handles, plan.body["spawn"]):
         sent = fake_modal.spec(handle.metadata["id"])["input"]
         assert sent["format"] == api_pb2.DATA_FORMAT_CBOR
         assert decode_input(sent) == ([], {"rank": row["rank"], "diloco_env": row["diloco_env"],
-                                           "processes_per_replica": row["processes_per_replica"],
-                                           "diloco_secrets": {"WANDB_API_KEY": "wandb-secret-value-99"}})
-        assert row["diloco_secrets"] == {"WANDB_API_KEY": "REDACTED"} and row["diloco_env"]["PLAIN"] == "visible"
+                                           "processes_per_replica": row["processes_per_replica"]})
+        assert row["diloco_env"]["PLAIN"] == "visible"
         assert handle.metadata["app"] == plan.body["function"] and "wandb-secret-value-99" not in handle.to_json()
     results = executor.collect(handles, timeout=60)
     assert [(r.status, r.result["rank"], r.result["attempt"]) for r in results] == [("succeeded", 2, 1),

@@ -89,3 +89,44 @@ def test_the_sandbox_plan_is_exactly_what_submit_sends(fake_modal, tmp_path):
     finally:
         for h in handles:
             executor.cancel(h)
+
+
+@pytest.mark.parametrize("line,key", [
+    ('pip = "torch"', "pip"),  # on the old main this installed the packages t, o, r, c, h
+    ('volumes = ["x"]', "volumes"),
+    ('memory = "two"', "memory"),
+    ("cpu = nan", "cpu"),
+    ("cpu = inf", "cpu"),
+    ("cpu = 1000", "cpu"),  # Modal's largest container has 64 cores
+    ("memory = 100_000_000", "memory"),  # and 336 GiB
+    ('secrets = ["aws", 3]', "secrets"),
+    ('bucket_mounts = {"/ckpt" = {bucket = "b", read_only = "yes"}}', "bucket_mounts"),  # a string where a bool goes
+    ('bucket_mounts = {"/ckpt" = {bucket = "b", readonly = true}}', "bucket_mounts"),  # not a CloudBucketMount key
+    ('bucket_mounts = {"/ckpt" = {secret = "aws"}}', "bucket_mounts"),  # no bucket
+])
+def test_a_wrong_type_in_the_spec_fails_the_dry_run_in_one_line(tmp_path, line, key):
+    """`diloco dryrun` on the spec: exit 2, one line naming `backend.KEY`, no traceback."""
+    from click.testing import CliRunner
+
+    from diloco.cli import main
+
+    spec = tmp_path / "diloco.toml"
+    spec.write_text('replicas = 2\nentrypoint = "train:main"\nrendezvous = "s3://bucket/runs"\n'
+                    f'[backend]\nname = "modal"\n{line}\n')
+    result = CliRunner().invoke(main, ["dryrun", str(spec)])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and f"backend.{key}" in lines[0] and "Traceback" not in result.output, result.output
+
+
+def test_a_wrong_type_fails_the_real_cli_without_a_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    spec = tmp_path / "diloco.toml"
+    spec.write_text('replicas = 2\nentrypoint = "train:main"\nrendezvous = "s3://bucket/runs"\n'
+                    '[backend]\nname = "modal"\npip = "torch"\n')
+    proc = subprocess.run([sys.executable, "-m", "diloco", "dryrun", str(spec)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert len(proc.stderr.strip().splitlines()) == 1 and "`backend.pip` must be list[str]" in proc.stderr

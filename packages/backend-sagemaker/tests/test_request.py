@@ -52,6 +52,10 @@ def test_job_names_are_valid_unique_and_say_rank_and_attempt():
     long_a, long_b = "a" * 30 + "-20261122-101010-ab12", "a" * 30 + "-20261122-101010-cd34"
     a, b = job_name(long_a, 12, 3), job_name(long_b, 12, 3)
     assert len(a) <= 63 and a.endswith("-r12-a3") and a != b
+    from diloco.state import new_run_id  # 63 characters, 64 random bits at the end: the part a name cuts
+
+    ids = {new_run_id("a-long-model-name-for-a-big-sweep-run") for _ in range(20_000)}
+    assert len({job_name(run_id, 255, 99) for run_id in ids}) == len(ids) == 20_000
 
 
 def test_one_job_per_replica_with_everything_the_spec_says(monkeypatch):

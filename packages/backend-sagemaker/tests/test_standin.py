@@ -199,9 +199,8 @@ def test_max_runtime_goes_through_stopping_to_max_runtime_exceeded(sagemaker):
     sm().create_training_job(**request("standin-late", **{
         "AlgorithmSpecification.ContainerEntrypoint": ["python", "-c", "import time; time.sleep(600)"],
         "StoppingCondition.MaxRuntimeInSeconds": 2}))
-    wait_status("standin-late", "Stopping", timeout=60)
-    job = wait_status("standin-late", "Stopped")
-    assert job["SecondaryStatus"] == "MaxRuntimeExceeded"
+    job = wait_status("standin-late", "Stopped", timeout=60)  # Stopping lasts ~1 s: polls on a busy machine miss it,
+    assert job["SecondaryStatus"] == "MaxRuntimeExceeded"       # so the transitions show it was passed through
     seen = [t["Status"] for t in job["SecondaryStatusTransitions"]]
     assert seen[-3:] == ["Training", "Stopping", "MaxRuntimeExceeded"], seen
 

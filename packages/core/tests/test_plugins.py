@@ -111,7 +111,7 @@ def test_backends_name_lists_options_from_the_executor(cli, tmp_path):
     by_name = {o["name"]: o for o in data["options"]}
     assert by_name["grace_period"] == {"name": "grace_period", "type": "float", "default": 5.0, "required": False,
                                        "help": "seconds between SIGTERM and SIGKILL when a replica is cancelled",
-                                       "choices": [], "min": 0, "max": None}
+                                       "choices": [], "min": 0, "max": 3600}
     assert by_name["devices"]["type"] == "list[int | str]" and by_name["devices"]["default"] == []
     # a third-party backend with no docstring still lists its options (without help)
     site = tmp_path / "site"

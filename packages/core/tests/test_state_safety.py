@@ -54,11 +54,16 @@ def test_the_state_dir_and_its_records_are_private(state_dir):
 
 def test_records_and_events_are_valid_json_even_with_a_nan_loss(state_dir):
     record = RunRecord.create("nan-run", {"state": "HEALTHY", "last_loss": float("nan")})
-    record.event("round", loss=float("nan"), grad=float("-inf"))
+    record.event("round", round=3, members=2, loss=float("nan"), grad=float("-inf"))
     json.loads(record.path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in run.json"))
     line = record.events_path.read_text().splitlines()[0]
     event = json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in events.jsonl"))
     assert event["loss"] == "nan" and event["grad"] == "-inf"
+    from diloco.display import format_any, format_round
+
+    # what the launcher prints of that round, read back from the record: shown, not a crash
+    assert "loss nan" in format_round({"round": 3, "members": 2, "loss": event["loss"]})
+    assert "loss nan" in format_any(event)
 
 
 def test_a_recorded_run_is_never_overwritten(state_dir):

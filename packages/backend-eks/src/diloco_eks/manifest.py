@@ -47,14 +47,15 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 def dns_label(text: str, max_len: int) -> str:
     """A valid DNS-1123 label from any text: lowercase, [a-z0-9-], starts with a letter.
 
-    Over-long names keep a hash of the whole so two long run ids never collide.
+    Over-long names keep 64 bits of a hash of the whole, so two long run ids that differ only in
+    their random tail (what gets cut) never collide.
     """
     slug = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-") or "run"
     if not slug[0].isalpha():
         slug = "r-" + slug
     if len(slug) > max_len:
-        digest = hashlib.sha1(text.encode()).hexdigest()[:6]
-        slug = slug[: max_len - 7].rstrip("-") + "-" + digest
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        slug = slug[: max_len - 17].rstrip("-") + "-" + digest
     assert _DNS_LABEL.match(slug), slug
     return slug
 

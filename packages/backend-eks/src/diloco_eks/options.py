@@ -37,12 +37,12 @@ class EksOptions:
     cpu: str | None = option(None, help='CPU request per pod, e.g. "8"')
     memory: str | None = option(None, help='memory request per pod, e.g. "64Gi"')
     ttl_seconds_after_finished: int = option(3600, help="seconds a finished Job stays before Kubernetes "
-                                                        "deletes it", min=0)
+                                                        "deletes it", min=0, max=2**31 - 1)  # int32 in the Job API
     per_index: bool = option(True, help="one pod per index with its own backoff (backoffLimitPerIndex), so one "
                                         "rank can be relaunched alone; false: the whole Job fails fast and "
                                         "restarts as a gang")
     index_retries: int = option(0, help="retries Kubernetes itself gives each index before diloco relaunches it",
-                                min=0)
+                                min=0, max=100)
     gpu_types: dict[str, dict[str, Any]] = option({}, help='more GPU names, e.g. { L4 = { count = 1, '
                                                            'instance_type = "g6.xlarge" } }')
     labels: dict[str, str] = option({}, help="extra labels on Jobs and pods")
@@ -52,7 +52,7 @@ class EksOptions:
     api_url: str | None = option(None, help="a plain API server URL instead of a kubeconfig (an API proxy, or an "
                                             "emulator in tests)")
     cache_seconds: float = option(0.5, help="how long one read of the cluster's Jobs and pods serves polls of "
-                                            "every rank", min=0)
+                                            "every rank", min=0, max=60)
 
     def check(self) -> None:
         """What the declaration cannot check; a ValueError naming the key (a spec error, one line).

@@ -25,6 +25,8 @@ from typing import Any
 
 from diloco.protocol import ReplicaStatus
 
+from . import results
+
 # GenericResult statuses (modal_proto.api_pb2.GenericResult.GENERIC_STATUS_*), as `modal.types.InputStatus` names them.
 _ENDED = {"SUCCESS": ReplicaStatus.SUCCEEDED, "TERMINATED": ReplicaStatus.CANCELLED, "FAILURE": ReplicaStatus.FAILED,
           "INIT_FAILURE": ReplicaStatus.FAILED, "TIMEOUT": ReplicaStatus.FAILED,
@@ -35,7 +37,7 @@ TIMEOUT_EXIT = 124
 @dataclass(frozen=True)
 class Outcome:
     status: ReplicaStatus
-    exit_code: int | None = None  # known for a timeout (124)
+    exit_code: int | None = None  # known for a timeout (124) and a failure of run_replica
     exception: str = ""
 
 
@@ -66,9 +68,23 @@ def _output(call: Any) -> Any:
 
 
 def _status_name(value: Any) -> str:
+    """A GenericResult status's name; one this client's proto does not know (Modal added it since)
+    is named, not raised on."""
     from modal_proto import api_pb2
 
-    return api_pb2.GenericResult.GenericStatus.Name(value).removeprefix("GENERIC_STATUS_")
+    try:
+        return api_pb2.GenericResult.GenericStatus.Name(value).removeprefix("GENERIC_STATUS_")
+    except ValueError:
+        return f"UNKNOWN_{value}"
+
+
+def from_result(result: Any) -> Outcome:
+    """How a call ended, from its output record: an output means the input ended, so a status
+    this client does not know reads as failed. The exit code is the replica's only when the call
+    failed with `run_replica`'s own exception (`results.replica_exit_code`), never log text."""
+    name = _status_name(result.status)
+    code = TIMEOUT_EXIT if name == "TIMEOUT" else results.replica_exit_code(result.exception)
+    return Outcome(_ENDED.get(name, ReplicaStatus.FAILED), code, result.exception)
 
 
 def from_graph(graph: list[Any], call_id: str) -> Outcome:
@@ -91,6 +107,4 @@ def outcome(call: Any) -> Outcome:
         result = None
     if result is None:
         return from_graph(call.get_call_graph(), call.object_id)
-    name = _status_name(result.status)
-    return Outcome(_ENDED.get(name, ReplicaStatus.FAILED), TIMEOUT_EXIT if name == "TIMEOUT" else None,
-                   result.exception)
+    return from_result(result)

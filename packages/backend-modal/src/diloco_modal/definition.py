@@ -9,6 +9,7 @@ Nothing here talks to Modal's servers.
 
 from __future__ import annotations
 
+import hashlib
 import shlex
 import sys
 from pathlib import Path
@@ -28,6 +29,8 @@ MAX_GPUS = 8
 GPU_TYPES = ("T4", "L4", "A10", "A10G", "L40S", "A100", "A100-40GB", "A100-80GB", "H100", "H100!", "H200",
              "B200", "B200+")
 CANCEL_TAG = "diloco-cancelled"
+MAX_NAME = 64  # Modal's longest object name
+NAME_HASH = 16  # hex characters of a run id's hash in a name cut to fit (64 bits)
 
 
 def modal_gpu(gpu: str | None, extra_types: list[str] | tuple[str, ...] = ()) -> str | None:
@@ -107,9 +110,14 @@ def sandbox_request(*, opts: ModalOptions, command: list[str], name: str, tags: 
 
 
 def sandbox_name(run_id: str, rank: int, attempt: int) -> str:
-    """Unique within the app, one per rank and attempt; Modal allows 64 characters."""
+    """Unique within the app, one per run, rank and attempt; Modal allows 64 characters. A run id
+    that does not fit is cut, and the cut part replaced by a hash of the whole run id: its random
+    tail is at its end, so cutting alone gave two runs the same names."""
     suffix = f"-r{rank}-a{attempt}"
-    return run_id[: 64 - len(suffix)].rstrip("-.") + suffix
+    if len(run_id) + len(suffix) <= MAX_NAME:
+        return run_id + suffix
+    digest = hashlib.sha256(run_id.encode()).hexdigest()[:NAME_HASH]
+    return run_id[: MAX_NAME - len(suffix) - NAME_HASH - 1].rstrip("-.") + f"-{digest}{suffix}"
 
 
 # -- modal objects (only when launching) -------------------------------------------------------

@@ -12,17 +12,18 @@ Two modes, one executor:
   for durable handles, and `terminate`; and nothing has to be deployed first.
 - **Function mode** (`[backend] function = "module:fn"` or `"app-name/fn-name"`): the user owns
   the `@app.function` (image, GPU, volumes, secrets, timeout); each replica is `fn.spawn(rank=i,
-  diloco_env=..., processes_per_replica=L, diloco_secrets=...)`, whose body calls
-  `diloco_modal.run_replica`. The spec's forwarded `secrets` travel as that call's input (Modal
-  keeps inputs for the call's lifetime; sent as CBOR, not pickle); long-lived credentials belong
-  in the function's own `secrets=[modal.Secret.from_name(...)]`. A call's status is its output
+  diloco_env=..., processes_per_replica=L)` (sent as CBOR, not pickle), whose body calls
+  `diloco_modal.run_replica`. The spec's forwarded `secrets` are one ephemeral Modal secret
+  attached with `fn.with_options(secrets=[the function's own..., that one])`, never the call's
+  input, which Modal keeps for the call's lifetime (`functions`). A call's status is its output
   record (`calls`), never `get()`, and never the best-effort call graph alone.
 
 `plan` builds the body (`diloco_modal.plans`) and `submit` hands exactly that to Modal, adding
-the secret values only there. Durable handles hold only ids (`sb-…`, `fc-…`), rebuilt with
-`Sandbox.from_id` / `FunctionCall.from_id`, so `diloco status/logs/cancel/resume` work from any
-shell after the launcher is gone (how a replica ended is read in `results`, its output lines in
-`logtail`: Modal's log entries are chunks, not lines).
+the secret values only there, as Modal secrets in both modes. Durable handles hold only ids
+(`sb-…`, `fc-…`), rebuilt with `Sandbox.from_id` / `FunctionCall.from_id`, so `diloco
+status/logs/cancel/resume` work from any shell after the launcher is gone; a handle read back
+from a record is checked first (`_metadata`). How a replica ended is read in `results`, its
+output lines in `logtail` (Modal's log entries are chunks, not lines).
 
 modal is imported on first use, never at import or for a plan of sandbox mode.
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import tempfile
 import weakref
@@ -39,6 +41,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from diloco.errors import UserError
 from diloco.options import options_from
 from diloco.protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
 from diloco.request import LaunchPlan, LaunchRequest
@@ -47,7 +50,7 @@ from diloco.waiting import poll_until_terminal, unless_failed
 
 from . import calls, logtail, results, wheels
 from . import definition as d
-from .functions import check_given, check_ref, function_ref, resolve_function
+from .functions import check_given, check_ref, function_ref, lookup_of, resolve_function, with_forwarded_secrets
 from .options import ModalOptions
 from .plans import PREEMPTION_SIGNAL, RANK_TAG, function_plan, sandbox_plan
 from .sdk import call, dashboard_url, sdk
@@ -156,14 +159,16 @@ class ModalExecutor:
     def _spawner(self, plan: LaunchPlan):
         fn = resolve_function(self.options, self._function_obj, plan.request.workdir, self._call)
         values = plan.request.secrets.reveal()
+        forwarded = {k: values[k] for k in plan.body["secrets"]["forwarded"]}
+        fn = with_forwarded_secrets(fn, forwarded, lookup_of(self.options, self._function_obj),
+                                    plan.body["environment"], self._call)  # a Modal secret, never an input
         by_rank = {row["rank"]: row for row in plan.body["spawn"]}
 
         def spawn(rank: int) -> str:
             row = by_rank[rank]
             with _cbor_payloads():
                 call_ = self._call(f"spawn rank {rank}", fn.spawn, rank=rank, diloco_env=row["diloco_env"],
-                                   processes_per_replica=row["processes_per_replica"],
-                                   diloco_secrets={k: values[k] for k in row["diloco_secrets"]})
+                                   processes_per_replica=row["processes_per_replica"])
             self._objects[call_.object_id] = call_
             return call_.object_id
         return spawn
@@ -171,7 +176,7 @@ class ModalExecutor:
     # -- observing -----------------------------------------------------------------------------
 
     def poll(self, handle: ReplicaHandle) -> ReplicaStatus:
-        md = dict(handle.metadata)
+        md = _metadata(handle)
         obj = self._object(md)
         if md["mode"] == "sandbox":
             code = self._call(f"poll {md['id']}", obj.poll)
@@ -185,11 +190,11 @@ class ModalExecutor:
 
     def stream_logs(self, handle: ReplicaHandle, *, n_lines: int = 200) -> str:
         """The last `n_lines` whole lines of output (`logtail`: Modal's entries are raw chunks)."""
-        md = dict(handle.metadata)
+        md = _metadata(handle)
         obj = self._object(md)
         text = self._call(f"read the logs of {md['id']}", logtail.tail_text, lambda k: list(obj.logs.tail(k)),
                           n_lines)
-        return text or f"(no output yet from {md['id']}; {md.get('url') or dashboard_url(md['id'])})\n"
+        return text or f"(no output yet from {md['id']}; {dashboard_url(md['id'])})\n"
 
     def collect(self, handles: Sequence[ReplicaHandle], *, timeout: float | None = None) -> list[ReplicaResult]:
         statuses = poll_until_terminal(self, handles, timeout=timeout, interval=0.5)
@@ -199,14 +204,13 @@ class ModalExecutor:
         done = unless_failed(handle, status, lambda n: self.stream_logs(handle, n_lines=n))
         if done is not None:
             return done
-        md = dict(handle.metadata)
+        md = _metadata(handle)
         tail = self.stream_logs(handle, n_lines=20).strip()
         if md["mode"] == "sandbox":
             code = self._call(f"poll {md['id']}", self._object(md).poll)
-        else:
-            code = self._call(f"poll {md['id']}", calls.outcome, self._object(md)).exit_code or \
-                results.exit_code_in(tail)
-        error = results.failure_error(tail, code, md["id"], md.get("url") or dashboard_url(md["id"]))
+        else:  # from the call's output record (run_replica's exception), never from its log text
+            code = self._call(f"poll {md['id']}", calls.outcome, self._object(md)).exit_code
+        error = results.failure_error(tail, code, md["id"], dashboard_url(md["id"]))
         return ReplicaResult(handle.rank, status, code if code is not None else 1, error, None, handle.attempt)
 
     # -- stopping ------------------------------------------------------------------------------
@@ -216,7 +220,7 @@ class ModalExecutor:
         cancel the call with its containers. A replica that already ended keeps its status: a
         sandbox is left alone once it has an exit code; a call is always cancelled (cancelling an
         ended call changes nothing on Modal, and whether it ended is not always known yet)."""
-        md = dict(handle.metadata)
+        md = _metadata(handle)
         obj = self._object(md)
         if md["mode"] == "sandbox":
             if self._call(f"poll {md['id']}", obj.poll) is not None:
@@ -226,6 +230,24 @@ class ModalExecutor:
             self._call(f"terminate {md['id']}", obj.terminate)
         else:
             self._call(f"cancel {md['id']}", obj.cancel, terminate_containers=True)
+
+
+_IDS = {"sandbox": re.compile(r"sb-[A-Za-z0-9][A-Za-z0-9-]{0,62}"),
+        "function": re.compile(r"fc-[A-Za-z0-9][A-Za-z0-9-]{0,62}")}
+
+
+def _metadata(handle: ReplicaHandle) -> dict[str, Any]:
+    """A handle's metadata, read back from a run record (a file anyone with the state directory
+    can edit), checked before a call is made with it: a known mode and an id of that kind. Its
+    `url` is never used: links are rebuilt from the id."""
+    md = dict(handle.metadata)
+    pattern = _IDS.get(md.get("mode"))  # type: ignore[arg-type]
+    oid = md.get("id")
+    if pattern is None or not isinstance(oid, str) or not pattern.fullmatch(oid):
+        kind = "function call" if md.get("mode") == "function" else "sandbox"
+        raise UserError(f"the run record's handle of rank {handle.rank} is not a Modal {kind} "
+                        f"(mode {md.get('mode')!r}, id {oid!r}): the record was changed or is not from this backend")
+    return md
 
 
 @contextmanager

@@ -1,8 +1,16 @@
-"""Function mode: finding the user's Modal function (and deploying its app) when submitting.
+"""Function mode: finding the user's Modal function (and deploying its app) when submitting, and
+giving its calls the spec's forwarded secrets.
 
 `function` is 'app-name/fn' (an already deployed function, looked up by name), 'module:fn'
 (imported from the spec's workdir; with `deploy`, its module's one `modal.App` is deployed
 first), or, from Python, the decorated function object itself.
+
+Forwarded secrets never travel as a call's input (Modal keeps inputs for the call's lifetime and
+shows them to whoever reads the call). They are one ephemeral `modal.Secret.from_dict`, attached
+with `fn.with_options(secrets=...)` (modal >= 1.5.5 has it): the calls go to that variant of the
+function, whose containers get the values as environment variables. `with_options` *replaces*
+the function's secrets (the client sends `replace_secret_ids`), so the function's own secrets
+are passed along, the forwarded one after them (as in sandbox mode, after the named ones).
 """
 
 from __future__ import annotations
@@ -44,6 +52,65 @@ def check_given(opts: ModalOptions, given: Any) -> None:
     if given is not None and opts.deploy:
         raise UserError("deploy = true needs `function` as 'module:function' (its module's app is deployed); "
                         "with a function object, deploy its app yourself (app.deploy())")
+
+
+def lookup_of(opts: ModalOptions, given: Any) -> tuple[str, str] | None:
+    """(app name, function name) of a function deployed elsewhere and looked up by name."""
+    ref = opts.function or ""
+    if given is None and "/" in ref and ":" not in ref:
+        app_name, _, name = ref.partition("/")
+        return app_name, name
+    return None
+
+
+def with_forwarded_secrets(fn: Any, values: dict[str, str], lookup: tuple[str, str] | None,
+                           environment: str | None, call: Callable[..., Any]) -> Any:
+    """`fn` itself when nothing is forwarded; else its variant whose containers also hold `values`
+    (one ephemeral Modal secret), keeping the function's own secrets."""
+    if not values:
+        return fn
+    modal = sdk()
+    own = call("read the secrets of the function", _own_secrets, fn, lookup, environment)
+    return fn.with_options(secrets=[*own, modal.Secret.from_dict(dict(values))])
+
+
+def _own_secrets(fn: Any, lookup: tuple[str, str] | None, environment: str | None) -> list[Any]:
+    """The secrets the function was deployed with, as modal Secret objects: a function defined
+    here has them in its definition; one deployed elsewhere has their ids in what Modal answers
+    for it (`FunctionGet`: kept by modal >= 1.6 as the function's info, asked again otherwise)."""
+    from modal._utils.async_utils import synchronizer
+
+    raw = synchronizer._translate_in(fn)
+    if raw._spec is not None:
+        return [synchronizer._translate_out(s) for s in raw._spec.secrets]
+    fn.hydrate()
+    info = getattr(raw, "_function_info", None)
+    if info is not None:
+        ids = list(info.secrets)
+    elif lookup is not None:
+        ids = _deployed_secret_ids(fn, lookup, environment)
+    else:
+        raise UserError("forwarded `secrets` need the secrets the function was deployed with, which this modal "
+                        "client cannot read from a looked-up function object: set [backend] function = "
+                        "'APP-NAME/function-name' instead")
+    modal = sdk()
+    return [modal.Secret._new_hydrated(i, fn.client, None) for i in ids]
+
+
+def _deployed_secret_ids(fn: Any, lookup: tuple[str, str], environment: str | None) -> list[str]:
+    from modal._object import _get_environment_name  # how `Function.from_name` picks it
+    from modal._utils.async_utils import synchronize_api
+    from modal_proto import api_pb2
+
+    async def read(function: Any) -> list[str]:
+        request = api_pb2.FunctionGetRequest(app_name=lookup[0], object_tag=lookup[1],
+                                             environment_name=_get_environment_name(environment))
+        response = await function._client._stub.FunctionGet(request)
+        if response.function_id != function.object_id or not response.function.ranked_functions:
+            raise sdk().exception.ExecutionError(f"Modal answered for another function than {lookup[0]}/{lookup[1]}")
+        return list(response.function.ranked_functions[0].function.secret_ids)
+
+    return synchronize_api(read, target_module=__name__)(fn)
 
 
 def resolve_function(opts: ModalOptions, given: Any, workdir: str | None, call: Callable[..., Any]) -> Any:

@@ -2,12 +2,13 @@
 
 Plain data, what `diloco dryrun` prints and exactly what `ModalExecutor.submit` hands to Modal;
 secret values appear nowhere in it (REDACTED under their names): `submit` adds them at the last
-moment, as one `modal.Secret.from_dict` per sandbox or as a spawn's `diloco_secrets`.
+moment, as one `modal.Secret.from_dict` per sandbox, or one attached to the function's calls with
+`with_options` (never a spawn's input).
 
 - sandbox mode: `{"mode": "sandbox", "app", "environment", "image", "sandboxes": [one
   `Sandbox.create` call per rank]}`;
-- function mode: `{"mode": "function", "function", "deploy", "environment", "spawn": [one
-  `fn.spawn` call per rank]}`.
+- function mode: `{"mode": "function", "function", "deploy", "environment", "secrets":
+  {"forwarded": {name: REDACTED}}, "spawn": [one `fn.spawn` call per rank]}`.
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ def function_plan(opts: ModalOptions, request: LaunchRequest) -> dict[str, Any]:
         raise UserError(f"function mode: the GPU is set by your @app.function(gpu=...), not the spec; remove "
                         f"`gpu = {request.gpu!r}` (and set processes_per_replica to the function's GPU count)")
     spawns = [{"rank": rank, "diloco_env": replica_env(request, rank, ships_workdir=False),
-               "processes_per_replica": request.processes_per_replica,
-               "diloco_secrets": request.secrets.redacted()} for rank in request.ranks]
+               "processes_per_replica": request.processes_per_replica} for rank in request.ranks]
     return {"mode": "function", "function": opts.function, "deploy": opts.deploy,
-            "environment": opts.environment, "spawn": spawns}
+            "environment": opts.environment, "secrets": {"forwarded": request.secrets.redacted()}, "spawn": spawns}

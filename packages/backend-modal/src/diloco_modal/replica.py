@@ -6,10 +6,12 @@
 
 The executor spawns the function once per replica with `rank=i` as an explicit keyword (a Modal
 container starts with a clean environment, so the rank cannot travel through it) and the rest
-of the replica's environment in `diloco_env` (and the spec's forwarded secrets in
-`diloco_secrets`). This module sets them and runs the same replica command every backend runs
-(`diloco.procgroup.replica_command`: the runner, or torchrun over `processes_per_replica`
-runners), forwarding Modal's preemption notice (SIGINT) and SIGTERM.
+of the replica's environment in `diloco_env`; this module sets them and runs the same replica
+command every backend runs (`diloco.procgroup.replica_command`: the runner, or torchrun over
+`processes_per_replica` runners), forwarding Modal's preemption notice (SIGINT) and SIGTERM. The
+spec's forwarded secrets are not among the arguments: they are already in this container's
+environment, from a Modal secret the executor attached to the call (`with_options`), so a
+call's input never holds one.
 
 Preemption: Modal's container runtime restarts an input (in a new container, on the same
 input) only when the function raises KeyboardInterrupt, which is how its SIGINT surfaces; any
@@ -42,16 +44,14 @@ class ReplicaFailed(RuntimeError):
     """The replica stopped with a non-zero exit; the message starts with its cause."""
 
 
-def run_replica(rank: int, diloco_env: Mapping[str, str], processes_per_replica: int = 1,
-                diloco_secrets: Mapping[str, str] | None = None) -> Any:
+def run_replica(rank: int, diloco_env: Mapping[str, str], processes_per_replica: int = 1) -> Any:
     """Run one replica in this container and return its entrypoint's (JSON) result.
 
     Raises `ReplicaFailed` with the replica's cause line (the same one `diloco status` shows) so
     the Modal call fails visibly; the cause is also the last line of the call's logs. A replica
     preempted by Modal's SIGINT raises KeyboardInterrupt instead, so Modal restarts the input.
     """
-    env = {**os.environ, **{str(k): str(v) for k, v in {**diloco_env, **(diloco_secrets or {})}.items()},
-           envvars.ENV_RANK: str(int(rank))}
+    env = {**os.environ, **{str(k): str(v) for k, v in diloco_env.items()}, envvars.ENV_RANK: str(int(rank))}
     with tempfile.TemporaryDirectory(prefix="diloco-") as tmp:
         result_path = os.path.join(tmp, "result.json")
         env[envvars.ENV_RESULT_PATH] = result_path

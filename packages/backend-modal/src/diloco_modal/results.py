@@ -1,7 +1,8 @@
 """Reading how a replica ended on Modal: the exit code and the cause line of a failure.
 
 A failure's error starts with its cause (the rule in `diloco.failures`), then the dashboard URL,
-then the last lines of output (`logtail`). A call's status is read in `calls`, never by `get()`.
+then the last lines of output (`logtail`). A call's status is read in `calls`, never by `get()`,
+and its exit code from its output record, never from its output's text.
 """
 
 from __future__ import annotations
@@ -11,10 +12,16 @@ import re
 from diloco.failures import cause_from_log, signal_cause
 
 
-def exit_code_in(tail: str) -> int | None:
-    """run_replica's failure ends "(exit code N)"; the call's logs carry it."""
-    found = re.findall(r"\(exit code (-?\d+)\)", tail)
-    return int(found[-1]) if found else None
+_REPLICA_FAILED = re.compile(r"ReplicaFailed\((['\"]).*\(exit code (-?\d{1,3})\)\1\)", re.DOTALL)
+
+
+def replica_exit_code(exception: str) -> int | None:
+    """The replica's exit code, from a failed call's output record: Modal keeps the exception the
+    function raised as its repr, and run_replica's `ReplicaFailed` ends "(exit code N)". Nothing
+    else counts: the call's log text is the user's own output ("(exit code 78)" in a line of it
+    is not how the call ended), and so is any other exception."""
+    found = _REPLICA_FAILED.fullmatch(exception or "")
+    return int(found.group(2)) if found else None
 
 
 def exit_cause(code: int | None, object_id: str) -> str:

@@ -30,10 +30,11 @@ class SageMakerOptions:
     py_version: str | None = option(None, help='Python of that image, e.g. "py311"')
     pip: list[str] = option([], help="extra pip requirements installed when the job starts")
     instance_type: str | None = option(None, help="overrides the instance type the spec's `gpu` picks")
-    volume_size_gb: int = option(100, help="the instance's EBS volume in GB", min=1)
+    volume_size_gb: int = option(100, help="the instance's EBS volume in GB", min=1,
+                                 max=16_384)  # SageMaker's largest EBS training volume
     spot: bool = option(False, help="managed spot training")
     max_wait: int | None = option(None, help="seconds a spot job may wait and run in all (default: timeout + 1 h)",
-                                  min=1)
+                                  min=1, max=28 * 86_400)  # SageMaker's longest job
     keep_alive: int = option(0, help=f"warm pool seconds (0-{MAX_KEEP_ALIVE}), so a relaunched replica skips "
                                      f"provisioning; not with spot", min=0, max=MAX_KEEP_ALIVE)
     subnets: list[str] = option([], help="VPC subnets (with security_groups)")
@@ -64,7 +65,10 @@ class SageMakerOptions:
             value = getattr(self, prefix_key)
             if value and not value.startswith("s3://"):
                 raise UserError(f"[backend] {prefix_key} {value!r} must be an s3:// URI")
+        from diloco.variables import check_variable
+
         for var, ref in self.secret_refs.items():
-            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", var) or not ref:
+            check_variable("[backend]", "backend.secret_refs", var)  # the one reserved list (docs/security.md)
+            if not ref:
                 raise UserError(f"[backend] secret_refs: {var!r} = {ref!r} must map a variable name to a "
                                 f"Secrets Manager secret id or ARN (optionally '#json-key')")

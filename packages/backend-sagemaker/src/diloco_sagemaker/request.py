@@ -43,9 +43,9 @@ def job_name(run_id: str, rank: int, attempt: int) -> str:
     """`<run>-r<rank>-a<attempt>`, valid for SageMaker (≤ 63 characters, letters, digits, dashes)."""
     suffix = f"-r{rank}-a{attempt}"
     base = re.sub(r"[^a-zA-Z0-9-]+", "-", run_id).strip("-") or "diloco"
-    if len(base) + len(suffix) > 63:  # keep it unique: a hash of the whole run id replaces the cut part
-        digest = hashlib.sha1(run_id.encode()).hexdigest()[:6]
-        base = base[: 63 - len(suffix) - 7].rstrip("-") + "-" + digest
+    if len(base) + len(suffix) > 63:  # keep it unique: 64 bits of a hash of the whole run id replace the cut part
+        digest = hashlib.sha256(run_id.encode()).hexdigest()[:16]
+        base = base[: 63 - len(suffix) - 17].rstrip("-") + "-" + digest
     name = base + suffix
     assert _JOB_NAME.match(name), name
     return name

@@ -233,7 +233,9 @@ class Run:
             if launcher_alive(record):
                 raise UserError(f"run {self.id} is still supervised by process {record.launcher.pid}; "
                                 "stop that launcher first (or wait for it)")
-            self.supervisor = resume_run(record)
+            supervisor = resume_run(record)
+            supervisor.take_lease()  # of two resumes started together, one supervises; the other stops here
+            self.supervisor = supervisor
             record.event("resumed", pid=os.getpid())
         if on_tick is not None:
             self.supervisor.on_tick = on_tick
@@ -299,9 +301,13 @@ def launcher_alive(record: RunRecord) -> bool:
     On this host the process decides (its pid, and its start time against a recycled pid): a
     launcher paused past its heartbeat is still alive. On another host only the heartbeat can.
     """
+    from .lease import LEASE_FILE, current_holder
     from .state import process_start_ticks
     from .supervisor import HEARTBEAT_STALE
 
+    if (record.dir / LEASE_FILE).exists():  # the lease decides (records before it: the heartbeat below)
+        holder = current_holder(record.dir)
+        return holder is not None and not (holder.pid == os.getpid() and holder.host == socket.gethostname())
     launcher = record.launcher
     if not launcher.pid or (launcher.pid == os.getpid() and launcher.host == socket.gethostname()):
         return False

@@ -68,9 +68,11 @@ def backends(name: str | None, as_json: bool) -> None:
         click.echo(json.dumps([{"backend": i.name, "distribution": i.distribution, "version": i.version}
                                for i in infos], indent=2))
         return
+    from rich.text import Text
+
     table = Table("backend", "distribution", "version")
-    for info in infos:
-        table.add_row(info.name, info.distribution, info.version)
+    for info in infos:  # Text: what a plugin's metadata says is shown, never read as markup
+        table.add_row(Text(info.name), Text(info.distribution), Text(str(info.version)))
     console.print(table)
     for b in broken_plugins():
         console.print(f"plugin {b.name} from {b.distribution} failed to load: {b.error}", style="red", markup=False)
@@ -380,6 +382,7 @@ def list_runs(limit: int) -> None:
 
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from . import api
 
@@ -388,8 +391,9 @@ def list_runs(limit: int) -> None:
         data = run.record.data
         spec = data.get("spec", {})
         created = datetime.fromtimestamp(data.get("created_at", 0)).strftime("%Y-%m-%d %H:%M:%S")
-        table.add_row(run.id, spec.get("backend", "?"), str(spec.get("replicas", "?")), data.get("state", "?"), created)
-    Console(width=140).print(table)
+        table.add_row(*(Text(str(x)) for x in (run.id, spec.get("backend", "?"), spec.get("replicas", "?"),
+                                                   data.get("state", "?"), created)))  # records are shown, never read as markup
+    Console(width=140, highlight=False).print(table)
 
 
 if __name__ == "__main__":

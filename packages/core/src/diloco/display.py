@@ -113,8 +113,10 @@ def format_round(rnd: dict[str, Any]) -> str:
     parts = [f"round {rnd['round']}", f"members {rnd.get('members')}"]
     if rnd.get("step"):
         parts.append(f"step {rnd['step']}" + (f"/{rnd['total_steps']}" if rnd.get("total_steps") else ""))
-    if loss is not None:
+    if isinstance(loss, (int, float)) and not isinstance(loss, bool):
         parts.append(f"loss {loss:.4f}")
+    elif loss is not None:  # a record keeps a NaN loss as the string "nan" (valid JSON): show it, never crash on it
+        parts.append(f"loss {str(loss)[:16]}")
     if rnd.get("tokens_per_s"):
         parts.append(f"{rnd['tokens_per_s']:,.0f} tok/s")
     if rnd.get("sync_share") is not None:
@@ -125,7 +127,7 @@ def format_round(rnd: dict[str, Any]) -> str:
 
 
 def status_table(record: RunRecord, live: dict[int, str] | None) -> Table:
-    table = Table(title=f"run {record.run_id}  [{record.state}]", title_justify="left")
+    table = Table(title=Text(f"run {record.run_id}  [{record.state}]"), title_justify="left")
     for col in ("rank", "attempt", "status", "restarts", "preempted", "last error"):
         table.add_column(col)
     for r in record.ranks:

@@ -64,11 +64,11 @@ def plan_run(spec: RunSpec, *, run_id: str | None = None, secrets: Secrets | Non
              executor: Executor | None = None) -> LaunchPlan:
     """The plan of the run's first launch: what `diloco dryrun` prints and `diloco run` submits.
 
-    A dry run does not need the secrets set: missing ones plan as empty (they print REDACTED)."""
+    A dry run refuses a listed secret that is not set, as `run` does: what passes one passes the other."""
     executor = executor or make_executor(spec.backend, spec.backend_options, workdir=spec.workdir,
                                          source=spec.source)
     if secrets is None:
-        secrets = Secrets({n: os.environ.get(n, "") for n in spec.secrets})
+        secrets = secret_values(spec.secrets, spec.source)
     request = launch_request(spec, run_id or new_run_id(spec.name), executor, secrets)
     return executor.plan(request)
 

@@ -107,7 +107,8 @@ def check_function_exists(ref: str, search_path: list[str]) -> None:
 class LocalOptions:
     """The local backend's `[backend]` options."""
 
-    grace_period: float = option(5.0, help="seconds between SIGTERM and SIGKILL when a replica is cancelled", min=0)
+    grace_period: float = option(5.0, help="seconds between SIGTERM and SIGKILL when a replica is cancelled", min=0,
+                                 max=3600)
     devices: list[int | str] = option([], help="GPU ids to spread ranks over (rank r gets CUDA_VISIBLE_DEVICES="
                                           "devices[r % len]; with processes_per_replica = L, L of them)")
     state_dir: str | None = option(None, help="where logs and result files live (default: diloco's state dir)")

@@ -142,6 +142,9 @@ def parse_options(options_type: type, table: dict[str, Any], *, source: str = "<
                   backend: str = "?") -> Any:
     """The spec's `[backend]` table (without `name`) as an instance of `options_type`, or one
     `SpecError` line naming the first thing wrong."""
+    from .specvalues import check_values
+
+    check_values(source, table, root="backend")  # sizes, depth, NUL, non-finite, credentials in URIs
     declared = {f.name: (f, tp) for f, tp in _fields(options_type)}
     unknown = sorted(set(table) - set(declared))
     if unknown:

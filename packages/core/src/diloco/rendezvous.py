@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 from . import envvars
 from .errors import UserError
 from .protocol import Capabilities
+from .specvalues import check_uri, safe_uri
 from .store import SCHEMES, scheme_list
 
 CONFIG_KEYS = {"rendezvous"}
@@ -72,14 +73,16 @@ def check_rendezvous(uri: str, *, backend: str, shared_disk: bool, source: str) 
     """Refuse a URI some replicas could not reach; return it unchanged otherwise."""
     how = (f"set `rendezvous = \"s3://bucket/prefix\"` (or gs://, az://) in the spec, or a default in "
            f"{envvars.ENV_RENDEZVOUS} or {config_path()}")
+    check_uri(source, "rendezvous", uri)
+    shown = safe_uri(uri)
     scheme = urlparse(uri).scheme
     if scheme not in SCHEMES:
-        raise UserError(f"{source}: `rendezvous` must be a {scheme_list()} URI, got {uri!r}")
+        raise UserError(f"{source}: `rendezvous` must be a {scheme_list()} URI, got {shown!r}")
     if scheme == "memory":
-        raise UserError(f"{source}: rendezvous {uri!r} lives in one process's memory and every replica is its own "
+        raise UserError(f"{source}: rendezvous {shown!r} lives in one process's memory and every replica is its own "
                         f"process, so each would train alone; use file:// (local backend) or s3://, gs://, az://")
     if scheme == "file" and not shared_disk:
-        raise UserError(f"{source}: rendezvous {uri!r} is a directory on this machine, which {backend!r} replicas "
+        raise UserError(f"{source}: rendezvous {shown!r} is a directory on this machine, which {backend!r} replicas "
                         f"do not see (each would train alone on its own disk); {how}")
     return uri
 

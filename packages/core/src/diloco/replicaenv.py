@@ -16,21 +16,11 @@ from typing import Any
 
 from . import protocol as p
 from .envvars import ENV_VERSION
-from .errors import UserError
+from .errors import SpecError, UserError
+from .variables import NAME, check_variable, is_secret_name  # noqa: F401 - is_secret_name re-exported
 
 REDACTED = "REDACTED"
-# Whole words of a variable name (HF_TOKEN, AWS_SECRET_ACCESS_KEY, WANDB_API_KEY), so that
-# TOKENIZERS_PARALLELISM is not mistaken for a secret.
-_SECRET_WORDS = {"SECRET", "TOKEN", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS", "APIKEY", "PASSPHRASE"}
-_SECRET_PAIRS = {("API", "KEY"), ("ACCESS", "KEY"), ("PRIVATE", "KEY"), ("SESSION", "KEY"), ("SIGNING", "KEY"),
-                 ("ACCOUNT", "KEY"), ("SAS", "KEY")}  # AZURE_STORAGE_ACCOUNT_KEY, GOOGLE_SERVICE_ACCOUNT_KEY
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-# Variables an entrypoint arg must not overwrite (args are exported upper-cased): the process's
-# own plumbing, diloco's and torch's rank contract, and cloud credentials.
-RESERVED_ENV = {"PATH", "HOME", "USER", "SHELL", "PWD", "TMPDIR", "LANG", "TERM", "PYTHONPATH", "PYTHONHOME",
-                "PYTHONUNBUFFERED", "PYTHONSTARTUP", "PYTHONSAFEPATH", "REPLICA_RANK", "WORLD_SIZE", "RANK",
-                "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"}
-RESERVED_ENV_PREFIXES = ("LD_", "DILOCO_", "AWS_", "AZURE_", "GOOGLE_", "TORCHELASTIC_", "KUBERNETES_")
+_ENV_NAME = NAME
 # Defaults for a replica of several processes. glibc keeps freed blocks under its dynamic mmap
 # threshold (up to 32 MB) in each process's heap; a lane's shards and broadcast chunks are that
 # size, so each of the L processes held on to what it freed and peak host memory per replica
@@ -83,11 +73,6 @@ def parse_entrypoint(entrypoint: str | Sequence[str]) -> Entrypoint:
     return Entrypoint(command=tuple(items))
 
 
-def is_secret_name(name: str) -> bool:
-    words = [w for w in name.upper().split("_") if w]
-    return any(w in _SECRET_WORDS for w in words) or any(p in _SECRET_PAIRS for p in zip(words, words[1:]))
-
-
 def exported_arg_name(key: str, value: Any) -> str | None:
     """The variable a scalar entrypoint arg is exported as (`lr` → `LR`), or None if it is not."""
     if isinstance(value, (str, int, float, bool)) and _ENV_NAME.match(key):
@@ -95,18 +80,27 @@ def exported_arg_name(key: str, value: Any) -> str | None:
     return None
 
 
-def check_entrypoint_args(args: Mapping[str, Any]) -> None:
-    """Refuse args that would clobber a reserved variable or carry a secret in plain text."""
+def check_entrypoint_args(args: Mapping[str, Any], where: str = "entrypoint args") -> None:
+    """Refuse args that would set a reserved or cloud variable, or carry a secret in plain text:
+    a secret-looking name at any depth (`[args.hub] token = ...`) is refused like one on top."""
     for key, value in args.items():
         if key == "rank_env":
+            if not isinstance(value, str):
+                raise SpecError(f"{where}: `args.rank_env` must be a variable name (a string), got {value!r}")
+            check_variable(where, "rank_env", key, value)
             continue
-        if is_secret_name(key):
-            raise UserError(f"entrypoint arg `{key}` looks like a secret; list its variable in `secrets = [...]` "
-                            f"and export it in your shell, so its value never lands in files, records or dry runs")
-        name = exported_arg_name(key, value)
-        if name and (name in RESERVED_ENV or name.startswith(RESERVED_ENV_PREFIXES)):
-            raise UserError(f"entrypoint arg `{key}` would be exported as {name}, which replicas need for "
-                            f"themselves; rename the argument")
+        check_variable(where, "args", key, exported_arg_name(key, value) or "X")
+        stack = [(f"args.{key}", value)]
+        while stack:
+            path, item = stack.pop()
+            children = (item.items() if isinstance(item, Mapping)
+                        else enumerate(item) if isinstance(item, list) else ())
+            for k, v in children:
+                if isinstance(k, str) and is_secret_name(k):
+                    raise SpecError(f"{where}: `{path}.{k}` looks like a secret; pass it through `secrets = [...]` "
+                                    f"(an environment variable exported in your shell), so its value never lands in "
+                                    f"files, records or dry runs")
+                stack.append((f"{path}.{k}" if isinstance(k, str) else f"{path}[{k}]", v))
 
 
 def replica_env(*, rank: int, n_replicas: int, run_id: str, attempt: int,
@@ -129,8 +123,6 @@ def replica_env(*, rank: int, n_replicas: int, run_id: str, attempt: int,
     args = dict(entrypoint_args or {})
     check_entrypoint_args(args)
     rank_env = str(args.pop("rank_env", p.ENV_RANK))
-    if not _ENV_NAME.match(rank_env):
-        raise UserError(f"entrypoint arg rank_env={rank_env!r} is not a valid environment variable name")
     out: dict[str, str] = {}
     for key, value in args.items():
         name = exported_arg_name(key, value)

@@ -26,6 +26,7 @@ from typing import Any
 
 from .errors import BackendError, UserError
 from .replicaenv import REDACTED, Entrypoint, check_entrypoint_args, is_secret_name, parse_entrypoint, replica_env
+from .variables import is_cloud
 from .procgroup import MAX_PROCESSES
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -220,7 +221,11 @@ class LaunchPlan:
             text = json.dumps(self.body, sort_keys=True)
         except (TypeError, ValueError) as exc:
             raise BackendError(f"backend {self.backend_name!r} planned a body that is not plain data: {exc}") from None
-        leaked = [n for n, v in self.request.secrets.reveal().items() if len(v) >= MIN_SECRET_CHECK and v in text]
+        # Cloud variables that address a store rather than prove who may use it (AWS_REGION,
+        # AWS_ENDPOINT_URL, AZURE_STORAGE_ACCOUNT_NAME) travel as secrets so that replicas reach the
+        # launcher's store (docs/security.md#variables); a plan may name the region it submits to.
+        leaked = [n for n, v in self.request.secrets.reveal().items() if len(v) >= MIN_SECRET_CHECK and v in text
+                  and not (is_cloud(n) and not is_secret_name(n))]
         if leaked:
             raise BackendError(f"backend {self.backend_name!r} put the value of secret {leaked[0]} into its plan; "
                                f"a plan holds REDACTED where a secret goes (report this to the backend's authors)")

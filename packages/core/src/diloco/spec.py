@@ -22,6 +22,7 @@ Unknown keys, wrong types and out-of-range values raise `SpecError` naming file 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import tomllib
@@ -31,11 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SpecError, UserError
-from .replicaenv import check_entrypoint_args, is_secret_name, parse_entrypoint
+from .replicaenv import check_entrypoint_args, parse_entrypoint
 from .procgroup import resolve_processes
 from .store import SCHEMES, scheme_list
 from .settings import DilocoSettings
 from .sinks import check_metrics
+from .specvalues import MAX_ARGS_JSON, MAX_SPEC_BYTES, check_values, safe_uri
+from .variables import check_variable, is_secret_name
 from .wiresize import CODECS
 
 
@@ -127,7 +130,7 @@ TOP_LEVEL = {
     "gpu": Field("str"),
     "processes_per_replica": Field("int", min=1, max=64,
                                    help="processes inside each replica, started by torchrun (default: the GPU count)"),
-    "timeout": Field("float", default=3600.0, min=1),
+    "timeout": Field("float", default=3600.0, min=1, max=30 * 86400, help="seconds per replica attempt"),
     "rendezvous": Field("str"),
     "secrets": Field("strlist", default=[]),
     "args": Field("table", default={}),
@@ -139,21 +142,21 @@ TOP_LEVEL = {
 
 RESTART = {
     "policy": Field("str", default="per-rank", choices=("per-rank", "gang", "never")),
-    "max_restarts": Field("int", default=10, min=0, help="relaunches allowed across the whole run"),
-    "max_restarts_per_rank": Field("int", default=3, min=0),
-    "backoff": Field("float", default=1.0, min=0),
-    "backoff_max": Field("float", default=60.0, min=0),
-    "min_replicas": Field("int", min=1, help="ranks that must stay alive and succeed (default: all)"),
-    "monitor_interval": Field("float", default=1.0, min=0.01),
-    "max_preemptions": Field("int", default=50, min=0,
+    "max_restarts": Field("int", default=10, min=0, max=100_000, help="relaunches allowed across the whole run"),
+    "max_restarts_per_rank": Field("int", default=3, min=0, max=10_000),
+    "backoff": Field("float", default=1.0, min=0, max=3600),
+    "backoff_max": Field("float", default=60.0, min=0, max=86_400),
+    "min_replicas": Field("int", min=1, max=4096, help="ranks that must stay alive and succeed (default: all)"),
+    "monitor_interval": Field("float", default=1.0, min=0.01, max=3600),
+    "max_preemptions": Field("int", default=50, min=0, max=100_000,
                              help="relaunches after the platform took a replica's machine away (exit 75)"),
-    "fail_fast_seconds": Field("float", default=900.0, min=0,
+    "fail_fast_seconds": Field("float", default=900.0, min=0, max=7 * 86_400,
                                help="the same error at the same step on every rank this soon after start: stop"),
 }
 
 DILOCO = {
-    "sync_every": Field("int", default=50, min=1, help="H: inner steps between syncs"),
-    "outer_lr": Field("float", default=0.7, min=0),
+    "sync_every": Field("int", default=50, min=1, max=1_000_000, help="H: inner steps between syncs"),
+    "outer_lr": Field("float", default=0.7, min=0, max=100),
     "outer_momentum": Field("float", default=0.9, min=0, max=1),
     "nesterov": Field("bool", default=True),
     "transport": Field("str", default="fp32", choices=CODECS,
@@ -164,21 +167,35 @@ DILOCO = {
                        help="K: the model syncs in K staggered fragments, one every sync_every/K steps"),
     "overlap": Field("bool", default=False,
                      help="exchange a round in the background while inner steps go on; merged one round late"),
-    "total_steps": Field("int", min=1, help="inner steps per replica for the whole run: DiLoCo.steps() runs this "
+    "total_steps": Field("int", min=1, max=10**12, help="inner steps per replica for the whole run: DiLoCo.steps() runs this "
                          "many, and the estimate and the ETA count on it"),
-    "parameters": Field("int", min=1, help="the model's parameter count, for the estimate before launch "
+    "parameters": Field("int", min=1, max=10**14, help="the model's parameter count, for the estimate before launch "
                         "(without it the replica measures it at round 1)"),
-    "round_timeout": Field("float", default=300.0, min=0.1),
-    "min_members": Field("int", default=1, min=1, help="fewest replicas a sync round may average over"),
-    "checkpoint_every": Field("int", default=10, min=1, help="rounds between checkpoints of the global state"),
-    "poll_interval": Field("float", min=0.001, help="first wait when polling the store (default: by store)"),
-    "poll_max": Field("float", min=0.001, help="longest wait between polls (default: by store)"),
+    "round_timeout": Field("float", default=300.0, min=0.1, max=86_400),
+    "min_members": Field("int", default=1, min=1, max=4096, help="fewest replicas a sync round may average over"),
+    "checkpoint_every": Field("int", default=10, min=1, max=1_000_000, help="rounds between checkpoints of the global state"),
+    "poll_interval": Field("float", min=0.001, max=60, help="first wait when polling the store (default: by store)"),
+    "poll_max": Field("float", min=0.001, max=3600, help="longest wait between polls (default: by store)"),
 }
 
 _URI = re.compile(rf"^({'|'.join(SCHEMES)})://")
 # Keys that were renamed: the old name gets a one-line pointer instead of "unknown key".
 RENAMED = {"diloco.min_replicas": "diloco.min_members"}
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def check_sink_options(where: str, metrics: Mapping[str, Any]) -> None:
+    """Sink options are recorded with the run: a secret-looking key at any depth is refused
+    (sinks read their credentials from the environment: WANDB_API_KEY, MLFLOW_TRACKING_TOKEN)."""
+    stack = [(f"metrics.{k}", v) for k, v in metrics.items() if isinstance(v, dict)]
+    while stack:
+        path, table = stack.pop()
+        for key, value in table.items():
+            if is_secret_name(key):
+                raise SpecError(f"{where}: `{path}.{key}` looks like a secret; sinks read credentials from their own "
+                                f"environment variables (export them in the launcher's shell), so values never land "
+                                f"in records")
+            if isinstance(value, dict):
+                stack.append((f"{path}.{key}", value))
 
 
 @dataclass
@@ -213,6 +230,7 @@ class RunSpec:
 def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", base_dir: Path | None = None,
                name_default: str = "run") -> RunSpec:
     where = source
+    check_values(where, data)  # sizes, depth, NUL, non-finite, credentials in URIs: before anything else
     data = dict(data)
     for old, new in RENAMED.items():
         table, _, key = old.partition(".")
@@ -230,20 +248,20 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", base_dir: Pat
                         f"({top['replicas']})")
     DilocoSettings.from_table(top["diloco"], where=where)  # the cross-setting rules, in their one place
     for key, value in top["env"].items():
-        if not _ENV_NAME.match(key) or not isinstance(value, (str, int, float, bool)):
-            raise SpecError(f"{where}: `env.{key}` must be a valid variable name with a string value")
-        if is_secret_name(key):
-            raise SpecError(f"{where}: `env.{key}` looks like a secret; list it in `secrets = [\"{key}\"]` and "
-                            f"export it in your shell, so its value never lands in files, records or dry runs")
+        check_variable(where, "env", key)
+        if not isinstance(value, (str, int, float, bool)):
+            raise SpecError(f"{where}: `env.{key}` must be a string, number or boolean, got {_type_name(value)}")
     for name in top["secrets"]:
-        if not _ENV_NAME.match(name):
-            raise SpecError(f"{where}: `secrets` entry {name!r} is not an environment variable name")
+        check_variable(where, "secrets", name)
+    if len(set(top["secrets"])) != len(top["secrets"]):
+        raise SpecError(f"{where}: `secrets` lists a variable twice; list each once")
     if top["rendezvous"] and not _URI.match(top["rendezvous"]):
-        raise SpecError(f"{where}: `rendezvous` must be a {scheme_list()} URI, got {top['rendezvous']!r}")
-    try:
-        check_entrypoint_args(top["args"])
-    except UserError as exc:
-        raise SpecError(f"{where}: {exc}".replace("entrypoint arg `", "`args.")) from None
+        raise SpecError(f"{where}: `rendezvous` must be a {scheme_list()} URI, got {safe_uri(top['rendezvous'])!r}")
+    check_entrypoint_args(top["args"], where)
+    if len(json.dumps(top["args"])) > MAX_ARGS_JSON:
+        raise SpecError(f"{where}: `[args]` is over {MAX_ARGS_JSON // 1024} KiB as JSON (it travels in one environment "
+                        f"variable); put large data in a file in the workdir and pass its path")
+    check_sink_options(where, top["metrics"])
     base = base_dir or Path.cwd()
     workdir = (base / (top["workdir"] or ".")).resolve()
     if not workdir.is_dir():
@@ -263,12 +281,17 @@ def load_spec(path: str | Path) -> RunSpec:
     p = Path(path)
     if not p.is_file():
         raise SpecError(f"spec file {str(p)!r} not found")
+    if p.stat().st_size > MAX_SPEC_BYTES:
+        raise SpecError(f"{p}: {p.stat().st_size:,} bytes; a spec is at most {MAX_SPEC_BYTES:,} (put data in files "
+                        f"in the workdir)")
     try:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{p}: not valid TOML: {exc}") from None
     except UnicodeDecodeError:
         raise SpecError(f"{p}: not a text file") from None
+    except RecursionError:
+        raise SpecError(f"{p}: tables or arrays nest too deep to read; flatten them") from None
     return parse_spec(data, source=str(p), base_dir=p.parent, name_default=p.stem if p.stem != "diloco"
                       else p.resolve().parent.name)
 

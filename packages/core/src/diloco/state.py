@@ -105,11 +105,13 @@ def to_json(data: Any, **kwargs: Any) -> str:
 
 
 def new_run_id(name: str) -> str:
-    """A run id that is also a valid DNS label prefix: lowercase, digits, dashes."""
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:30].strip("-") or "run"
+    """`<slug>-<UTC time>-<16 hex>`: at most 63 characters, a valid DNS label, and 64 random bits,
+    so two launches of one spec in the same second never share an id (16 bits did, 1 in 65,536)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "run"
     if not slug[0].isalpha():
         slug = "r-" + slug
-    return f"{slug}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(2)}"
+    slug = slug[:30].rstrip("-")
+    return f"{slug}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(8)}"
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

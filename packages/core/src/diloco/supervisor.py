@@ -115,6 +115,7 @@ class Supervisor:
         self.rounds = RoundWatcher(record, rendezvous=request.rendezvous, run_id=request.run_id,
                                    n_replicas=request.n_replicas, clock=clock)
         self._outage_since: float | None = None
+        self.lease: Any = None  # a diloco.lease.SupervisorLease while this supervisor runs
 
     # -- persistence -----------------------------------------------------------------------
 
@@ -338,12 +339,33 @@ class Supervisor:
     def errors(self) -> dict[int, str | None]:
         return {r.rank: r.last_error for r in self.ranks}
 
+    def take_lease(self) -> None:
+        """Become the run's one supervisor (`diloco.lease`), or raise `LeaseHeld` naming the one
+        that is; `run` takes it itself, callers take it first to refuse before recording anything."""
+        if self.lease is None:
+            from .lease import SupervisorLease
+
+            self.lease = SupervisorLease.acquire(self.record.dir, run_id=self.record.run_id)
+
     def run(self, *, start: bool = True) -> GroupState:
-        """Launch (unless resuming) and supervise until the run ends."""
+        """Launch (unless resuming) and supervise until the run ends, holding the run's lease."""
+        self.take_lease()
+        try:
+            return self._run(start=start)
+        finally:
+            self.lease.release()
+            self.lease = None
+
+    def _run(self, *, start: bool) -> GroupState:
         if start and self.state is GroupState.INIT:
             self.start()
         last_beat = self.clock()
         while True:
+            if self.lease is not None and self.lease.lost:
+                from .lease import LeaseHeld
+
+                raise LeaseHeld(f"run {self.record.run_id}: another launcher took over supervision while this one "
+                                f"was stalled past its lease; this one stops (the replicas carry on under it)")
             state = self.tick()
             if self.on_tick:
                 self.on_tick(self)

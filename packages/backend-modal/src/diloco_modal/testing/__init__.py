@@ -174,6 +174,12 @@ class FakeModal:
         """Every RPC the server answered (or those named `name`), with its request as JSON."""
         return self.store.rpcs(name)
 
+    def raw_requests(self, name: str | None = None) -> dict[str, list[bytes]]:
+        """The serialized requests the server received, by RPC name (all, or those named `name`):
+        where a test looks for a value that must never have left the machine in that RPC."""
+        names = [name] if name else sorted(p.stem for p in (self.root / "raw").glob("*.bin"))
+        return {n: self.store.raw_requests(n) for n in names}
+
     def unimplemented(self) -> list[str]:
         """RPCs the client called that the fake does not implement (each failed loudly)."""
         return [r["rpc"] for r in read_jsonl(self.root / "unimplemented.jsonl")]

@@ -64,7 +64,7 @@ def main(obj_dir: Path) -> int:
     except BaseException as exc:  # noqa: BLE001 - every failure of the body fails the input, as on Modal
         tb = traceback.format_exc()
         sys.stderr.write(tb)
-        outcome = {"status": "failure", "exception": f"{type(exc).__name__}: {exc}", "traceback": tb}
+        outcome = {"status": "failure", "exception": repr(exc), "traceback": tb}  # Modal keeps repr(exc)
     sys.stdout.flush()
     sys.stderr.flush()
     write_json(obj_dir / "outcome.json", outcome)

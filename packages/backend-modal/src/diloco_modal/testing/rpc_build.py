@@ -21,6 +21,14 @@ _PUBLISHED_MOUNTS = ("modal-client-mount-", "python-build-standalone")
 _EPHEMERAL = (api_pb2.OBJECT_CREATION_TYPE_EPHEMERAL, api_pb2.OBJECT_CREATION_TYPE_ANONYMOUS_OWNED_BY_APP)
 
 
+def _check_env(values: dict[str, str]) -> None:
+    """What a container's environment can hold: a name without '=' or NUL, a value without NUL."""
+    for key, value in values.items():
+        if not key or "=" in key or "\0" in key or "\0" in value:
+            raise GRPCError(Status.INVALID_ARGUMENT, f"Invalid secret key {key!r}: keys must be non-empty environment "
+                                                     f"variable names, and no key or value may hold a NUL byte")
+
+
 def _status(name: str) -> int:
     return getattr(api_pb2.GenericResult, f"GENERIC_STATUS_{name.upper()}")
 
@@ -100,8 +108,18 @@ class BuildRpcs:
         env = environment_of(request.environment_name)
         if request.object_creation_type in _EPHEMERAL:
             values = env_dict(request)
+            _check_env(values)
+            if request.deployment_name:
+                raise GRPCError(Status.INVALID_ARGUMENT, "an ephemeral secret has no name")
+            if request.object_creation_type == api_pb2.OBJECT_CREATION_TYPE_ANONYMOUS_OWNED_BY_APP:
+                self.app(request.app_id)  # lives as long as that app
+            elif request.app_id:
+                raise GRPCError(Status.INVALID_ARGUMENT, "an ephemeral secret belongs to no app")
             secret_id = self.store.put(new_id("st"), {"kind": "secret", "name": None, "values": values})
             return api_pb2.SecretGetOrCreateResponse(secret_id=secret_id)
+        if env_dict(request) or request.object_creation_type != api_pb2.OBJECT_CREATION_TYPE_UNSPECIFIED:
+            raise GRPCError(Status.UNIMPLEMENTED, "creating a named secret is not implemented by diloco's fake "
+                                                  "Modal server: tests add one with FakeModal.add_secret")
         name = request.deployment_name
         check_name(name, "Secret")
         values = self.store.named("secrets").get(name)

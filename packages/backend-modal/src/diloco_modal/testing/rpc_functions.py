@@ -1,5 +1,10 @@
 """The fake Modal server's function RPCs: deploying a function (precreate, create), finding it by
-name, spawning calls (map, put inputs), and what a caller can learn about a call.
+name, binding a variant of it (`with_options`), spawning calls (map, put inputs), and what a
+caller can learn about a call.
+
+A variant (`FunctionBindParams`) is a function of its own, as on Modal: an id deterministic in the
+request, the base function's definition, and the options the request replaces (only secrets,
+resources, timeout and placement: any other option is refused as unimplemented, loudly).
 
 Each call holds one input, run in a container (`containers.start`, kind "function"); how it
 ended is authoritative in `FunctionGetOutputs` (the output's GenericResult, as Modal keeps it).
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import time
 from typing import Any
 
@@ -23,10 +29,13 @@ from modal_proto import api_pb2
 from . import containers
 from .protos import message
 from .rpc_apps import environment_of
-from .store import new_id, read_json
-from .validate import check_resources, check_timeout
+from .store import append_jsonl, new_id, read_json
+from .validate import check_placement, check_resources, check_timeout
 
 CALL_GRAPH_LAG = 2.0  # seconds; FakeModal(call_graph_lag=...) sets another
+_BASE62 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+_BINDABLE = {"secret_ids", "replace_secret_ids", "resources", "timeout_secs", "scheduler_placement",
+             "cloud_provider_str"}  # the FunctionOptions the fake applies to a variant
 _INPUT_STATUS = {"success": api_pb2.GenericResult.GENERIC_STATUS_SUCCESS,
                  "failure": api_pb2.GenericResult.GENERIC_STATUS_FAILURE,
                  "terminated": api_pb2.GenericResult.GENERIC_STATUS_TERMINATED,
@@ -109,6 +118,46 @@ class FunctionRpcs:
         data = api_pb2.FunctionData.FromString(base64.b64decode(self.function(function_id)["data"]))
         return message(api_pb2.FunctionGetResponse, function_id=function_id, function=data,
                        handle_metadata=self.function_metadata(function_id))
+
+    def rpc_FunctionBindParams(self, request: api_pb2.FunctionBindParamsRequest
+                               ) -> api_pb2.FunctionBindParamsResponse:
+        """A variant of a created function (`fn.with_options(...)`), checked as Modal checks it: a
+        plain function takes no parameters, every secret exists, resources, timeout and placement
+        are within Modal's limits. Its id is deterministic in the request (the client caches it)."""
+        environment_of(request.environment_name)
+        base = self.function(request.function_id)
+        if not base["created"]:
+            raise GRPCError(Status.FAILED_PRECONDITION, f"Function {request.function_id} was never created (deployed)")
+        if base.get("bound_from"):
+            raise GRPCError(Status.INVALID_ARGUMENT, f"Function {request.function_id} is a bound variant: bind its "
+                                                     f"base function {base['bound_from']}")
+        if request.serialized_params:
+            raise GRPCError(Status.INVALID_ARGUMENT, f"Function {base['function_name']} takes no parameters (it is "
+                                                     f"not a method of a parametrized class)")
+        options = request.function_options
+        set_fields = {field.name for field, _ in options.ListFields()}
+        for name in sorted(set_fields - _BINDABLE):
+            append_jsonl(self.store.root / "unimplemented.jsonl",
+                         {"rpc": f"FunctionBindParams.function_options.{name}"})
+            raise GRPCError(Status.UNIMPLEMENTED, f"FunctionOptions.{name} is not implemented by diloco's fake Modal "
+                                                  f"server (diloco_modal.testing)")
+        for secret_id in options.secret_ids:
+            self.secret_values(secret_id)
+        check_resources(options.resources)
+        if "timeout_secs" in set_fields:
+            check_timeout(options.timeout_secs, "Function")
+        check_placement(options.cloud_provider_str, options.scheduler_placement)
+        # replace_secret_ids (the client sets it whenever it sends secrets): the variant's secrets
+        # are these, not the base function's; without it they are added to the base function's.
+        secret_ids = list(options.secret_ids) if options.replace_secret_ids \
+            else [*base["secret_ids"], *options.secret_ids]
+        digest = int.from_bytes(hashlib.sha256(request.SerializeToString(deterministic=True)).digest(), "big")
+        bound_id = "fu-" + "".join(_BASE62[(digest >> (6 * i)) % 62] for i in range(22))
+        self.store.put(bound_id, {
+            **base, "bound_from": request.function_id, "secret_ids": secret_ids,
+            "timeout": options.timeout_secs if "timeout_secs" in set_fields else base["timeout"]})
+        return api_pb2.FunctionBindParamsResponse(bound_function_id=bound_id,
+                                                  handle_metadata=self.function_metadata(bound_id))
 
     # -- spawning ----------------------------------------------------------------------------------
 

@@ -13,7 +13,9 @@ an async generator, for a server stream) on one of the mixins, one concern each:
 `rpc_sandboxes`, `rpc_functions`, `rpc_logs`. Every other RPC of the service answers
 UNIMPLEMENTED with its name and is written to `unimplemented.jsonl`, which the test fixtures
 assert empty: a code path that reaches an RPC the fake does not know fails the test loudly.
-Every answered RPC is written, with its request, to `rpcs.jsonl` (what tests assert on).
+Every answered RPC is written, with its request, to `rpcs.jsonl` (what tests assert on), and its
+request's serialized bytes to `raw/<Name>.bin` (what tests search for a secret's value; file
+uploads, `MountPutFile`, are left out: they are the shipped files, checked by hash).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ from .rpc_functions import FunctionRpcs
 from .rpc_logs import LogRpcs
 from .rpc_sandboxes import SandboxRpcs
 from .store import TOKEN, Store, append_jsonl, write_json
+
+
+_RAW_LEFT_OUT = {"MountPutFile"}  # file contents: large, and checked by hash instead
 
 
 def _without_bytes(message: Any) -> dict[str, Any]:
@@ -83,6 +88,11 @@ class FakeModalServicer(AppRpcs, BuildRpcs, SandboxRpcs, FunctionRpcs, LogRpcs, 
         self.store = Store(root)
         self.client_versions: set[str] = set()
 
+    def _record(self, name: str, request: Any) -> None:
+        self.store.record_rpc(name, _without_bytes(request))
+        if name not in _RAW_LEFT_OUT:
+            self.store.record_raw(name, request.SerializeToString())
+
     async def recv_request(self, event: RecvRequest) -> None:
         """Modal's checks on every call: a client type and version, and a valid token."""
         md = event.metadata
@@ -116,7 +126,7 @@ def _failing_loudly(name: str, handler: Any):
 def _unary(name: str, impl: Any):
     async def handler(self: FakeModalServicer, stream: Any) -> None:
         request = await stream.recv_message()
-        self.store.record_rpc(name, _without_bytes(request))
+        self._record(name, request)
         response = impl(self, request)
         if inspect.isawaitable(response):
             response = await response
@@ -127,7 +137,7 @@ def _unary(name: str, impl: Any):
 def _server_stream(name: str, impl: Any):
     async def handler(self: FakeModalServicer, stream: Any) -> None:
         request = await stream.recv_message()
-        self.store.record_rpc(name, _without_bytes(request))
+        self._record(name, request)
         async for response in impl(self, request):
             await stream.send_message(response)
     return _failing_loudly(name, handler)

@@ -7,6 +7,7 @@ atomically (temporary name, rename) and read with a default while another proces
     config.json              grace period, call-graph lag, token (what the test configured)
     server.json              the server's URL and pid, once it listens
     rpcs.jsonl               every RPC the server answered, with its request (bytes left out)
+    raw/<Name>.bin           the serialized requests of each RPC (length-prefixed), as received
     unimplemented.jsonl      every RPC it refused because it does not implement it
     apps.json                apps by id, and which are deployed under which name
     secrets.json             named secrets (`modal secret create`), volumes.json named volumes
@@ -69,7 +70,7 @@ class Store:
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
-        for sub in ("objects", "blobs", "containers"):
+        for sub in ("objects", "blobs", "containers", "raw"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
 
     # -- configuration and bookkeeping -----------------------------------------------------------
@@ -83,6 +84,26 @@ class Store:
 
     def record_rpc(self, name: str, request: dict[str, Any]) -> None:
         append_jsonl(self.root / "rpcs.jsonl", {"rpc": name, "at": time.time(), "request": request})
+
+    def record_raw(self, name: str, data: bytes) -> None:
+        """One request's bytes, appended in one write (8-byte length first) to raw/<name>.bin."""
+        fd = os.open(self.root / "raw" / f"{name}.bin", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, len(data).to_bytes(8, "big") + data)
+        finally:
+            os.close(fd)
+
+    def raw_requests(self, name: str) -> list[bytes]:
+        try:
+            data = (self.root / "raw" / f"{name}.bin").read_bytes()
+        except OSError:
+            return []
+        out, at = [], 0
+        while at + 8 <= len(data):
+            size = int.from_bytes(data[at:at + 8], "big")
+            out.append(data[at + 8:at + 8 + size])
+            at += 8 + size
+        return out
 
     def rpcs(self, name: str | None = None) -> list[dict[str, Any]]:
         rows = read_jsonl(self.root / "rpcs.jsonl")

@@ -181,7 +181,10 @@ class Instance:
                "TRAINING_JOB_ARN": self.req["TrainingJobArn"], "DILOCO_ML_ROOT": str(ml),
                "AWS_CONTAINER_CREDENTIALS_FULL_URI": f"{self.config['endpoint']}/container-credentials/{self.name}",
                "PIP_INDEX_URL": NO_INDEX, "PIP_RETRIES": "0", "PIP_TIMEOUT": "2",
-               "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_CACHE_DIR": "1"}
+               "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_CACHE_DIR": "1",
+               # AWS's own network: a real container reaches secretsmanager.<region>.amazonaws.com by DNS
+               # before any of the job's secrets exist (an S3 endpoint, if the run has one, is among them)
+               "AWS_ENDPOINT_URL_SECRETS_MANAGER": self.config["aws_endpoint"]}
         env.update(self.req.get("Environment") or {})
         return env
 

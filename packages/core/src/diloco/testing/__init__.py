@@ -122,6 +122,19 @@ class ExecutorConformance(abc.ABC):
         missing = [o.name for o in describe_backend_options(type(self.make_executor())) if not o.help]
         assert not missing, f"options without help: {missing}"
 
+    def test_every_number_option_is_bounded(self):
+        """A spec is untrusted input: a number with no upper bound (10**23 seconds, GB, retries)
+        passes the dry run and fails at the platform, late and in its own words."""
+        executor = self.make_executor()
+        if is_first_contract(type(executor)):
+            import pytest
+
+            pytest.skip("first-contract executors declare no bounds (keyword options); `Options` can")
+        options = describe_backend_options(type(executor))
+        unbounded = [o.name for o in options if ("int" in o.type.split(" | ") or "float" in o.type.split(" | "))
+                     and (o.min is None or o.max is None)]
+        assert not unbounded, f"declare min= and max= on the number options {unbounded} (diloco.options.option)"
+
     def test_handles_in_rank_order_and_results_shape(self):
         executor = self.executor()
         handles = self.launch(executor, REPORT)
