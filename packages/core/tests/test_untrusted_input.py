@@ -205,6 +205,36 @@ def test_a_dead_holders_lease_is_taken_over_and_a_live_one_is_not(tmp_path, monk
     assert not path.exists()
 
 
+def test_a_racer_that_finds_a_takeover_under_way_waits_and_names_the_new_holder(tmp_path):
+    """Two resumes both find a dead launcher's lease; the one that loses the takeover race used
+    to say only "being taken over right now" (CI saw it): it now names who supervises."""
+    import threading
+
+    from diloco import lease as lease_mod
+    from diloco.lease import LeaseHeld, SupervisorLease
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path = run_dir / lease_mod.LEASE_FILE
+    path.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "start_ticks": 1, "token": "old",
+                                "taken_at": time.time()}))
+    guard = path.with_name(path.name + ".takeover")
+    guard.touch()  # another racer is mid-takeover
+
+    def finish_the_other_takeover() -> None:
+        time.sleep(0.3)
+        path.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "start_ticks": None,
+                                    "token": "winner", "taken_at": time.time()}))
+        guard.unlink()
+
+    threading.Thread(target=finish_the_other_takeover).start()
+    with pytest.raises(LeaseHeld, match=f"already supervised by process {os.getpid()}"):
+        SupervisorLease.acquire(run_dir)
+    assert json.loads(path.read_text())["token"] == "winner"
+
+
 def test_two_resumes_started_together_one_supervises_and_the_other_names_it(cli, project, state_dir):
     """Two `diloco resume` of a run whose launcher died: before the lease both passed the
     liveness check and the run got two live rank-0 replicas."""

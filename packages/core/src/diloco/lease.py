@@ -36,6 +36,7 @@ from .state import process_start_ticks
 TTL = 30.0          # a lease untouched this long, held from another host, is expired
 RENEW_EVERY = 5.0   # how often the holder touches it
 LEASE_FILE = "supervisor.lease"
+TAKEOVER_WAIT = 10.0  # how long a racer waits for another's takeover to finish
 
 
 class LeaseHeld(UserError):
@@ -172,24 +173,32 @@ def _create(path: Path, holder: LeaseHolder) -> bool:
 
 
 def _take_over(path: Path, me: LeaseHolder) -> Path:
-    """Replace an expired lease, one racer at a time (a create-only `.takeover` file)."""
+    """Replace an expired lease, one racer at a time (a create-only `.takeover` file).
+
+    A racer that finds another mid-takeover waits for it (a takeover is a read and a rename,
+    milliseconds) and then refuses naming the new holder, as if it had come second outright."""
     guard = path.with_name(path.name + ".takeover")
-    for _ in range(2):
+    deadline = time.monotonic() + TAKEOVER_WAIT
+    while True:
         try:
             fd = os.open(guard, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             os.close(fd)
             break
         except FileExistsError:
-            try:
-                if time.time() - guard.stat().st_mtime > TTL:  # a taker that died mid-takeover
-                    guard.unlink()
-                    continue
-            except FileNotFoundError:
+            pass
+        try:
+            if time.time() - guard.stat().st_mtime > TTL:  # a taker that died mid-takeover
+                guard.unlink()
                 continue
+        except FileNotFoundError:
+            continue
+        holder, mtime = LeaseHolder.read(path)
+        if holder is not None and holder.token != me.token and _held(holder, mtime, time.time()):
+            raise _refusal(path.parent.name, holder, mtime)
+        if time.monotonic() > deadline:
             raise LeaseHeld(f"run {path.parent.name} is being taken over by another launcher right now; "
-                            f"`diloco status {path.parent.name}` shows which") from None
-    else:
-        raise LeaseHeld(f"run {path.parent.name}: could not take over its expired lease; try again")
+                            f"`diloco status {path.parent.name}` shows which")
+        time.sleep(0.02)
     try:
         holder, mtime = LeaseHolder.read(path)
         if not _held(holder, mtime, time.time()):
