@@ -101,6 +101,8 @@ def test_gpu_table_is_extensible_and_unknown_gpus_are_clear():
     assert job["spec"]["template"]["spec"]["nodeSelector"]["node.kubernetes.io/instance-type"] == "g6.xlarge"
     with pytest.raises(UserError, match="not a known GPU type"):
         resolve_gpu("MI300X")
+    with pytest.raises(UserError, match="from 1 to 64"):
+        resolve_gpu("H100:100000")
 
 
 def test_pod_options():
@@ -252,10 +254,23 @@ def test_options_are_declared_with_the_old_defaults():
     ({"namespace": "Not_A_Name"}, "backend.namespace"),
     # values that go into the Job verbatim, which the API server would refuse at submit (422)
     ({"labels": {"team": "ML Platform"}}, "backend.labels"),
-    ({"labels": {"bad key!": "x"}}, "backend.labels"),
+    ({"labels": {"bad name!": "x"}}, "backend.labels"),
     ({"labels": {"team": "t" * 64}}, "backend.labels"),
     ({"node_selector": {"pool": "gpu pool"}}, "backend.node_selector"),
     ({"gpu_types": {"L4": {"count": 1, "instance_type": "g6 xlarge"}}}, "backend.gpu_types"),
+    # gpu_types entries: the count becomes the pod's GPU limit as written
+    ({"gpu_types": {"L4": {"count": [1], "instance_type": "g6.xlarge"}}}, "backend.gpu_types.L4.count"),
+    ({"gpu_types": {"L4": {"count": 1.5, "instance_type": "g6.xlarge"}}}, "backend.gpu_types.L4.count"),
+    ({"gpu_types": {"L4": {"count": True, "instance_type": "g6.xlarge"}}}, "backend.gpu_types.L4.count"),
+    ({"gpu_types": {"L4": {"count": 0, "instance_type": "g6.xlarge"}}}, "backend.gpu_types.L4.count"),
+    ({"gpu_types": {"L4": {"count": 10**23, "instance_type": "g6.xlarge"}}}, "backend.gpu_types.L4.count"),
+    ({"gpu_types": {"L4": {"count": 1, "instance_type": 6}}}, "backend.gpu_types.L4.instance_type"),
+    ({"gpu_types": {"L4": {"count": 1, "instance": "g6.xlarge"}}}, "backend.gpu_types.L4.instance"),
+    ({"gpu_types": {"L4:2": {"count": 1}}}, "backend.gpu_types"),
+    # keys that look like secrets: options land in run.json and the dry run (a toleration's `key` is a field)
+    ({"labels": {"api_token": "x"}}, "backend.labels.api_token"),
+    ({"node_selector": {"password": "x"}}, "backend.node_selector.password"),
+    ({"gpu_types": {"L4": {"count": 1, "secret": "x"}}}, "backend.gpu_types.L4.secret"),
     ({"memory": "64GB"}, "backend.memory"),
     ({"cpu": "two"}, "backend.cpu"),
     ({"service_account": "My_SA"}, "backend.service_account"),

@@ -134,6 +134,13 @@ def test_bad_options_are_one_line_naming_the_key(kw, words):
     ({"max_wait": float("nan")}, "max_wait", "must be a finite number"),
     ({"spot": "yes"}, "spot", "must be bool"),
     ({"tags": {"team": 1}}, "tags", "must be dict[str, str]"),
+    # tags land in run.json and the dry run: a secret-looking key would put its value there
+    ({"tags": {"auth": "x"}}, "tags.auth", "looks like a secret"),
+    ({"tags": {"WandbApiKey": "x"}}, "tags.WandbApiKey", "looks like a secret"),
+    # secret_refs set variables in the container: not the ones replicas need for themselves
+    ({"secret_refs": {"PATH": "prod/db#password"}}, "secret_refs.PATH", "sets PATH"),
+    ({"secret_refs": {"REPLICA_RANK": "prod/db#password"}}, "secret_refs.REPLICA_RANK", "sets REPLICA_RANK"),
+    ({"secret_refs": {"LD_PRELOAD": "prod/db#password"}}, "secret_refs.LD_PRELOAD", "sets LD_PRELOAD"),
     ({"workdir": "."}, "workdir", "unknown key"),  # the code comes from the request's workdir, not an option
 ])
 def test_a_bad_backend_option_is_one_line_naming_the_key(table, key, words):
@@ -141,6 +148,28 @@ def test_a_bad_backend_option_is_one_line_naming_the_key(table, key, words):
         make_executor(SageMakerExecutor, {"role": ROLE, **table}, source="spec.toml")
     text = str(err.value)
     assert len(text.splitlines()) == 1 and f"`backend.{key}`" in text and words in text, text
+
+
+@pytest.mark.parametrize("key", ["s3_prefix", "output_path"])
+@pytest.mark.parametrize("uri, secret", [
+    ("s3://AKIAEXAMPLEKEY:wJalrXUtnFEMIK7MDENG@bucket/x", "wJalrXUtnFEMIK7MDENG"),
+    ("s3://bucket/x?X-Amz-Signature=deadbeefcafe1234", "deadbeefcafe1234"),
+])
+def test_credentials_in_an_s3_uri_option_are_refused_without_echoing_them(key, uri, secret):
+    """From a spec's table and from options built in Python alike: the URI is recorded with the run."""
+    with pytest.raises(SpecError) as err:
+        make_executor(SageMakerExecutor, {"role": ROLE, key: uri}, source="spec.toml")
+    with pytest.raises(UserError) as whole:
+        SageMakerExecutor(SageMakerOptions(role=ROLE, **{key: uri}))
+    for text in (str(err.value), str(whole.value)):
+        assert len(text.splitlines()) == 1 and f"`backend.{key}`" in text and "carries" in text, text
+        assert secret not in text and "AKIAEXAMPLEKEY" not in text
+
+
+def test_secret_refs_may_name_secret_variables():
+    """secret_refs maps variable names (HF_TOKEN) to references: those names are what it is for."""
+    ex = make_executor(SageMakerExecutor, {"role": ROLE, "image": IMAGE, "secret_refs": {"HF_TOKEN": "prod/hf"}})
+    assert ex.options.secret_refs == {"HF_TOKEN": "prod/hf"}
 
 
 def test_the_executor_declares_its_options_and_capabilities():

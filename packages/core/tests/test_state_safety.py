@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from conftest import write_spec
 from diloco.errors import RunNotFound, UserError
 from diloco.state import RunRecord
 
@@ -50,6 +51,50 @@ def test_the_state_dir_and_its_records_are_private(state_dir):
     record.request_cancel()
     assert _mode(state_dir) == 0o700 and _mode(state_dir / "runs") == 0o700 and _mode(record.dir) == 0o700
     assert _mode(record.path) == 0o600 and _mode(record.events_path) == 0o600
+
+
+def _run_leaving_files(cli, project, tmp_path, *, rounds: bool = False) -> str:
+    """A small local run whose replicas leave logs, results, an artifact and (with `rounds`) a
+    round summary in a file store; its run id."""
+    (project / "leave.py").write_text(
+        "def main(ctx):\n"
+        "    print('training data: secret-ish', flush=True)\n"
+        "    ctx.store.put(f'{ctx.run_id}/artifacts/summary.txt', b'final loss 1.5\\n')\n"
+        "    if ctx.rank == 0 and %r:\n"
+        "        from diloco.metrics import RoundMetrics, RoundSummary, summary_key\n"
+        "        row = RoundMetrics(round=1, rank=0, members=[0, 1], loss=1.5, tokens=10)\n"
+        "        ctx.store.put(summary_key(ctx.run_id, 1), RoundSummary.from_rows(1, [row]).to_json())\n"
+        "    return {'rank': ctx.rank}\n" % rounds)
+    store = tmp_path / "store"
+    store.mkdir()
+    spec = write_spec(project, f'backend = "local"\nreplicas = 2\nentrypoint = "leave:main"\n'
+                               f'rendezvous = "file://{store}"\n[restart]\nmonitor_interval = 0.1\npolicy = "never"\n')
+    proc = cli("run", str(spec), check_rc=0)
+    return proc.stdout.split()[1].rstrip(":")
+
+
+def _not_private(state_dir) -> list[str]:
+    """Everything under the state dir that another user could read: directories not 0700, files not 0600."""
+    return [f"{path.relative_to(state_dir)} {_mode(path):o}" for path in state_dir.rglob("*")
+            if _mode(path) != (0o700 if path.is_dir() else 0o600)]
+
+
+def test_everything_a_local_run_leaves_in_the_state_dir_is_private(cli, project, state_dir, tmp_path):
+    """Not only run.json and events.jsonl: the replicas' logs and result files, and the artifacts
+    copied from the store, were created 0644 (readable by every user of a shared machine)."""
+    run_id = _run_leaving_files(cli, project, tmp_path)
+    artifacts = state_dir / "runs" / run_id / "artifacts"
+    assert (artifacts / "summary.txt").read_text() == "final loss 1.5\n"
+    logs = list((state_dir / "local" / run_id).glob("rank-*.log"))
+    results = list((state_dir / "local" / run_id).glob("rank-*.result.json"))
+    assert len(logs) == len(results) == 2 and "secret-ish" in logs[0].read_text()
+    assert _not_private(state_dir) == []
+
+
+def test_the_rounds_a_run_caches_are_private(cli, project, state_dir, tmp_path):
+    run_id = _run_leaving_files(cli, project, tmp_path, rounds=True)
+    assert (state_dir / "runs" / run_id / "rounds.jsonl").exists()
+    assert _not_private(state_dir) == []
 
 
 def test_records_and_events_are_valid_json_even_with_a_nan_loss(state_dir):

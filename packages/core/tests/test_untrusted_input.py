@@ -49,6 +49,8 @@ def refused(cli, project, state_dir, text: str, *, env: dict | None = None, comm
     # the environment a replica starts with: nothing may take over its rank or its interpreter
     (GOOD + 'secrets = ["REPLICA_RANK", "DILOCO_REPLICAS"]\n', "`secrets` entry 'REPLICA_RANK' sets REPLICA_RANK"),
     (GOOD + '[args]\nrank_env = "PATH"\n', "`args.rank_env = 'PATH'` sets PATH"),
+    (GOOD + '[args]\nrank_env = "CUDA_VISIBLE_DEVICES"\n', "sets CUDA_VISIBLE_DEVICES"),
+    (GOOD + '[args]\nrank_env = "WORLD_SIZE"\n', "sets WORLD_SIZE"),
     (GOOD + '[env]\nPATH = "/tmp/evil"\n', "`env.PATH` sets PATH"),
     (GOOD + '[env]\nLD_PRELOAD = "/tmp/evil.so"\n', "`env.LD_PRELOAD` sets LD_PRELOAD"),
     (GOOD + '[env]\nPYTHONHOME = "/tmp"\n', "`env.PYTHONHOME` sets PYTHONHOME"),
@@ -62,6 +64,8 @@ def refused(cli, project, state_dir, text: str, *, env: dict | None = None, comm
     (GOOD + '[args]\nGITHUB_PAT = "p"\n', "`args.GITHUB_PAT` looks like a secret"),
     (GOOD + '[args]\nsources = [{ url = "x", api_key = "k" }]\n', "`args.sources[0].api_key` looks like a secret"),
     (GOOD + '[metrics]\nsinks = []\n[metrics.tensorboard]\napi_key = "k"\n', "`metrics.tensorboard.api_key` looks"),
+    (GOOD + '[metrics]\nsinks = ["tensorboard"]\n[metrics.tensorboard]\nheaders = [{ api_key = "k" }]\n',
+     "`metrics.tensorboard.headers[0].api_key` looks like a secret"),
 ])
 def test_a_hostile_spec_is_refused_in_one_line_before_anything_is_recorded(cli, project, state_dir, text, expected):
     assert expected in refused(cli, project, state_dir, text)
@@ -114,6 +118,9 @@ def test_settable_diloco_knobs_and_rank_names_for_rank_env_still_work(project):
                        "args": {"rank_env": "LOCAL_RANK", "max_tokens": 4096},
                        "secrets": ["AWS_ACCESS_KEY_ID", "AWS_ENDPOINT_URL", "HF_TOKEN"]}, base_dir=project)
     assert spec.env["DILOCO_FAULT_CORRUPT"] == "1" and spec.args["max_tokens"] == 4096
+    for name in ("REPLICA_RANK", "RANK", "GROUP_RANK"):  # names that hold a rank
+        parse_spec({"backend": "local", "replicas": 2, "entrypoint": "job:main", "args": {"rank_env": name}},
+                   base_dir=project)
 
 
 # -- run ids ----------------------------------------------------------------------------------------
@@ -287,3 +294,58 @@ def test_user_text_in_records_is_shown_as_text_by_list_and_status(cli, state_dir
     proc = cli("list")
     assert proc.returncode == 0, proc.stderr
     assert "[link=http://evil]" in proc.stdout and "Traceback" not in proc.stderr
+
+
+# -- what the launcher reads from the store --------------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value", [("loss", "x"), ("incidents", [1, 2]), ("members", "all"),
+                                          ("tokens", 1e400), ("rows", {"a": 1}), ("evals", [["x"]]),
+                                          ("bytes_up", True)])
+def test_a_planted_round_summary_of_the_wrong_shape_is_skipped_not_a_crash(field, value):
+    """Anyone with the store's credentials can write a summary: valid JSON of the wrong shape used
+    to reach the launcher's progress code (`round("x", 4)`, `inc.items()`) and crash it."""
+    import uuid
+
+    from diloco.metrics import RoundMetrics, RoundReader, RoundSummary, summary_key
+    from diloco.store import open_store
+
+    store = open_store(f"memory://{uuid.uuid4().hex}")
+    good = RoundSummary.from_rows(1, [RoundMetrics(round=1, rank=0, members=[0], loss=1.5, tokens=10)])
+    store.put(summary_key("run", 1), good.to_json())
+    bad = json.loads(RoundSummary.from_rows(2, [RoundMetrics(round=2, rank=0, members=[0])]).to_json())
+    bad[field] = value
+    store.put(summary_key("run", 2), json.dumps(bad).encode())
+    store.put(summary_key("run", 3), b"[" * 100_000)  # deeper than json can decode
+    got = RoundReader(store, "run").read_new()
+    assert [s.round for s in got] == [1] and got[0].loss == 1.5
+
+
+def test_rows_and_summaries_are_valid_json_with_nan_values():
+    from diloco.metrics import RoundMetrics, RoundSummary
+
+    row = RoundMetrics(round=1, rank=0, members=[0], loss=float("nan"),
+                       evals=[[5, float("nan")]])
+    text = RoundSummary.from_rows(1, [row]).to_json().decode()
+    assert "NaN" not in text and "Infinity" not in text
+    back = RoundMetrics.from_json(row.to_json())
+    assert back.loss is None and back.evals == []  # no loss, and no point on the eval curve
+
+
+def test_a_runspec_built_in_python_is_checked_as_a_parsed_one(project, state_dir):
+    """`diloco.launch(RunSpec(...))` used to skip every check a spec file gets."""
+    import dataclasses
+
+    import diloco
+    from diloco.errors import SpecError
+    from diloco.spec import parse_spec
+
+    good = parse_spec({"backend": "local", "replicas": 2, "entrypoint": "job:main"}, base_dir=project)
+    assert parse_spec(good.to_table(), base_dir=project) == good
+    for hostile, expected in [({"env": {"LD_PRELOAD": "/tmp/evil.so"}}, "sets LD_PRELOAD"),
+                              ({"timeout": float("nan")}, "must be a finite number"),
+                              ({"rendezvous": "s3://AKIA:hunter2@bucket/x"}, "credentials")]:
+        with pytest.raises(SpecError, match=expected) as info:
+            diloco.launch(dataclasses.replace(good, **hostile), background=False)
+        assert "hunter2" not in str(info.value)
+    assert not (state_dir / "runs").exists() or not list((state_dir / "runs").iterdir())  # nothing recorded

@@ -58,7 +58,7 @@ def test_a_damaged_or_malformed_header_is_a_corrupt_object():
     ident = Identity("run", 3, "reduced", 1, -1)
     blob = bytearray(joined(pack(ident, encode_tensor(torch.randn(64), "fp32"), codec="fp32", numel=64,
                                  meta={"members": [0, 1]})))
-    hstart = 13
+    hstart = 17  # magic, version, header length, header XXH3-64
     damaged = bytearray(blob)
     damaged[blob.index(b'"members"') + 2] ^= 0x01  # a flipped bit in the metadata, payload untouched
     with pytest.raises(CorruptObject, match="header checksum mismatch"):
@@ -70,7 +70,28 @@ def test_a_damaged_or_malformed_header_is_a_corrupt_object():
     malformed = struct.pack("<4sBII", b"DLCO", 2, len(header), zlib.crc32(header)) + header
     with pytest.raises(CorruptObject, match="malformed header"):
         unpack(malformed, ident, "k")
-    assert hstart == struct.calcsize("<4sBII")
+    assert hstart == struct.calcsize("<4sBIQ")
+
+
+def test_objects_of_wire_version_2_written_by_an_older_diloco_are_still_read():
+    """Version 3 hashes with XXH3-64; a store holding version-2 objects (CRC-32) stays readable,
+    and damage in one is still caught by its own checksum."""
+    import json
+    import struct
+    import zlib
+
+    ident = Identity("run", 3, "reduced", 1, -1)
+    values = torch.randn(64)
+    payload = values.numpy().tobytes()
+    header = json.dumps({"run": "run", "round": 3, "kind": "reduced", "owner": 1, "src": -1, "codec": "fp32",
+                         "numel": 64, "nbytes": len(payload), "crc32": zlib.crc32(payload), "meta": {}}).encode()
+    v2 = struct.pack("<4sBII", b"DLCO", 2, len(header), zlib.crc32(header)) + header + payload
+    assert torch.equal(unpack(v2, ident, "k").tensor(), values)
+    damaged = bytearray(v2)
+    damaged[-1] ^= 0x10
+    with pytest.raises(CorruptObject, match="checksum mismatch"):
+        unpack(bytes(damaged), ident, "k")
+    assert joined(pack(ident, encode_tensor(values, "fp32"), codec="fp32", numel=64))[4] == 3  # writes version 3
 
 
 # -- history is never rewritten -----------------------------------------------------------------

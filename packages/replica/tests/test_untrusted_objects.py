@@ -13,6 +13,7 @@ import uuid
 import zlib
 
 import pytest
+import xxhash
 import torch
 
 from diloco.context import ReplicaContext
@@ -167,16 +168,16 @@ def test_a_takeover_meeting_a_wrong_length_contribution_leaves_it_out():
 def repacked(blob: bytes, *, extra: int = 0, nan: bool = False) -> bytes:
     """The same fp32 object re-packed whole, with `extra` more elements or a NaN in the middle:
     identity and checksums valid, as a writer bug (not bit rot) leaves it."""
-    prefix = struct.Struct("<4sBII")
+    prefix = struct.Struct("<4sBIQ")  # wire version 3
     _, _, hlen, _ = prefix.unpack_from(blob)
     header = json.loads(blob[prefix.size:prefix.size + hlen])
     values = torch.frombuffer(bytearray(blob[prefix.size + hlen:]), dtype=torch.float32).clone()
     if nan:
         values[values.numel() // 2] = NAN
     payload = values.numpy().tobytes() + b"\0" * (4 * extra)
-    header.update(numel=header["numel"] + extra, nbytes=len(payload), crc32=zlib.crc32(payload))
+    header.update(numel=header["numel"] + extra, nbytes=len(payload), xxh3=xxhash.xxh3_64_intdigest(payload))
     raw = json.dumps(header).encode()
-    return prefix.pack(b"DLCO", 2, len(raw), zlib.crc32(raw)) + raw + payload
+    return prefix.pack(b"DLCO", 3, len(raw), xxhash.xxh3_64_intdigest(raw)) + raw + payload
 
 
 def wrong_length(blob: bytes) -> bytes:

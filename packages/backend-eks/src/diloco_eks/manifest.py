@@ -37,6 +37,10 @@ GPU_TYPES: dict[str, dict[str, Any]] = {
     "A10G": {"count": 1, "instance_type": "g5.xlarge"},
     "T4": {"count": 1, "instance_type": "g4dn.xlarge"},
 }
+GPU_TYPE_FIELDS = ("count", "instance_type")
+# GPUs one pod may ask for: more than any instance type has (p5: 8), and the bound of
+# `processes_per_replica`, which needs a GPU per process. A count past it is a typo, not a node.
+MAX_GPUS_PER_POD = 64
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
@@ -92,8 +96,8 @@ def resolve_gpu(gpu: str | None, extra_types: Mapping[str, Mapping[str, Any]] | 
         count = int(count_text) if count_text else int(entry.get("count", 1))
     except ValueError:
         raise UserError(f"gpu {gpu!r}: the count after ':' must be a whole number") from None
-    if count < 1:
-        raise UserError(f"gpu {gpu!r}: the count must be at least 1")
+    if not 1 <= count <= MAX_GPUS_PER_POD:
+        raise UserError(f"gpu {gpu!r}: the count must be from 1 to {MAX_GPUS_PER_POD}")
     return GpuRequest(name.upper(), count, entry.get("instance_type"))
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from diloco.options import option
 
 from . import k8s_values
-from .manifest import dns_label
+from .manifest import GPU_TYPE_FIELDS, MAX_GPUS_PER_POD, dns_label
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class EksOptions:
     node_selector: dict[str, str] = option({}, help="extra nodeSelector labels (yours win over the GPU's "
                                                     "instance type)")
     tolerations: list[dict[str, Any]] | None = option(None, help="pod tolerations; default with a GPU: "
-                                                                 "nvidia.com/gpu Exists NoSchedule")
+                                                                 "nvidia.com/gpu Exists NoSchedule",
+                                                      not_secrets=("key",))  # the taint's key, a field
     cpu: str | None = option(None, help='CPU request per pod, e.g. "8"')
     memory: str | None = option(None, help='memory request per pod, e.g. "64Gi"')
     ttl_seconds_after_finished: int = option(3600, help="seconds a finished Job stays before Kubernetes "
@@ -62,6 +63,10 @@ class EksOptions:
         if self.namespace != dns_label(self.namespace, 63):
             raise ValueError(f"`backend.namespace` {self.namespace!r} is not a valid Kubernetes name "
                              f"(lowercase letters, digits and '-', at most 63)")
+        for name, entry in (self.gpu_types or {}).items():
+            problem = gpu_type_problem(name, entry)
+            if problem:
+                raise ValueError(problem)
         instance_types = [t["instance_type"] for t in (self.gpu_types or {}).values()
                           if isinstance(t, dict) and t.get("instance_type") is not None]
         problems = {
@@ -78,3 +83,28 @@ class EksOptions:
             problem = next(filter(None, found), None)
             if problem:
                 raise ValueError(f"`backend.{key}`: {problem}; Kubernetes would refuse the Job")
+
+
+def gpu_type_problem(name: str, entry: Any) -> str | None:
+    """What is wrong with one `gpu_types` entry, as one line naming `backend.gpu_types.NAME.FIELD`.
+
+    The count becomes the pod's GPU limit as written: a list failed at plan time with a
+    TypeError, 1.5 or true became 1 unnoticed, and 10**23 reached the Job. The instance type
+    is a node selector value, checked with the other labels."""
+    key = f"backend.gpu_types.{name}"
+    if not name or ":" in name or not name.isprintable() or any(c.isspace() for c in name):
+        return (f"`backend.gpu_types` name {name!r} cannot be asked for with `gpu = \"NAME\"` or \"NAME:N\"; "
+                f"use a name without ':' or spaces, e.g. L4")
+    if not isinstance(entry, dict):
+        return f"`{key}` must be a table, e.g. {{ count = 1, instance_type = \"g6.xlarge\" }}"
+    unknown = sorted(set(entry) - set(GPU_TYPE_FIELDS))
+    if unknown:
+        return f"`{key}.{unknown[0]}` is not a GPU type field (fields: {', '.join(GPU_TYPE_FIELDS)})"
+    count = entry.get("count", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_GPUS_PER_POD:
+        return (f"`{key}.count` must be a whole number of GPUs per pod from 1 to {MAX_GPUS_PER_POD}, "
+                f"got {count!r}")
+    instance_type = entry.get("instance_type")
+    if instance_type is not None and not isinstance(instance_type, str):
+        return f"`{key}.instance_type` must be a string such as \"g6.xlarge\", got {instance_type!r}"
+    return None

@@ -42,10 +42,12 @@ class ModalOptions:
     ignore: list[str] = option([], help="gitignore-style patterns of workdir files not to ship (credentials, .env*, "
                                         "*.pem, .git, virtualenvs and .gitignored files never ship)")
     secrets: list[str] = option([], help="names of Modal secrets to attach (the store's credentials, for example)")
-    volumes: dict[str, str] = option({}, help="Modal volumes to mount, {path = volume name}")
+    # keys are mount paths (a volume at /secrets holds no secret) and a mount's fixed fields, checked
+    # below; a mount's `secret` names a Modal secret
+    volumes: dict[str, str] = option({}, help="Modal volumes to mount, {path = volume name}", not_secrets=True)
     bucket_mounts: dict[str, dict[str, str | bool]] = option(
         {}, help="cloud buckets to mount, {path = {bucket, bucket_endpoint_url, key_prefix, secret, read_only, "
-                 "requester_pays, force_path_style, oidc_auth_role_arn}}")
+                 "requester_pays, force_path_style, oidc_auth_role_arn}}", not_secrets=True)
     cpu: float | None = option(None, help="CPU cores per container", min=MIN_CPU, max=MAX_CPU)
     memory: int | None = option(None, help="memory per container in MiB", min=MIN_MEMORY, max=MAX_MEMORY)
     region: str | list[str] | None = option(None, help="Modal region(s) to run in")

@@ -47,7 +47,8 @@ class SageMakerOptions:
                                         ".gitignore, caches, and credentials, which never ship)")
     tags: dict[str, str] = option({}, help="extra tags on every job")
     secret_refs: dict[str, str] = option({}, help="{ENV_NAME = Secrets Manager ARN} resolved in the container, "
-                                                  "never in the request")
+                                                  "never in the request",
+                                         not_secrets=True)  # names secrets (HF_TOKEN), holds references
 
     def check(self) -> None:
         """Everything checkable without AWS beyond types and bounds, each as one line naming the key."""
@@ -61,11 +62,15 @@ class SageMakerOptions:
                             "drop one of them")
         if bool(self.subnets) != bool(self.security_groups):
             raise UserError("[backend] VPC config needs both `subnets` and `security_groups`")
+        from diloco.specvalues import check_uri
+        from diloco.variables import check_variable
+
         for prefix_key in ("s3_prefix", "output_path"):
             value = getattr(self, prefix_key)
+            if value:  # credentials first: the error below would echo them
+                check_uri("[backend]", f"backend.{prefix_key}", value)  # spec tables had this; options given whole
             if value and not value.startswith("s3://"):
                 raise UserError(f"[backend] {prefix_key} {value!r} must be an s3:// URI")
-        from diloco.variables import check_variable
 
         for var, ref in self.secret_refs.items():
             check_variable("[backend]", "backend.secret_refs", var)  # the one reserved list (docs/security.md)

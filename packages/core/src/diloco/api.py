@@ -41,8 +41,8 @@ def load(spec: str | Path | Mapping[str, Any], *, base_dir: str | Path | None = 
     it resolve against `base_dir`, default the working directory)."""
     from .spec import RunSpec, load_spec, parse_spec
 
-    if isinstance(spec, RunSpec):
-        return spec
+    if isinstance(spec, RunSpec):  # built in Python, not parsed: checked as a parsed one is
+        return parse_spec(spec.to_table(), source=spec.source, base_dir=Path(base_dir) if base_dir else None)
     if isinstance(spec, Mapping):
         return parse_spec(spec, source="<spec dict>", base_dir=Path(base_dir) if base_dir else None)
     return load_spec(spec)
@@ -59,7 +59,13 @@ def launch(spec: str | Path | Mapping[str, Any], *, base_dir: str | Path | None 
     run = Run(sup.record.run_id, root=sup.record.dir.parent.parent)
     run.supervisor = sup
     if background:
-        sup.start()  # launch errors surface here, in the caller's thread
+        sup.take_lease()  # held before any replica starts; the supervising thread keeps and releases it
+        try:
+            sup.start()  # launch errors surface here, in the caller's thread
+        except BaseException:
+            sup.lease.release()
+            sup.lease = None
+            raise
         run._thread = threading.Thread(target=run._supervise_quietly, name=f"diloco-{run.id}", daemon=True)
         run._thread.start()
     return run
@@ -230,7 +236,11 @@ class Run:
             record = self.record
             if record.ended:
                 raise UserError(f"run {self.id} already ended ({record.state}); nothing to resume")
-            if launcher_alive(record):
+            from .lease import LEASE_FILE
+
+            # With a lease file the lease decides and its refusal names the live holder (run.json's
+            # launcher is the one that died); records from before the lease have only the heartbeat.
+            if not (record.dir / LEASE_FILE).exists() and launcher_alive(record):
                 raise UserError(f"run {self.id} is still supervised by process {record.launcher.pid}; "
                                 "stop that launcher first (or wait for it)")
             supervisor = resume_run(record)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .state import RunRecord
+from .state import RunRecord, private_file
 
 
 def collect_artifacts(record: RunRecord) -> list[Path]:
-    """Copy the run's artifacts from its store into ``runs/<run>/artifacts/``; return the files."""
+    """Copy the run's artifacts from its store into ``runs/<run>/artifacts/``; return the files,
+    private like the records beside them (a summary may hold the run's data)."""
     from .store import open_store
 
     rendezvous = record.rendezvous
@@ -26,7 +27,7 @@ def collect_artifacts(record: RunRecord) -> list[Path]:
         if data is None:
             continue
         dest = record.dir / "artifacts" / name
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        dest.write_bytes(data)
+        with private_file(dest, "wb") as f:
+            f.write(data)
         out.append(dest)
     return sorted(out)

@@ -220,8 +220,10 @@ def status(run_id: str, as_json: bool, n_events: int, timeline: bool, n_rounds: 
     if view["live_error"]:
         click.echo(f"warning: cannot poll replicas live ({view['live_error']}); showing recorded statuses", err=True)
     if as_json:
+        from .state import to_json
+
         view.pop("rounds_objects")
-        click.echo(json.dumps(view, indent=2, default=str))
+        click.echo(to_json(view, indent=2, default=str))  # valid JSON always: no NaN for scripts to choke on
         return
     console = Console(width=140, highlight=False)
     if timeline:

@@ -29,7 +29,7 @@ from .options import option, options_from
 from .procgroup import replica_command
 from .protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
 from .request import LaunchPlan, LaunchRequest
-from .state import private_dir, process_start_ticks, state_dir
+from .state import private_dir, private_file, process_start_ticks, state_dir
 from .waiting import poll_until_terminal
 
 
@@ -173,7 +173,7 @@ class LocalProcessExecutor:
             stem = row["log"].removesuffix(".log")
             for suffix in (".result.json", ".started.json", ".cancelled"):
                 Path(stem + suffix).unlink(missing_ok=True)
-            with open(row["log"], "ab") as log:
+            with private_file(Path(row["log"]), "ab") as log:  # all the replica prints, 0600
                 proc = subprocess.Popen(row["argv"], cwd=row["cwd"], env={**os.environ, **row["env"], **secrets},
                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
@@ -256,7 +256,7 @@ class LocalProcessExecutor:
         result_path, _, cancelled_path, _ = self._paths(handle)
         if result_path.exists() or not self._alive(handle):
             return  # already ended on its own: nothing to stop, and its real status stays
-        cancelled_path.touch()
+        cancelled_path.touch(mode=0o600)
         pgid = int(handle.metadata["pid"])
         try:
             os.killpg(pgid, signal.SIGTERM)

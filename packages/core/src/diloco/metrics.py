@@ -16,6 +16,7 @@ handful of objects.
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -38,9 +39,72 @@ def summary_key(run_id: str, round_: int) -> str:
 PHASES = ("compute", "upload", "wait", "reduce", "download", "outer")
 
 
-def _from_dict(cls, data: dict[str, Any]):
-    known = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in data.items() if k in known})
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+# Rows and summaries arrive from the store, which anyone holding its credentials can write: each
+# field is checked against its declared type (numbers finite) before the launcher uses it, so a
+# planted or garbled object is skipped like a torn one instead of crashing the supervisor.
+_FIELD_CHECKS: dict[str, Any] = {
+    "int": _is_int,
+    "float": _is_number,
+    "bool": lambda v: isinstance(v, bool),
+    "int | None": lambda v: v is None or _is_int(v),
+    "float | None": lambda v: v is None or _is_number(v),
+    "str | None": lambda v: v is None or isinstance(v, str),
+    "list[int]": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+    "dict[str, int]": lambda v: isinstance(v, dict) and all(isinstance(k, str) and _is_int(x) for k, x in v.items()),
+    "dict[str, float]": lambda v: isinstance(v, dict) and all(isinstance(k, str) and _is_number(x)
+                                                              for k, x in v.items()),
+    "list[dict[str, Any]]": lambda v: isinstance(v, list) and all(
+        isinstance(x, dict) and all(isinstance(k, str) for k in x) for x in v),
+    "dict[str, Any] | None": lambda v: v is None or (isinstance(v, dict) and all(isinstance(k, str) for k in v)),
+    "list[list[float]]": lambda v: isinstance(v, list) and all(
+        isinstance(x, list) and all(_is_number(y) for y in x) for x in v),
+}
+
+
+def _from_dict(cls, data: Any):
+    """An instance of `cls` from a decoded JSON object, every known field type-checked;
+    ValueError names the first field that does not fit (the readers skip such an object)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a {cls.__name__} must be a JSON object")
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in data or f.name == "rows":
+            continue
+        check = _FIELD_CHECKS[f.type]
+        if not check(data[f.name]):
+            raise ValueError(f"{cls.__name__}.{f.name} is not a valid {f.type}")
+        kwargs[f.name] = data[f.name]
+    return cls(**kwargs)
+
+
+def _json_safe(value: Any) -> Any:
+    """`value` with every non-finite float as null: rows and summaries are valid JSON always."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _dumps(value: dict[str, Any]) -> bytes:
+    """Valid JSON always: an eval point that is not finite is dropped (it is no point on a curve),
+    any other non-finite number becomes null (a NaN loss: no loss)."""
+    for d in [value, *value.get("rows", [])]:
+        d["evals"] = [e for e in d.get("evals", []) if all(isinstance(x, (int, float)) and math.isfinite(x) for x in e)]
+    try:
+        return json.dumps(value, sort_keys=True, allow_nan=False).encode()
+    except ValueError:
+        return json.dumps(_json_safe(value), sort_keys=True, allow_nan=False).encode()
 
 
 @dataclass
@@ -60,7 +124,7 @@ class RoundMetrics:
     sync_s: float = 0.0
     requests: dict[str, int] = field(default_factory=dict)
     takeovers: list[int] = field(default_factory=list)
-    state_digest: str | None = None     # CRC-32 of θ_global and of the outer momentum after the round
+    state_digest: str | None = None     # XXH3-64 of θ_global and of the outer momentum after the round
     incidents: list[dict[str, Any]] = field(default_factory=list)  # corrupt objects met, and what was done
     t: float = 0.0                      # wall clock when the round's outer step was applied here
     phases: dict[str, float] = field(default_factory=dict)  # seconds per PHASES entry
@@ -71,7 +135,7 @@ class RoundMetrics:
     evals: list[list[float]] = field(default_factory=list)  # [step, eval loss] the entrypoint reported
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        return _dumps(asdict(self))
 
     @classmethod
     def from_json(cls, raw: bytes | memoryview) -> RoundMetrics:
@@ -128,13 +192,16 @@ class RoundSummary:
         return set(self.members) <= set(self.reported)
 
     def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        return _dumps(asdict(self))
 
     @classmethod
     def from_json(cls, raw: bytes | memoryview | str) -> RoundSummary:
         data = json.loads(raw if isinstance(raw, str) else bytes(raw))
         summary = _from_dict(cls, data)
-        summary.rows = [_from_dict(RoundMetrics, row) for row in data.get("rows") or []]
+        rows = data.get("rows") or []
+        if not isinstance(rows, list):
+            raise ValueError("RoundSummary.rows must be a list")
+        summary.rows = [_from_dict(RoundMetrics, row) for row in rows]
         return summary
 
 
@@ -197,7 +264,7 @@ class RoundReader:
             if raw is not None:
                 try:
                     out[rnd] = RoundSummary.from_json(raw)
-                except (ValueError, TypeError):
+                except (ValueError, TypeError, RecursionError):
                     continue
         newest = max(out, default=self.after)
         orphans = {}
@@ -210,7 +277,7 @@ class RoundReader:
                 if raw is not None:
                     try:
                         rows.append(RoundMetrics.from_json(raw))
-                    except (ValueError, TypeError):
+                    except (ValueError, TypeError, RecursionError):
                         continue
             if rows:
                 out[rnd] = RoundSummary.from_rows(rnd, rows)
@@ -233,7 +300,7 @@ class RoundCache:
             for line in self.path.read_text().splitlines():
                 try:
                     s = RoundSummary.from_json(line)
-                except (ValueError, TypeError):
+                except (ValueError, TypeError, RecursionError):
                     continue  # a line cut short by a killed process
                 by_round[s.round] = s
         except FileNotFoundError:
@@ -243,8 +310,9 @@ class RoundCache:
     def append(self, summaries: list[RoundSummary]) -> None:
         if not summaries:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
+        from .state import private_file
+
+        with private_file(self.path, "a") as f:
             f.write("".join(s.to_json().decode() + "\n" for s in summaries))
 
 

@@ -11,7 +11,8 @@ A backend declares its options as a frozen dataclass, each field made with `opti
 and sets `Options = FooOptions` on its executor. Core checks a spec's table against it before
 anything else runs (`parse_options`): unknown keys, wrong types (a string where a list goes, a
 float where an integer goes), numbers that are not finite or out of bounds, and values outside
-`choices` each fail with one line naming `backend.KEY`, the expected type and the value.
+`choices` each fail with one line naming `backend.KEY`, the expected type and the value; so does
+a secret-looking key inside an option's tables (options are recorded with the run).
 `diloco backends NAME` and the conformance kit read the same declaration (`describe_options`).
 
 Executors written against the first contract (options as `__init__` keyword parameters, help in
@@ -33,12 +34,15 @@ _MISSING = dataclasses.MISSING
 
 
 def option(default: Any = _MISSING, *, help: str, min: float | None = None, max: float | None = None,
-           choices: tuple[Any, ...] = ()) -> Any:
+           choices: tuple[Any, ...] = (), not_secrets: bool | tuple[str, ...] = ()) -> Any:
     """One `[backend]` option: its default (none: required), help text, bounds and choices.
 
-    Mutable defaults (lists, dicts) are copied per instance.
+    Mutable defaults (lists, dicts) are copied per instance. A secret-looking key at any depth of
+    the value is refused (`parse_options`); `not_secrets` names the keys that look like one but
+    hold none (a toleration's `key`), or is True where no key does: the option maps variable
+    names to secret references (`secret_refs`), or its keys are paths and fields the backend checks.
     """
-    meta = {"help": help, "min": min, "max": max, "choices": tuple(choices)}
+    meta = {"help": help, "min": min, "max": max, "choices": tuple(choices), "not_secrets": not_secrets}
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -138,6 +142,21 @@ def check_option(where: str, name: str, f: dataclasses.Field, tp: Any, value: An
     return value
 
 
+def check_secret_keys(where: str, name: str, f: dataclasses.Field, value: Any) -> None:
+    """Refuse a secret-looking key at any depth of one option's value (`labels = { api_token = ... }`):
+    options are recorded in run.json and shown by `dryrun`, so its value would land in both."""
+    from .specvalues import secret_key_path
+
+    allowed = f.metadata.get("not_secrets", ())
+    if allowed is True:
+        return
+    found = secret_key_path(f"backend.{name}", value, allowed=allowed or ())
+    if found:
+        raise SpecError(f"{where}: `{found}` looks like a secret, and backend options are recorded with the run "
+                        f"and shown by dryrun; rename the key, or pass the value through `secrets = [...]` (an "
+                        f"environment variable exported in your shell)")
+
+
 def parse_options(options_type: type, table: dict[str, Any], *, source: str = "<spec>",
                   backend: str = "?") -> Any:
     """The spec's `[backend]` table (without `name`) as an instance of `options_type`, or one
@@ -154,6 +173,7 @@ def parse_options(options_type: type, table: dict[str, Any], *, source: str = "<
     for name, (f, tp) in declared.items():
         if name in table:
             values[name] = check_option(source, name, f, tp, table[name])
+            check_secret_keys(source, name, f, values[name])
         elif f.default is _MISSING and f.default_factory is _MISSING:
             raise SpecError(f"{source}: backend {backend!r} needs `backend.{name}`: {f.metadata.get('help', '')}")
     return options_type(**values)

@@ -69,7 +69,14 @@ class TensorBoardSink:
         finally:
             if hidden:
                 del sys.modules["torch"]
+        if not logdir:  # in the run's records: private like them (a directory the user named is theirs)
+            from .state import private_dir
+
+            private_dir(self.logdir)
         self.writer = SummaryWriter(str(self.logdir), flush_secs=5)
+        if not logdir:  # tensorboardX creates its event file at once, with open(): 0644
+            for path in self.logdir.iterdir():
+                path.chmod(0o600)
 
     def write(self, summary: RoundSummary) -> None:
         step = summary.step or summary.round

@@ -37,8 +37,8 @@ from .procgroup import resolve_processes
 from .store import SCHEMES, scheme_list
 from .settings import DilocoSettings
 from .sinks import check_metrics
-from .specvalues import MAX_ARGS_JSON, MAX_SPEC_BYTES, check_values, safe_uri
-from .variables import check_variable, is_secret_name
+from .specvalues import MAX_ARGS_JSON, MAX_SPEC_BYTES, check_values, safe_uri, secret_key_path
+from .variables import check_variable
 from .wiresize import CODECS
 
 
@@ -184,18 +184,16 @@ RENAMED = {"diloco.min_replicas": "diloco.min_members"}
 
 
 def check_sink_options(where: str, metrics: Mapping[str, Any]) -> None:
-    """Sink options are recorded with the run: a secret-looking key at any depth is refused
-    (sinks read their credentials from the environment: WANDB_API_KEY, MLFLOW_TRACKING_TOKEN)."""
-    stack = [(f"metrics.{k}", v) for k, v in metrics.items() if isinstance(v, dict)]
-    while stack:
-        path, table = stack.pop()
-        for key, value in table.items():
-            if is_secret_name(key):
-                raise SpecError(f"{where}: `{path}.{key}` looks like a secret; sinks read credentials from their own "
-                                f"environment variables (export them in the launcher's shell), so values never land "
-                                f"in records")
-            if isinstance(value, dict):
-                stack.append((f"{path}.{key}", value))
+    """Sink options are recorded with the run: a secret-looking key at any depth, inside tables
+    and arrays alike (`headers = [{api_key = ...}]`), is refused (sinks read their credentials
+    from the environment: WANDB_API_KEY, MLFLOW_TRACKING_TOKEN)."""
+    sinks = {f"metrics.{k}": v for k, v in metrics.items() if isinstance(v, dict)}
+    for path, table in sinks.items():
+        found = secret_key_path(path, table)
+        if found:
+            raise SpecError(f"{where}: `{found}` looks like a secret; sinks read credentials from their own "
+                            f"environment variables (export them in the launcher's shell), so values never land "
+                            f"in records")
 
 
 @dataclass
@@ -225,6 +223,15 @@ class RunSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RunSpec:
         return cls(**dict(data))
+
+    def to_table(self) -> dict[str, Any]:
+        """The spec shaped like its TOML, so a `RunSpec` built in Python (not parsed) is checked
+        by `parse_spec` like any other: `parse_spec(s.to_table()) == s` for a parsed spec."""
+        def present(d: Mapping[str, Any]) -> dict[str, Any]:  # TOML has no null: unset is absent
+            return {k: present(v) if k in ("restart", "diloco") else v for k, v in d.items() if v is not None}
+
+        table = {k: v for k, v in self.__dict__.items() if k not in ("backend", "backend_options", "source")}
+        return {**present(table), "backend": {"name": self.backend, **self.backend_options}}
 
 
 def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", base_dir: Path | None = None,

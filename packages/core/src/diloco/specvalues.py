@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Container
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -86,6 +87,23 @@ def _path(parent: str, key: Any) -> str:
         return f"{parent}[{key}]"
     shown = key if len(key) <= 40 and key.isprintable() else repr(key[:40]) + "…"
     return f"{parent}.{shown}" if parent else shown
+
+
+def secret_key_path(root: str, data: Any, *, allowed: Container[str] = ()) -> str | None:
+    """The path of a key, at any depth of tables and arrays, that looks like a secret's name
+    (`is_secret_name`), or None. Keys not in `allowed` only: a few name a secret without holding one.
+
+    Whatever a spec's tables hold is recorded with the run and shown by `dryrun`, so a value under
+    `api_key` would land in files; the walk is iterative, like `check_values`."""
+    stack: list[tuple[str, Any]] = [(root, data)]
+    while stack:
+        path, value = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            if isinstance(key, str) and key not in allowed and is_secret_name(key):
+                return _path(path, key)
+            stack.append((_path(path, key), item))
+    return None
 
 
 def check_values(where: str, data: Any, *, root: str = "") -> None:

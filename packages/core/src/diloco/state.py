@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from .errors import RunNotFound, UserError
 
@@ -85,6 +85,15 @@ def private_dir(path: Path) -> Path:
     return path
 
 
+def private_file(path: Path, mode: str = "wb") -> IO[Any]:
+    """`path` opened to write ("w"/"wb": from empty, "a"/"ab": appending), created 0600 and in a
+    0700 directory. What `open()` creates is 0644 under the usual umask: readable by anyone who
+    can reach it, and a log, a round or an artifact may hold what the user alone should read."""
+    private_dir(path.parent)
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    return os.fdopen(os.open(path, flags, 0o600), mode)
+
+
 def _finite(value: Any) -> Any:
     """`value` with every non-finite float as a string, so the document is valid JSON."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -116,10 +125,8 @@ def new_run_id(name: str) -> str:
 
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write-then-rename, the file 0600 from its first byte."""
-    private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
+    with private_file(tmp, "w") as f:
         f.write(to_json(data, indent=2, sort_keys=True))
     os.replace(tmp, path)
 
@@ -225,7 +232,7 @@ class RunRecord:
     def request_cancel(self) -> None:
         """Tell whichever launcher supervises this run to stop it (works across processes)."""
         private_dir(self.dir)
-        self.cancel_marker.touch()
+        self.cancel_marker.touch(mode=0o600)
 
     def cancel_requested(self) -> bool:
         return self.cancel_marker.exists()
@@ -237,9 +244,7 @@ class RunRecord:
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         """Append one event to the run's log (one JSON object a line, flushed at once)."""
         entry = {"t": time.time(), "event": kind, **fields}
-        private_dir(self.dir)
-        fd = os.open(self.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        with os.fdopen(fd, "a") as f:
+        with private_file(self.events_path, "a") as f:
             f.write(to_json(entry, sort_keys=True) + "\n")
         return entry
 

@@ -39,6 +39,9 @@ RANK_NAMES = frozenset({
     envvars.ENV_RANK, envvars.ENV_WORLD_SIZE, envvars.ENV_LANE, envvars.ENV_LANES, "RANK", "GROUP_RANK",
     "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
 })
+# What `rank_env` may name among them: variables that hold a rank. Never a size, an address or
+# the devices (`rank_env = "CUDA_VISIBLE_DEVICES"` once gave every replica the GPU of its rank number).
+RANK_VALUED_NAMES = frozenset({envvars.ENV_RANK, envvars.ENV_LANE, "RANK", "GROUP_RANK", "ROLE_RANK"})
 RESERVED_NAMES = PLUMBING_NAMES | RANK_NAMES
 RESERVED_PREFIXES = ("LD_", "DYLD_", "DILOCO_", "TORCHELASTIC_", "KUBERNETES_", "PYTHON")
 # DILOCO_* variables a user sets on purpose: fault injection for tests and soaks, the store
@@ -90,7 +93,7 @@ def check_variable(where: str, door: str, key: str, name: str | None = None) -> 
     if not NAME.match(name):
         raise SpecError(f"{where}: {shown} is not an environment variable name (letters, digits, '_')")
     exported = f" (exported as {name})" if door == "args" and name != key else ""
-    if is_reserved(name) and not (door == "rank_env" and name.upper() in RANK_NAMES):
+    if is_reserved(name) and not (door == "rank_env" and name.upper() in RANK_VALUED_NAMES):
         raise SpecError(f"{where}: {shown}{exported} sets {name}, which replicas need for themselves (the "
                         f"process's plumbing or the rank contract); rename it (docs/security.md#variables)")
     if door in ("secrets",) or door.startswith("backend."):

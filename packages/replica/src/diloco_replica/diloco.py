@@ -193,7 +193,11 @@ class DiLoCo:
 
     def report_eval(self, loss: float) -> None:
         """Record an evaluation of the model at the current global step; it goes into the next
-        round's row (the loss curve and the timeline plot show it, TensorBoard gets it)."""
+        round's row (the loss curve and the timeline plot show it, TensorBoard gets it). A NaN or
+        Inf loss is logged and left out: it is no point on a curve, and rows are JSON."""
+        if not math.isfinite(float(loss)):
+            self._log(f"eval loss at global step {self.global_step} is {loss}: not recorded (the model diverged?)")
+            return
         self._evals.append([self.global_step, float(loss)])
 
     def finish(self) -> RoundMetrics | None:
@@ -306,7 +310,7 @@ class DiLoCo:
         self._warn_if_alone(info)
         self.history.append(info)
         # θ and the momentum stay as they are until the next round's outer step, so their digest
-        # (a CRC over 8 bytes per parameter, ~2 GB/s) and the row's write overlap the next inner steps.
+        # (XXH3 over 8 bytes per parameter) and the row's write overlap the next inner steps.
         self._pending_row = self.allreduce.io.pool.submit(self._record, info)
         if local_at_sync is None:
             self._next_phase()

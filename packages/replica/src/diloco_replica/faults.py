@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import time
 from typing import Any
 
 import torch
 
 from .codecs import decode, encode
-from .wire import Identity, joined, pack
+from .wire import Identity, joined, pack, split
 
 
 class PhaseMarker:
@@ -80,10 +78,8 @@ class WrongLengthInjector:
 
 def lengthened(blob: bytes) -> bytes:
     """`blob` (a packed object, trusted: the injector's own write) with one more element, a zero."""
-    prefix = struct.Struct("<4sBII")
-    hlen = prefix.unpack_from(blob)[2]
-    h = json.loads(blob[prefix.size:prefix.size + hlen])
-    values = decode(memoryview(blob)[prefix.size + hlen:], h["codec"], h["numel"])
+    h, payload = split(blob)
+    values = decode(payload, h["codec"], h["numel"])
     parts = encode(torch.cat([values, torch.zeros(1)]), h["codec"])
     ident = Identity(h["run"], h["round"], h["kind"], h["owner"], h["src"])
     return joined(pack(ident, parts, codec=h["codec"], numel=h["numel"] + 1, meta=h["meta"]))

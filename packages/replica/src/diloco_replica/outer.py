@@ -11,9 +11,8 @@ multiply or add is exactly rounded whichever path computes it.
 
 from __future__ import annotations
 
-import zlib
-
 import torch
+import xxhash
 
 from .finite import all_finite
 
@@ -48,7 +47,7 @@ def outer_step(theta: torch.Tensor, momentum_buf: torch.Tensor, grad: torch.Tens
 
 
 def state_digest(theta: torch.Tensor, momentum_buf: torch.Tensor) -> str:
-    """CRC-32 of θ_global's and the momentum's bytes: equal on every replica, or one diverged."""
-    crc_theta = zlib.crc32(memoryview(theta.numpy()).cast("B"))
-    crc_buf = zlib.crc32(memoryview(momentum_buf.numpy()).cast("B"))
-    return f"{crc_theta:08x}-{crc_buf:08x}"
+    """XXH3-64 of θ_global's and the momentum's bytes: equal on every replica, or one diverged."""
+    digest_theta = xxhash.xxh3_64_hexdigest(memoryview(theta.numpy()).cast("B"))
+    digest_buf = xxhash.xxh3_64_hexdigest(memoryview(momentum_buf.numpy()).cast("B"))
+    return f"{digest_theta}-{digest_buf}"

@@ -1,10 +1,13 @@
 """The tensor wire format: a small JSON header and raw bytes, checksummed, never pickle.
 
-    b"DLCO" | version (1 byte) | header length (u32 LE) | header CRC-32 (u32 LE) | header JSON | payload
+    b"DLCO" | version 3 (1 byte) | header length (u32 LE) | header XXH3-64 (u64 LE) | header JSON | payload
 
 The header names what the object is (run, round, kind, owner, source), how the payload is
-encoded (codec, element count) and the payload's length and CRC-32; the header has a CRC-32 of
-its own, so a flipped bit anywhere in the object is caught. `unpack` checks all of it against
+encoded (codec, element count) and the payload's length and XXH3-64 hash; the header has a hash
+of its own, so a flipped bit anywhere in the object is caught. XXH3 (the xxhash package) runs at
+~30 GB/s on one core here against ~6 GB/s for zlib's CRC-32, and every byte of every round is
+hashed once when written and once when read. Version 2 objects (CRC-32 in a u32, `"crc32"` in
+the header) are still read, so a store written by an older diloco stays readable. `unpack` checks all of it against
 what the reader expected, so a truncated, corrupted, malformed or foreign object (another run,
 another round, another shard — e.g. from a reused rendezvous URI) raises `CorruptObject` (never
 KeyError or TypeError) and is never averaged in. A checksum only proves the bytes are the
@@ -22,6 +25,8 @@ import json
 import struct
 import warnings
 import zlib
+
+import xxhash
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,11 +35,12 @@ import torch
 from .codecs import CODECS, INT8_CHUNK, BadPayload, decode, encode, encoded_nbytes
 
 __all__ = ["CODECS", "INT8_CHUNK", "CorruptObject", "Identity", "Unpacked", "check_layout", "decode_tensor",
-           "encode_tensor", "encoded_nbytes", "joined", "pack", "pack_json", "unpack"]
+           "encode_tensor", "encoded_nbytes", "joined", "pack", "pack_json", "split", "unpack"]
 
 MAGIC = b"DLCO"
-VERSION = 2
-_PREFIX = struct.Struct("<4sBII")
+VERSION = 3
+_PREFIX = struct.Struct("<4sBIQ")      # version 3: magic, version, header length, header XXH3-64
+_PREFIX_V2 = struct.Struct("<4sBII")   # version 2: the same with a CRC-32 of the header
 # Decoding reads straight from the downloaded (read-only) buffer and always copies out; torch's
 # warning about non-writable buffers does not apply.
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -59,18 +65,25 @@ class Identity:
     src: int = -1
 
 
+def payload_hash(parts: list[memoryview] | memoryview) -> int:
+    """XXH3-64 of a payload given as one buffer or as the buffers it is made of, in order."""
+    if isinstance(parts, memoryview):
+        return xxhash.xxh3_64_intdigest(parts)
+    h = xxhash.xxh3_64()
+    for part in parts:
+        h.update(part)
+    return h.intdigest()
+
+
 def pack(identity: Identity, parts: list[memoryview], *, codec: str, numel: int,
          meta: dict[str, Any] | None = None) -> list[bytes | memoryview]:
     """The object as a list of buffers (header first); the store writes them without joining."""
-    crc = 0
-    nbytes = 0
-    for part in parts:
-        crc = zlib.crc32(part, crc)
-        nbytes += part.nbytes
+    nbytes = sum(part.nbytes for part in parts)
     header = json.dumps({"run": identity.run, "round": identity.round, "kind": identity.kind,
                          "owner": identity.owner, "src": identity.src, "codec": codec, "numel": numel,
-                         "nbytes": nbytes, "crc32": crc, "meta": meta or {}}, separators=(",", ":")).encode()
-    return [_PREFIX.pack(MAGIC, VERSION, len(header), zlib.crc32(header)) + header, *parts]
+                         "nbytes": nbytes, "xxh3": payload_hash(parts), "meta": meta or {}},
+                        separators=(",", ":")).encode()
+    return [_PREFIX.pack(MAGIC, VERSION, len(header), xxhash.xxh3_64_intdigest(header)) + header, *parts]
 
 
 def joined(blob: list[bytes | memoryview]) -> bytes:
@@ -110,16 +123,21 @@ def unpack(blob: bytes | memoryview, expect: Identity, key: str, *, numel: int |
     """Verify and split an object; with `numel`/`codec`, also its layout (`check_layout`).
     Raises CorruptObject naming the key and what is wrong."""
     view = memoryview(blob)
-    if view.nbytes < _PREFIX.size:
+    if view.nbytes < _PREFIX_V2.size:
         raise CorruptObject(f"{key}: truncated ({view.nbytes} bytes, no header)")
-    magic, version, hlen, hcrc = _PREFIX.unpack_from(view)
-    if magic != MAGIC or version != VERSION:
+    version = view[4]
+    prefix, digest, field = (_PREFIX, xxhash.xxh3_64_intdigest, "xxh3") if version == VERSION else \
+        (_PREFIX_V2, zlib.crc32, "crc32")
+    if view.nbytes < prefix.size:
+        raise CorruptObject(f"{key}: truncated ({view.nbytes} bytes, no header)")
+    magic, version, hlen, hsum = prefix.unpack_from(view)
+    if magic != MAGIC or version not in (2, VERSION):
         raise CorruptObject(f"{key}: not a diloco object (magic {bytes(magic)!r}, version {version})")
-    end = _PREFIX.size + hlen
+    end = prefix.size + hlen
     if view.nbytes < end:
         raise CorruptObject(f"{key}: truncated inside its header")
-    raw_header = view[_PREFIX.size:end]
-    if zlib.crc32(raw_header) != hcrc:
+    raw_header = view[prefix.size:end]
+    if digest(raw_header) != hsum:
         raise CorruptObject(f"{key}: header checksum mismatch: the header is corrupt")
     try:
         header = json.loads(bytes(raw_header))
@@ -131,7 +149,7 @@ def unpack(blob: bytes | memoryview, expect: Identity, key: str, *, numel: int |
     if payload.nbytes != header.get("nbytes"):
         raise CorruptObject(f"{key}: truncated or padded payload ({payload.nbytes} bytes, "
                             f"header says {header.get('nbytes')})")
-    if zlib.crc32(payload) != header.get("crc32"):
+    if digest(payload) != header.get(field):
         raise CorruptObject(f"{key}: checksum mismatch: the payload is corrupt")
     got = (header.get("run"), header.get("round"), header.get("kind"), header.get("owner"), header.get("src"))
     want = (expect.run, expect.round, expect.kind, expect.owner, expect.src)
@@ -140,6 +158,15 @@ def unpack(blob: bytes | memoryview, expect: Identity, key: str, *, numel: int |
     if header.get("codec") not in CODECS or encoded_nbytes(header["numel"], header["codec"], payload) != payload.nbytes:
         raise CorruptObject(f"{key}: payload size does not match codec {header.get('codec')!r}")
     return check_layout(Unpacked(header, payload, key), numel=numel, codec=codec)
+
+
+def split(blob: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
+    """Header and payload of an object this process packed itself (trusted: nothing is checked;
+    the fault-injection harness re-packs its own writes with it). Untrusted bytes go to `unpack`."""
+    view = memoryview(blob)
+    prefix = _PREFIX if view[4] == VERSION else _PREFIX_V2
+    end = prefix.size + prefix.unpack_from(view)[2]
+    return json.loads(bytes(view[prefix.size:end])), view[end:]
 
 
 def pack_json(identity: Identity, meta: dict[str, Any]) -> bytes:

@@ -1,0 +1,189 @@
+"""What one round costs a replica: host memory, requests, and time against a raw transfer.
+
+N replicas (real processes, one lane each) run DiLoCo on a plain module of S MB of fp32 through
+file:// and s3:// (moto's server: a real S3 API over HTTP on 127.0.0.1). After a warm-up round,
+per (store, N), in the same run:
+
+- added_host_memory_vs_model: peak RSS during the rounds (VmHWM, reset once `DiLoCo(...)` is
+  built) minus RSS just before `DiLoCo(...)` was built, over the fp32 model's bytes; the
+  largest replica's. θ_global and the outer momentum (2×) are in it; the model is the user's.
+- requests_per_replica_per_round: billed requests of the measured round (PUT, GET, LIST,
+  DELETE), polls left out; polls_per_replica_per_round: the GETs and LISTs made while waiting
+  for others (their number follows the wait, not the protocol). The largest replica's.
+- round_vs_raw: the slowest replica's `DiLoCo.step()` for the round (upload, membership,
+  reduce, gather, outer step) against the same bytes moved by plain puts and gets with the
+  same parallelism and no protocol, measured right after in the same processes.
+
+`BENCH_COMPARE=<git rev>` also runs every row on that revision's code (a `git worktree` of it,
+workers import its packages), alternating with the current code, so "before" and "after" come
+from the same run on the same machine. `BENCH_QUICK=1`: 4 MB, N = 2 and 4 (a smoke run).
+
+    .venv/bin/python bench/round_cost.py
+    BENCH_COMPARE=HEAD~3 BENCH_MB=100 .venv/bin/python bench/round_cost.py
+Prints JSON rows {store, replicas, model_mb, added_host_memory_vs_model,
+requests_per_replica_per_round, polls_per_replica_per_round, round_vs_raw, ...}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+QUICK = os.environ.get("BENCH_QUICK") == "1"
+MB = float(os.environ.get("BENCH_MB", "4" if QUICK else "100"))
+REPLICAS = [int(x) for x in os.environ.get("BENCH_REPLICAS", "2,4" if QUICK else "2,4,8").split(",")]
+STORES = os.environ.get("BENCH_STORES", "file,s3").split(",")
+COMPARE = os.environ.get("BENCH_COMPARE", "")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def rss_kb() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets VmHWM to the current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_kb() -> int:
+    """VmHWM, not getrusage's ru_maxrss (Linux carries that across fork and exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def raw_round(store, run: str, rank: int, n: int, numel: int, barrier) -> float:
+    """This replica's round bytes with plain puts and gets: S up, 2(N−1)/N·S down."""
+    from diloco_replica.storeaccess import shard_bounds
+
+    import torch
+
+    bounds = shard_bounds(numel, n)
+    payload = torch.randn(numel).numpy().tobytes()
+    part = lambda j: payload[bounds[j][0] * 4: bounds[j][1] * 4]  # noqa: E731
+    pool = ThreadPoolExecutor(max_workers=max(2, min(8, 2 * n)))
+    barrier.wait()
+    t0 = time.perf_counter()
+    puts = [pool.submit(store.put, f"{run}/raw/scatter/{j}/{rank}", part(j)) for j in range(n) if j != rank]
+    puts.append(pool.submit(store.put, f"{run}/raw/reduced/{rank}", part(rank)))
+    for f in puts:
+        f.result()
+    barrier.wait()
+    gets = [pool.submit(store.get, f"{run}/raw/scatter/{rank}/{m}") for m in range(n) if m != rank]
+    gets += [pool.submit(store.get, f"{run}/raw/reduced/{j}") for j in range(n) if j != rank]
+    got = sum(f.result().nbytes for f in gets)
+    elapsed = time.perf_counter() - t0
+    assert got == 2 * len(part(rank)) * (n - 1) or n == 1, got
+    pool.shutdown()
+    return elapsed
+
+
+def worker(rank: int, n: int, uri: str, env: dict, src: list[str], run: str, barrier, queue) -> None:
+    os.environ.update(env)
+    sys.path[:0] = src  # the code under test (a baseline worktree's packages, or nothing: the installed ones)
+    import torch
+
+    from diloco.context import ReplicaContext
+    from diloco.store import open_store
+    from diloco_replica import DiLoCo
+
+    torch.set_num_threads(1)
+    numel = int(MB * 1024 * 1024) // 4
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.randn(numel))
+    before = rss_kb()
+    ctx = ReplicaContext(rank, n, run, rendezvous=uri,
+                         settings={"sync_every": 1, "round_timeout": 600, "checkpoint_every": 1000})
+    diloco = DiLoCo(model, None, ctx)
+    reset_peak_rss()
+    times, rows = [], []
+    for _ in range(2):  # a warm-up round, then the measured one
+        with torch.no_grad():
+            model.w.add_(0.01 * (rank + 1))
+        barrier.wait()
+        t0 = time.perf_counter()
+        rows.append(diloco.step())
+        times.append(time.perf_counter() - t0)
+    peak = peak_rss_kb()
+    diloco.close()
+    raw = raw_round(open_store(uri), run, rank, n, numel, barrier)
+    req = rows[-1].requests
+    queue.put({"rank": rank, "round_s": times[-1], "raw_s": raw, "added_kb": peak - before,
+               "requests": req["puts"] + req["gets"] + req["lists"] + req["deletes"] - req["polls"],
+               "polls": req["polls"], "by_kind": req,
+               "bytes_up": rows[-1].bytes_up, "bytes_down": rows[-1].bytes_down})
+
+
+def one(uri: str, env: dict, n: int, src: list[str], run: str) -> dict:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue, barrier = ctx.Queue(), ctx.Barrier(n)
+    procs = [ctx.Process(target=worker, args=(i, n, uri, env, src, run, barrier, queue)) for i in range(n)]
+    for p in procs:
+        p.start()
+    got = [queue.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join(60)
+    size = MB * 1024 * 1024
+    worst = max(got, key=lambda g: g["requests"])
+    round_s, raw_s = max(g["round_s"] for g in got), max(g["raw_s"] for g in got)
+    return {"replicas": n, "model_mb": MB,
+            "added_host_memory_vs_model": round(max(g["added_kb"] for g in got) * 1024 / size, 2),
+            "requests_per_replica_per_round": worst["requests"],
+            "polls_per_replica_per_round": max(g["polls"] for g in got),
+            "requests_by_kind": worst["by_kind"],
+            "round_vs_raw": round(round_s / raw_s, 3), "round_s": round(round_s, 3), "raw_s": round(raw_s, 3),
+            "bytes_up_vs_bound": round(got[0]["bytes_up"] / size, 4),
+            "bytes_down_vs_bound": round(got[0]["bytes_down"] / (2 * (n - 1) / n * size), 4)}
+
+
+def baseline_sources(stack: ExitStack) -> list[str]:
+    """A worktree of BENCH_COMPARE's revision; its packages' source folders."""
+    where = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "baseline"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), COMPARE], check=True,
+                   capture_output=True)
+    stack.callback(subprocess.run, ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(where)],
+                   capture_output=True)
+    return [str(where / "packages" / p / "src") for p in ("core", "replica")]
+
+
+def main() -> None:
+    out = {"model_mb": MB, "cpu_count": os.cpu_count(), "rows": []}
+    with ExitStack() as stack:
+        codes = [("current", [])]
+        if COMPARE:
+            codes.insert(0, (f"baseline {COMPARE}", baseline_sources(stack)))
+        for store in STORES:
+            if store == "file":
+                uri, env = f"file://{stack.enter_context(tempfile.TemporaryDirectory())}/store", {}
+            else:
+                from diloco.testing.s3server import moto_s3
+
+                s3 = stack.enter_context(moto_s3())
+                uri, env = s3["uri"], s3["env"]
+            for n in REPLICAS:
+                for label, src in codes:
+                    run = f"cost-{n}-{len(out['rows'])}"
+                    row = {"store": store, "code": label, **one(uri, env, n, src, run)}
+                    out["rows"].append(row)
+                    print(json.dumps(row), file=sys.stderr, flush=True)
+    json.dump(out, sys.stdout, indent=1)
+    print()
+
+
+if __name__ == "__main__":
+    main()
