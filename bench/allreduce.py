@@ -26,9 +26,11 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-REPEATS = int(os.environ.get("BENCH_REPEATS", "3"))
-SIZES_MB = [int(x) for x in os.environ.get("BENCH_SIZES_MB", "1,10,100").split(",")]
-WORLDS = [int(x) for x in os.environ.get("BENCH_WORLDS", "2,4").split(",")]
+from _common import knob  # noqa: E402 - bench/ is the script's directory
+
+REPEATS = int(knob("BENCH_REPEATS", "3", "1"))
+SIZES_MB = [int(x) for x in knob("BENCH_SIZES_MB", "1,10,100", "1").split(",")]
+WORLDS = [int(x) for x in knob("BENCH_WORLDS", "2,4", "2").split(",")]
 FINITE = os.environ.get("BENCH_FINITE") == "1"
 
 

@@ -21,7 +21,9 @@ from diloco.store import open_store
 from diloco_replica.allreduce import StoreAllReduce
 
 WORLD = int(os.environ.get("BENCH_WORLD", "4"))
-MB = int(os.environ.get("BENCH_MB", "16"))
+from _common import knob  # noqa: E402 - bench/ is the script's directory
+
+MB = int(knob("BENCH_MB", "16", "1"))
 
 
 def one_round(codec: str, density: float = 0.01) -> list[dict]:

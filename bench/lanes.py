@@ -34,8 +34,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.multiprocessing as mp
 
-MB = int(os.environ.get("BENCH_MB", "100"))
-LANES = [int(x) for x in os.environ.get("BENCH_LANES", "1,2,4").split(",")]
+from _common import knob  # noqa: E402 - bench/ is the script's directory
+
+MB = int(knob("BENCH_MB", "100", "4"))
+LANES = [int(x) for x in knob("BENCH_LANES", "1,2,4", "1,2").split(",")]
 STORES = os.environ.get("BENCH_STORES", "file,s3").split(",")
 N = 2
 

@@ -23,7 +23,9 @@ from pathlib import Path
 from diloco.local import LocalProcessExecutor
 from diloco.testing import launch
 
-REPEATS = int(os.environ.get("BENCH_REPEATS", "3"))
+from _common import knob  # noqa: E402 - bench/ is the script's directory
+
+REPEATS = int(knob("BENCH_REPEATS", "3", "1"))
 
 
 def bare_parallel(n: int) -> float:
@@ -61,7 +63,7 @@ def main() -> None:
         launch_once(ex, 1, "warmup")
         bare_parallel(1)
         rows = []
-        for n in (1, 4, 16):
+        for n in [int(x) for x in knob("BENCH_REPLICAS", "1,4,16", "1,4").split(",")]:
             running, done, bare = [], [], []
             for i in range(REPEATS):
                 bare.append(bare_parallel(n))

@@ -7,6 +7,10 @@ per (store, N), in the same run:
 - added_host_memory_vs_model: peak RSS during the rounds (VmHWM, reset once `DiLoCo(...)` is
   built) minus RSS just before `DiLoCo(...)` was built, over the fp32 model's bytes; the
   largest replica's. θ_global and the outer momentum (2×) are in it; the model is the user's.
+  held_between_rounds_vs_model: the same right after `DiLoCo(...)` is built: θ_global, the
+  momentum and the runtime's fixed part (obstore's runtime, threads; ~50 MB here), so the
+  difference is what a round adds. Workers get the environment a launcher gives replicas
+  (`diloco.replicaenv.REPLICA_ENV_DEFAULTS`).
 - requests_per_replica_per_round: billed requests of the measured round (PUT, GET, LIST,
   DELETE), polls left out; polls_per_replica_per_round: the GETs and LISTs made while waiting
   for others (their number follows the wait, not the protocol). The largest replica's.
@@ -108,6 +112,7 @@ def worker(rank: int, n: int, uri: str, env: dict, src: list[str], run: str, bar
     ctx = ReplicaContext(rank, n, run, rendezvous=uri,
                          settings={"sync_every": 1, "round_timeout": 600, "checkpoint_every": 1000})
     diloco = DiLoCo(model, None, ctx)
+    built = rss_kb()  # θ_global and the momentum (2×) plus what the runtime itself holds (obstore, threads)
     reset_peak_rss()
     times, rows = [], []
     for _ in range(2):  # a warm-up round, then the measured one
@@ -121,7 +126,7 @@ def worker(rank: int, n: int, uri: str, env: dict, src: list[str], run: str, bar
     diloco.close()
     raw = raw_round(open_store(uri), run, rank, n, numel, barrier)
     req = rows[-1].requests
-    queue.put({"rank": rank, "round_s": times[-1], "raw_s": raw, "added_kb": peak - before,
+    queue.put({"rank": rank, "round_s": times[-1], "raw_s": raw, "added_kb": peak - before, "built_kb": built - before,
                "requests": req["puts"] + req["gets"] + req["lists"] + req["deletes"] - req["polls"],
                "polls": req["polls"], "by_kind": req,
                "bytes_up": rows[-1].bytes_up, "bytes_down": rows[-1].bytes_down})
@@ -143,6 +148,7 @@ def one(uri: str, env: dict, n: int, src: list[str], run: str) -> dict:
     round_s, raw_s = max(g["round_s"] for g in got), max(g["raw_s"] for g in got)
     return {"replicas": n, "model_mb": MB,
             "added_host_memory_vs_model": round(max(g["added_kb"] for g in got) * 1024 / size, 2),
+            "held_between_rounds_vs_model": round(max(g["built_kb"] for g in got) * 1024 / size, 2),
             "requests_per_replica_per_round": worst["requests"],
             "polls_per_replica_per_round": max(g["polls"] for g in got),
             "requests_by_kind": worst["by_kind"],
@@ -162,6 +168,9 @@ def baseline_sources(stack: ExitStack) -> list[str]:
 
 
 def main() -> None:
+    from diloco.replicaenv import REPLICA_ENV_DEFAULTS
+
+    os.environ.update(REPLICA_ENV_DEFAULTS)  # what a launcher gives every replica (glibc reads it at exec)
     out = {"model_mb": MB, "cpu_count": os.cpu_count(), "rows": []}
     with ExitStack() as stack:
         codes = [("current", [])]

@@ -73,4 +73,6 @@ def main(sizes=(10, 100, 1000)) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _common import QUICK
+
+    main((10,) if QUICK else (10, 100, 1000))

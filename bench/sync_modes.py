@@ -6,6 +6,7 @@ in sync. Rows: synchronous fp32, synchronous int8, overlap, overlap + fragments,
 topk. Same model, data, seed and steps for every row, so eval loss is compared at equal tokens.
 
     .venv/bin/python bench/sync_modes.py        # ~20 min on 2 CPU cores; prints JSON
+    BENCH_QUICK=1 .venv/bin/python bench/sync_modes.py   # a smoke run: 40 steps, two rows
 
 BENCH_STEPS, BENCH_RATE (bytes/s per replica and direction), BENCH_ROWS (comma-separated names)
 and BENCH_DIM / BENCH_LAYERS scale it. Targets (issue "Hide the sync"): overlap (+ fragments)
@@ -24,13 +25,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "tiny-lm"
 
-STEPS = int(os.environ.get("BENCH_STEPS", "400"))
-H = int(os.environ.get("BENCH_H", "20"))
-RATE = float(os.environ.get("BENCH_RATE", "4e6"))
-DIM = int(os.environ.get("BENCH_DIM", "192"))
-LAYERS = int(os.environ.get("BENCH_LAYERS", "3"))
+from _common import knob, tiny_lm_spec, toml_text  # noqa: E402 - bench/ is the script's directory
+
+STEPS = int(knob("BENCH_STEPS", "400", "40"))
+H = int(knob("BENCH_H", "20", "20"))
+RATE = float(knob("BENCH_RATE", "4e6", "4e6"))
+DIM = int(knob("BENCH_DIM", "192", "64"))
+LAYERS = int(knob("BENCH_LAYERS", "3", "1"))
 ROWS = {
     "sync fp32": {},
     "sync int8": {"transport": "int8"},
@@ -39,17 +41,15 @@ ROWS = {
     "overlap + int4": {"overlap": True, "transport": "int4"},
     "topk": {"transport": "topk", "topk_density": 0.01},
 }
-PICK = [r for r in os.environ.get("BENCH_ROWS", ",".join(ROWS)).split(",") if r]
+PICK = [r for r in knob("BENCH_ROWS", ",".join(ROWS), "sync fp32,overlap + int4").split(",") if r]
 
 
 def spec_text(settings: dict) -> str:
-    text = (EXAMPLE / "diloco.toml").read_text()
-    text = text.replace('entrypoint = "tiny_lm:train"', f'entrypoint = "tiny_lm:train"\nworkdir = "{EXAMPLE}"')
-    text = text.replace("steps = 1500", f"steps = {STEPS}\ndim = {DIM}\nlayers = {LAYERS}")
-    text = text.replace("sync_every = 50", f"sync_every = {H}")
-    body = "\n".join(f"{k} = {json.dumps(v)}" for k, v in settings.items() if k != "transport")
-    text = text.replace('transport = "fp32"', f'transport = "{settings.get("transport", "fp32")}"\n{body}')
-    return text + f'\n[env]\nDILOCO_STORE_BYTES_PER_S = "{RATE:g}"\nDILOCO_STORE_LATENCY_S = "0.01"\n'
+    """The main job at this bench's size, H and sync mode, each replica's store throttled."""
+    spec = tiny_lm_spec(args={"dim": DIM, "layers": LAYERS},
+                        diloco={"total_steps": STEPS, "sync_every": H, "transport": "fp32", **settings},
+                        env={"DILOCO_STORE_BYTES_PER_S": f"{RATE:g}", "DILOCO_STORE_LATENCY_S": "0.01"})
+    return toml_text(spec)
 
 
 def run_row(name: str, settings: dict, tmp: Path) -> dict:

@@ -24,18 +24,15 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny-lm"
 sys.path.insert(0, str(EXAMPLE))
 
-STEPS = int(os.environ.get("BENCH_STEPS", "1500"))
-TRANSPORTS = os.environ.get("BENCH_TRANSPORTS", "fp32,fp16,int8").split(",")
+from _common import knob, tiny_lm_spec, toml_text  # noqa: E402 - bench/ is the script's directory
+
+STEPS = int(knob("BENCH_STEPS", "1500", "60"))
+TRANSPORTS = knob("BENCH_TRANSPORTS", "fp32,fp16,int8", "fp32").split(",")
 
 
 def diloco_run(transport: str, state: Path) -> dict:
-    spec = tomllib.loads((EXAMPLE / "diloco.toml").read_text())
-    args = spec["args"]
-    text = (EXAMPLE / "diloco.toml").read_text()
-    text = text.replace('transport = "fp32"', f'transport = "{transport}"')
-    text = text.replace(f"steps = {args['steps']}", f"steps = {STEPS}", 1)
-    path = EXAMPLE / f".bench-{transport}.toml"
-    path.write_text(text)
+    path = state / f"bench-{transport}.toml"
+    path.write_text(toml_text(tiny_lm_spec(diloco={"total_steps": STEPS, "transport": transport})))
     try:
         t0 = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "diloco", "run", str(path), "--on-interrupt", "cancel"],

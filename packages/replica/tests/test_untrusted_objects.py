@@ -159,7 +159,8 @@ def test_a_takeover_meeting_a_wrong_length_contribution_leaves_it_out():
     plant(store, run, 1, 0, 2, good)
     ar = StoreAllReduce(store, run, 2, 3, round_timeout=0.5, poll_interval=0.005)
     incidents: list = []
-    got = ar._reduce_shard(1, 0, (0, 50), [0, 1, 2], torch.zeros(150), takeover=True, incidents=incidents)
+    got = ar._reduce_shard(1, 0, (0, 50), [0, 1, 2], lambda j: torch.zeros(50), takeover=True,
+                           incidents=incidents)
     ar.close()
     assert torch.equal(got, torch.zeros(50))  # rank 2's own zeros; rank 0 is gone, rank 1's object is out
     assert [i["writer"] for i in incidents] == [1] and "layout" in incidents[0]["problem"]

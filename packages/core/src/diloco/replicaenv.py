@@ -21,12 +21,14 @@ from .variables import NAME, check_variable, is_secret_name  # noqa: F401 - is_s
 
 REDACTED = "REDACTED"
 _ENV_NAME = NAME
-# Defaults for a replica of several processes. glibc keeps freed blocks under its dynamic mmap
-# threshold (up to 32 MB) in each process's heap; a lane's shards and broadcast chunks are that
-# size, so each of the L processes held on to what it freed and peak host memory per replica
-# grew with L (bench/lanes.py, 100 MB model: 7.7× → 5.1× at L = 2, 9.8× → 6.3× at L = 4). Blocks of
-# 8 MB and more are mapped and returned at once instead; the spec's [env] can override it.
-GROUP_ENV_DEFAULTS = {"MALLOC_MMAP_THRESHOLD_": str(8 << 20)}
+# Defaults for every replica. glibc keeps freed blocks under its dynamic mmap threshold (up to
+# 32 MB) in the heap of the thread's arena; a round's shards and a lane's broadcast chunks are
+# that size and are freed on pool threads, so each arena held on to what it freed: peak host
+# memory grew with the threads and processes (bench/lanes.py, 100 MB model: 7.7× → 5.1× at L = 2,
+# 9.8× → 6.3× at L = 4; bench/round_cost.py, one process, N = 4: 6.2× → 4.5× before streaming).
+# Blocks of 8 MB and more are mapped and returned at once instead; the spec's [env] can override it.
+REPLICA_ENV_DEFAULTS = {"MALLOC_MMAP_THRESHOLD_": str(8 << 20)}
+GROUP_ENV_DEFAULTS = REPLICA_ENV_DEFAULTS  # the name it had while only multi-process replicas got it
 _FUNCTION_REF = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?$")
 
 
@@ -128,8 +130,7 @@ def replica_env(*, rank: int, n_replicas: int, run_id: str, attempt: int,
         name = exported_arg_name(key, value)
         if name:
             out[name] = str(value).lower() if isinstance(value, bool) else str(value)
-    if processes > 1:
-        out.update(GROUP_ENV_DEFAULTS)  # the spec's [env] below may override them
+    out.update(REPLICA_ENV_DEFAULTS)  # the spec's [env] below may override them
     out.update(dict(env or {}))
     out.update({
         rank_env: str(rank),

@@ -53,7 +53,8 @@ from .membership import FellBehind, Membership, RoundFailed
 from .repairs import RepairDesk
 from .roundio import RoundIO
 from .storeaccess import CountingStore, LaneShards, RunKeys, Traffic, reducer_of, shard_bounds
-from .wire import Identity, decode_tensor, encode_tensor, pack
+from .streaming import DeltaSource, InFlight, Prefetch, RoundSink, WholeDelta, buffer_sink, window_for
+from .wire import CorruptObject, Identity, decode_tensor, encode_tensor, pack
 
 __all__ = ["FellBehind", "RoundFailed", "RoundResult", "StoreAllReduce"]
 
@@ -62,7 +63,7 @@ __all__ = ["FellBehind", "RoundFailed", "RoundResult", "StoreAllReduce"]
 class RoundResult:
     round: int
     members: list[int]
-    mean: torch.Tensor
+    mean: torch.Tensor | None       # None when the round's means went to a sink, shard by shard
     member: bool                    # whether this replica's update is in the mean
     traffic: Traffic
     seconds: float
@@ -104,6 +105,7 @@ class StoreAllReduce:
                           faults=Faults(rank, lanes.index), codec=codec)
         self.rank, self.n, self.lanes = rank, world_size, lanes
         self.codec, self.topk_density = codec, topk_density
+        self.window = window_for(world_size, self.io.pool._max_workers)  # shards in flight (`streaming`)
         self.history = History(self.io)
         self.membership = Membership(self.io, self.history, min_members=min_members)
         self.repairs = RepairDesk(self.io, self.membership)
@@ -119,28 +121,42 @@ class StoreAllReduce:
 
     # -- the round ---------------------------------------------------------------------------
 
-    def run_round(self, r: int, delta: torch.Tensor, *, in_place: bool = False,
-                  residual: torch.Tensor | None = None) -> RoundResult:
-        """Take part in round `r` with `delta` (fp32, CPU, flat); return the members' mean.
+    def run_round(self, r: int, delta: torch.Tensor | DeltaSource, *, in_place: bool = False,
+                  residual: torch.Tensor | None = None, sink: RoundSink | None = None) -> RoundResult:
+        """Take part in round `r` with `delta` (fp32, CPU, flat; or a `DeltaSource` read a shard at
+        a time); return the members' mean, or hand it to `sink` shard by shard (`streaming`).
 
         `in_place`: the mean is written over `delta` (shard j's slice of Δ is only read until
         shard j's mean is known), so a round holds one model-sized buffer, not two.
         `residual`: the topk transport's error feedback, as long as `delta`; added to Δ before
         sparsifying, and left holding what was not sent.
+        `sink(j, a, b, mean_j)`: called once per shard as its mean is known (on pool threads, for
+        distinct shards at once); no mean buffer is made and `RoundResult.mean` is None.
         """
         io = self.io
         t0, before = time.monotonic(), io.store.traffic.snapshot()
         laps = Laps()
-        delta = delta.detach().to("cpu", torch.float32).reshape(-1)
-        bounds = shard_bounds(delta.numel(), self.n)
+        source = delta if hasattr(delta, "shard") else WholeDelta(delta.detach().to("cpu", torch.float32).reshape(-1))
+        bounds = shard_bounds(source.numel, self.n)
+        mean = None
+        if sink is None:
+            mean = source.delta if in_place and isinstance(source, WholeDelta) else torch.empty(source.numel)
+            sink = buffer_sink(mean)
         members = self.lanes.on_leader(lambda: self._decided_or_open(r))
+        sent: dict[int, list[memoryview]] = {}  # topk: each shard as encoded (what everyone decodes)
         if members is None:
             self.phase("upload", r)
-            encoded = self._sparsify(delta, bounds, residual) if self.codec == "topk" else {}
+            if self.codec == "topk":
+                sent = self._sparsify(source, bounds, residual)
+            gate = InFlight(self.window)
+
+            def put(j: int) -> None:
+                with gate:  # at most `window` shards of Δ exist at once
+                    a, b = bounds[j]
+                    self._put_scatter(r, j, None if j in sent else source.shard(a, b), sent.get(j), b - a)
 
             def upload() -> None:
-                for f in [io.pool.submit(self._put_scatter, r, j, delta[a:b], encoded.get(j))
-                          for j, (a, b) in enumerate(bounds) if j != self.rank]:
+                for f in [io.pool.submit(put, j) for j in range(self.n) if j != self.rank]:
                     f.result()
 
             self.lanes.agree(upload)  # "ready" means every lane's shards are in the store
@@ -154,19 +170,24 @@ class StoreAllReduce:
         member = self.rank in members
         if not member:
             io.log(f"round {r}: not a member (members {members}); this replica's update is left out")
+
+        def own(j: int) -> torch.Tensor:
+            """This replica's contribution to shard j, as the others would decode it."""
+            a, b = bounds[j]
+            return decode_tensor(b"".join(sent[j]), "topk", b - a) if j in sent else source.shard(a, b)
+
         incidents: list[dict[str, Any]] = []
         nonfinite: set[int] = set()
         mine = [j for j in range(self.n) if reducer_of(j, members) == self.rank] if member else []
-        mean = delta if in_place else torch.empty_like(delta)
         if mine:
             self.phase("reduce", r)
         for j in mine:
             a, b = bounds[j]
-            mean[a:b] = self._reduce_shard(r, j, bounds[j], members, delta, takeover=False, incidents=incidents,
-                                           nonfinite=nonfinite)
+            sink(j, a, b, self._reduce_shard(r, j, bounds[j], members, own, takeover=False, incidents=incidents,
+                                             nonfinite=nonfinite))
         laps.lap("reduce")
         self.phase("gather", r)
-        takeovers = self._gather(r, bounds, members, mean, set(mine), delta if member else None, incidents,
+        takeovers = self._gather(r, bounds, members, sink, set(mine), own if member else None, incidents,
                                  nonfinite=nonfinite)
         self._run_cleanup()
         if mine:
@@ -188,16 +209,20 @@ class StoreAllReduce:
         self.io.put(self.io.keys.ready(r, self.rank), b"{}", create_only=True)
         return self.membership.decide(r)
 
-    def fetch(self, r: int, numel: int) -> RoundResult:
-        """Read round `r`'s result without contributing (replay, catching up)."""
+    def fetch(self, r: int, numel: int, *, sink: RoundSink | None = None) -> RoundResult:
+        """Read round `r`'s result without contributing (replay, catching up); to `sink` shard by
+        shard if given, else into `RoundResult.mean`."""
         t0, before = time.monotonic(), self.io.store.traffic.snapshot()
         members = self.membership.read(r)
         if members is None:
             self.membership.check_not_collected(r)
             raise RoundFailed(f"round {r} has no membership record; it has not happened yet")
-        mean = torch.empty(numel, dtype=torch.float32)
+        mean = None
+        if sink is None:
+            mean = torch.empty(numel, dtype=torch.float32)
+            sink = buffer_sink(mean)
         incidents: list[dict[str, Any]] = []
-        takeovers = self._gather(r, shard_bounds(numel, self.n), members, mean, set(), None, incidents,
+        takeovers = self._gather(r, shard_bounds(numel, self.n), members, sink, set(), None, incidents,
                                  replay=True)
         return RoundResult(r, members, mean, False, self.io.store.traffic.since(before), time.monotonic() - t0,
                            takeovers, incidents)
@@ -208,74 +233,86 @@ class StoreAllReduce:
 
     # -- steps -------------------------------------------------------------------------------
 
-    def _sparsify(self, delta: torch.Tensor, bounds: list[tuple[int, int]],
+    def _sparsify(self, source: DeltaSource, bounds: list[tuple[int, int]],
                   residual: torch.Tensor | None) -> dict[int, list[memoryview]]:
-        """topk: Δ (+ residual) → what is sent, shard by shard; Δ becomes exactly what readers decode.
+        """topk: each shard of Δ (+ residual) → what is sent, encoded; the residual keeps the rest.
 
-        Returns each shard's encoded payload, so uploads do not encode twice.
+        The encoded shards are small (the density's share of Δ) and are what this replica
+        contributes to every mean, its own shard's and a taken-over one's, as others decode it.
         """
         encoded = {}
         for j, (a, b) in enumerate(bounds):
-            part = delta[a:b]
+            part = source.shard(a, b)
             if residual is not None:
                 part += residual[a:b]
             parts = encode_tensor(sparsify(part, self.topk_density), "topk")
-            sent = decode_tensor(b"".join(parts), "topk", b - a)
             if residual is not None:
-                torch.sub(part, sent, out=residual[a:b])
-            part.copy_(sent)
+                torch.sub(part, decode_tensor(b"".join(parts), "topk", b - a), out=residual[a:b])
             encoded[j] = parts
         return encoded
 
-    def _put_scatter(self, r: int, owner: int, part: torch.Tensor, encoded: list[memoryview] | None = None) -> None:
+    def _put_scatter(self, r: int, owner: int, part: torch.Tensor | None, encoded: list[memoryview] | None,
+                     numel: int) -> None:
         io, sid = self.io, self.io.sid(owner)
         ident = Identity(io.run_id, r, "scatter", sid, self.rank)
         encoded = encoded if encoded is not None else encode_tensor(part, self.codec)
-        blob = pack(ident, encoded, codec=self.codec, numel=part.numel())
+        blob = pack(ident, encoded, codec=self.codec, numel=numel)
         io.put(io.keys.scatter(r, sid, self.rank), blob, written=("scatter", r, sid, self.rank))
 
     def _reduce_shard(self, r: int, j: int, bound: tuple[int, int], members: list[int],
-                      delta: torch.Tensor | None, *, takeover: bool, incidents: list[dict[str, Any]],
+                      own: Callable[[int], torch.Tensor] | None, *, takeover: bool, incidents: list[dict[str, Any]],
                       nonfinite: set[int] | None = None) -> torch.Tensor:
         """Average shard j over `members`, publish it (create-only), return the decoded mean.
 
+        Contributions are folded into one shard-sized total in rank order as they arrive, at most
+        `window` downloads held at once (`streaming.Prefetch`); `own(j)` is this replica's part.
         A contribution missing, unreadable, not of the round's layout or non-finite is left out
         (an incident each). The published object names who was left out and why; `nonfinite`
         collects who was left out for NaN/Inf, so that sender learns it and resets.
         """
         io = self.io
         a, b = bound
-        sources = [m for m in members if m != self.rank or delta is None]
+        sources = [m for m in members if m != self.rank or own is None]
         if takeover and j in sources and j != self.rank:
             sources.remove(j)  # a dead owner kept its own part of shard j locally: it is gone
-        got = dict(zip(sources, io.pool.map(
-            lambda m: io.get_verified(io.keys.scatter(r, io.sid(j), m), Identity(io.run_id, r, "scatter", io.sid(j), m),
-                                      numel=b - a, codec=self.codec),
-            sources)))
-        parts, left_out = [], {}
-        for m in members:
-            key = io.keys.scatter(r, io.sid(j), m)  # for this replica's own part: the object it would be
-            if m == self.rank and delta is not None:
-                parts.append(Contribution(m, key, lambda: delta[a:b]))
-            elif m in got:
-                obj, problem = got[m]
-                if obj is None:
-                    if problem == "missing":
-                        self.membership.check_not_collected(r)
-                    published = self.repairs.published_or_none(r, j, b - a, nonfinite)
-                    if published is not None:  # reduced (and inputs cleaned) while we looked: use that
-                        return published
-                    left_out[str(m)] = self._left_out(r, j, key, m, problem, incidents)
-                    continue
-                parts.append(Contribution(m, key, obj.tensor))
-        summed = accumulate(parts, b - a)
-        for part in parts:
-            if part.rank in summed.corrupt:
-                problem = summed.corrupt[part.rank]
-                left_out[str(part.rank)] = self._left_out(r, j, part.key, part.rank, problem, incidents)
-            elif part.rank in summed.nonfinite:
-                left_out[str(part.rank)] = self._left_out(r, j, part.key, part.rank, f"{NONFINITE} in its update",
-                                                          incidents, nonfinite=True)
+
+        def fetch(m: int):
+            return io.get_verified(io.keys.scatter(r, io.sid(j), m), Identity(io.run_id, r, "scatter", io.sid(j), m),
+                                   numel=b - a, codec=self.codec)
+
+        prefetch = Prefetch(io.pool, fetch, sources, self.window)
+        left_out: dict[str, str] = {}
+
+        def contributions():
+            for m in members:
+                key = io.keys.scatter(r, io.sid(j), m)  # for this replica's own part: the object it would be
+                if m == self.rank and own is not None:
+                    yield Contribution(m, key, lambda: own(j))
+                elif m in sources:
+                    obj, problem = prefetch.next(m)
+                    if obj is None:
+                        if problem == "missing":
+                            self.membership.check_not_collected(r)
+                        published = self.repairs.published_or_none(r, j, b - a, nonfinite)
+                        if published is not None:  # reduced (and inputs cleaned) while we looked: use that
+                            raise _Published(published)
+                        left_out[str(m)] = self._left_out(r, j, key, m, problem, incidents)
+                        continue
+                    reader = _ReadOnceThenRefetch(obj, lambda m=m: fetch(m))
+                    del obj  # this frame must not keep the download alive while the next one comes
+                    yield Contribution(m, key, reader.read)
+
+        try:
+            summed = accumulate(contributions(), b - a)
+        except _Published as done:
+            return done.values
+        finally:
+            prefetch.cancel()
+        for m, problem in summed.corrupt.items():
+            left_out[str(m)] = self._left_out(r, j, io.keys.scatter(r, io.sid(j), m), m, problem, incidents)
+        for m in summed.nonfinite:
+            left_out[str(m)] = self._left_out(r, j, io.keys.scatter(r, io.sid(j), m), m, f"{NONFINITE} in its update",
+                                              incidents, nonfinite=True)
         if not summed.used:
             if summed.nonfinite and len(summed.nonfinite) == len(left_out):
                 raise NonFinite(f"round {r}: every contribution to shard {j} is non-finite (NaN or Inf), from ranks "
@@ -312,26 +349,29 @@ class StoreAllReduce:
         self.io.log(f"round {r}: {key} from rank {m}: {problem}; left out of shard {j}'s mean")
         return problem
 
-    def _gather(self, r: int, bounds: list[tuple[int, int]], members: list[int], out: torch.Tensor,
-                have: set[int], delta: torch.Tensor | None, incidents: list[dict[str, Any]], *,
+    def _gather(self, r: int, bounds: list[tuple[int, int]], members: list[int], sink: RoundSink,
+                have: set[int], own: Callable[[int], torch.Tensor] | None, incidents: list[dict[str, Any]], *,
                 replay: bool = False, nonfinite: set[int] | None = None) -> list[int]:
-        """Fill `out` with every reduced shard not in `have`; one replica takes over any that never appears.
+        """Hand `sink` every reduced shard not in `have`; one replica takes over any that never appears.
 
         `replay`: the round is known complete, so a shard missing now was garbage-collected under
         us: rejoin at once (FellBehind) instead of waiting out the timeout.
 
-        Each shard is fetched, verified and decoded into its slice of `out` on a pool thread,
-        so checksums and copies overlap with waiting for the remaining shards.
+        Each shard is fetched, verified, decoded and handed to `sink` on a pool thread, at most
+        `window` at once, so checksums and the outer step overlap with waiting for the others
+        and no more than `window` reduced shards are held.
         """
         io = self.io
         prefix = io.keys.reduced(r)
         wanted = [j for j in range(self.n) if j not in have]
         taken_over: list[int] = []
         generation = {j: 0 for j in wanted}
+        gate = InFlight(self.window)
 
         def fetch(j: int) -> None:
             a, b = bounds[j]
-            out[a:b] = self.repairs.read_reduced(r, j, b - a, members, incidents, nonfinite)
+            with gate:
+                sink(j, a, b, self.repairs.read_reduced(r, j, b - a, members, incidents, nonfinite))
 
         pending = []
         while wanted:
@@ -354,8 +394,8 @@ class StoreAllReduce:
                     continue
                 io.log(f"round {r}: reduced shard {j} did not appear in {io.round_timeout:g}s; reducing it here")
                 a, b = bounds[j]
-                out[a:b] = self._reduce_shard(r, j, bounds[j], members, delta, takeover=True, incidents=incidents,
-                                              nonfinite=nonfinite)
+                sink(j, a, b, self._reduce_shard(r, j, bounds[j], members, own, takeover=True, incidents=incidents,
+                                                 nonfinite=nonfinite))
                 taken_over.append(j)
                 wanted.remove(j)
             if wanted and all(generation[j] > len(members) for j in wanted):
@@ -392,3 +432,27 @@ class StoreAllReduce:
         return {"run": self.io.run_id, "rank": self.rank, "world_size": self.n, "codec": self.codec,
                 "topk_density": self.topk_density,
                 "lane": self.lanes.index, "lanes": self.lanes.count}
+
+
+class _Published(Exception):
+    """Shard j was reduced by another replica while this one read its inputs: use that."""
+
+    def __init__(self, values: torch.Tensor):
+        self.values = values
+
+
+class _ReadOnceThenRefetch:
+    """A verified contribution: the first read decodes the downloaded object and lets it go (the
+    fold holds one at a time); a second read — only on the slow path, to find which member's
+    values are non-finite — downloads it again."""
+
+    def __init__(self, obj, refetch: Callable[[], tuple]):
+        self.obj, self.refetch = obj, refetch
+
+    def read(self) -> torch.Tensor:
+        obj, self.obj = self.obj, None
+        if obj is None:
+            obj, problem = self.refetch()
+            if obj is None:
+                raise CorruptObject(f"re-read for the non-finite check: {problem}")
+        return obj.tensor()

@@ -61,6 +61,7 @@ from .lanes import Lanes
 from .membership import FellBehind
 from .modelview import model_view
 from .recorder import Recorder
+from .streaming import LiveDelta
 
 # One place for the defaults: the spec's [diloco] table (diloco.spec.DILOCO), typed as DilocoSettings.
 DEFAULTS: dict[str, Any] = {key: f.default for key, f in DILOCO.items()}
@@ -227,27 +228,32 @@ class DiLoCo:
         r = self.state.round + 1
         part = self.state.fragment(r)
         a, b = self.state.bounds(r)
-        local = self.view.read_part(part, self.fragments)
         residual = self.residual[a:b] if self.residual is not None else None
-        if self.overlap:
-            delta = torch.sub(self.state.theta[a:b], local)  # Δ = θ_global − θ_local; `local` is kept for the merge
+        if self.overlap:  # training goes on during the exchange: Δ is a snapshot, and `local` is kept for the merge
+            local = self.view.read_part(part, self.fragments)
+            delta = torch.sub(self.state.theta[a:b], local)  # Δ = θ_global − θ_local
             future = self._exchanger.submit(self._exchange, r, delta, residual)
             self._inflight = InFlight(r, part, local, future, compute_s, time.monotonic() - t0,
                                       (self._tokens, self._losses, self._evals))
             self._next_phase()
             return merged
-        torch.sub(self.state.theta[a:b], local, out=local)  # Δ = θ_global − θ_local, in the read buffer
+        # Synchronous: the model stands still, so Δ is read from it a shard at a time and each
+        # shard's outer step is applied as its mean arrives (`streaming`): no Δ or mean buffer.
+        source = LiveDelta(self.state.theta[a:b], lambda lo, hi: self.view.read_range(part, self.fragments, lo, hi))
+        self.state.begin(r)
         try:
-            result = self._exchange(r, local, residual)
+            result = self._exchange(r, source, residual, sink=self.state.sink(r))
         except FellBehind as exc:
             self._log(f"{exc}; rejoining from the latest checkpoint")
             self.state.bootstrap(None)
             return self._adopted(compute_s, t0)
         return self._apply(result, part, None, compute_s, t0, 0.0, (self._tokens, self._losses, self._evals))
 
-    def _exchange(self, r: int, delta: torch.Tensor, residual: torch.Tensor | None) -> RoundResult:
-        """Round r's all-reduce of Δ (the mean is written over it); every lane agrees on the outcome."""
-        return self.lanes.agree(lambda: self.allreduce.run_round(r, delta, in_place=True, residual=residual))
+    def _exchange(self, r: int, delta, residual: torch.Tensor | None, sink=None) -> RoundResult:
+        """Round r's all-reduce of Δ (the mean written over it, or to `sink` shard by shard); every
+        lane agrees on the outcome."""
+        return self.lanes.agree(lambda: self.allreduce.run_round(r, delta, in_place=True, residual=residual,
+                                                                 sink=sink))
 
     def _merge(self) -> RoundMetrics:
         """Wait for the round in flight (if it has not arrived yet) and apply it."""
@@ -271,8 +277,11 @@ class DiLoCo:
         """The round's outer step on θ_global, then its fragment into the model; the round's row."""
         self.allreduce.phase("outer", result.round)
         outer_t0 = time.monotonic()
-        self.state.apply(result.round, result.mean, result.members)
-        result.mean = None  # the round's one fragment-sized buffer (the mean was written over Δ)
+        if result.mean is None:  # streamed: the outer step was applied shard by shard as each mean arrived
+            self.state.finish(result.round, result.members)
+        else:
+            self.state.apply(result.round, result.mean, result.members)
+            result.mean = None  # the round's one fragment-sized buffer (the mean was written over Δ)
         a, b = self.state.bounds(result.round)
         tokens, losses, evals = work
         # the replica's row: every lane's bytes, requests and tokens; the mean loss over its processes;

@@ -117,11 +117,13 @@ class GlobalState:
         start = self.round
 
         def apply_next() -> None:
-            a, b = self.bounds(self.round + 1)
-            res = self.ar.fetch(self.round + 1, b - a)
+            r = self.round + 1
+            a, b = self.bounds(r)
+            self.begin(r)
+            res = self.ar.fetch(r, b - a, sink=self.sink(r))  # the outer step shard by shard, as each arrives
             for incident in res.incidents:  # e.g. a corrupt reduced shard, re-published by its reducer
                 self.io.report({**incident, "during": during})
-            self.apply(res.round, res.mean, res.members)
+            self.finish(r, res.members)
 
         def replay_complete() -> None:
             while self.ar.round_complete(self.round + 1):
@@ -164,13 +166,34 @@ class GlobalState:
 
     def apply(self, r: int, mean_delta: torch.Tensor, members: list[int]) -> None:
         """The outer step for round r (on its fragment), then a checkpoint if r is a checkpoint round."""
+        self.begin(r)
+        self.sink(r)(0, 0, mean_delta.numel(), mean_delta)
+        self.finish(r, members)
+
+    # A round streamed shard by shard (`streaming`): begin, the outer step per shard as its mean
+    # arrives, finish. The step is elementwise, so applying it a slice at a time gives the very
+    # same bits as applying it to the whole fragment.
+
+    def begin(self, r: int) -> None:
         if r != self.round + 1:
             raise RoundFailed(f"applying round {r} on top of round {self.round}")
-        a, b = self.bounds(r)
-        if not outer_step(self.theta[a:b], self.buf[a:b], mean_delta, lr=self.lr, momentum=self.momentum,
-                          nesterov=self.nesterov):
-            raise NonFinite(f"round {r}: the outer step made θ_global non-finite (it overflowed: training diverged); "
-                            f"it is not checkpointed. Lower outer_lr or the learning rate and start a new run")
+
+    def sink(self, r: int) -> Callable[[int, int, int, torch.Tensor], None]:
+        """Where round r's means go: the outer step on θ_global and the momentum [lo, hi) of the
+        round's fragment, in place (distinct shards may arrive at once, on different threads)."""
+        base = self.bounds(r)[0]
+
+        def apply_shard(j: int, lo: int, hi: int, mean: torch.Tensor) -> None:
+            if not outer_step(self.theta[base + lo:base + hi], self.buf[base + lo:base + hi], mean, lr=self.lr,
+                              momentum=self.momentum, nesterov=self.nesterov):
+                raise NonFinite(f"round {r}: the outer step made θ_global non-finite (it overflowed: training "
+                                f"diverged); it is not checkpointed. Lower outer_lr or the learning rate and start a "
+                                f"new run")
+
+        return apply_shard
+
+    def finish(self, r: int, members: list[int]) -> None:
+        """Round r's outer step is applied everywhere: it is the state's round; checkpoint it if due."""
         self.round = r
         if r % self.checkpoint_every == 0:
             mine = [j for j in range(self.io.n) if reducer_of(j, members) == self.io.rank]

@@ -57,7 +57,15 @@ class ModelView:
     def read_part(self, part: int, parts: int) -> torch.Tensor:
         """Fragment `part` of `parts` of this lane, as a new fp32 host vector."""
         a, b = shard_bounds(self.numel, parts)[part]
-        start, stop = self.start + a, self.start + b
+        return self._read(self.start + a, self.start + b)
+
+    def read_range(self, part: int, parts: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of fragment `part` of `parts` of this lane, as a new fp32 host vector
+        (a round reads the model a shard at a time: `streaming.LiveDelta`)."""
+        a, _ = shard_bounds(self.numel, parts)[part]
+        return self._read(self.start + a + lo, self.start + a + hi)
+
+    def _read(self, start: int, stop: int) -> torch.Tensor:
         out = host_empty(stop - start, self.tensors[0] if self.tensors else None)
         for t, x, y, off in self._pieces(start, stop):
             out[off - start: off - start + (y - x)].copy_(t.detach().reshape(-1)[x:y])

@@ -1,0 +1,56 @@
+"""What every bench shares: its quick mode, and the main job's spec rewritten as data.
+
+`BENCH_QUICK=1` makes every bench a smoke run (seconds to a few minutes on 2 cores) that CI runs
+and whose JSON `tests/test_benches.py` checks, so no bench rots unseen again: `sync_modes.py`
+and `tiny_lm.py` once edited the example's TOML as text and broke, unnoticed, when the example
+moved `steps` into `[diloco] total_steps`. They now load it, change the data and write it back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+QUICK = os.environ.get("BENCH_QUICK") == "1"
+ROOT = Path(__file__).resolve().parents[1]
+TINY_LM = ROOT / "examples" / "tiny-lm"
+
+
+def knob(name: str, full: str, quick: str) -> str:
+    """The environment's `name`, else the quick or the full default."""
+    return os.environ.get(name, quick if QUICK else full)
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    raise TypeError(f"no TOML for {v!r} in a bench spec")
+
+
+def toml_text(spec: dict[str, Any]) -> str:
+    """A spec of scalars and one level of tables as TOML (all the example specs need)."""
+    top = [f"{k} = {_value(v)}" for k, v in spec.items() if not isinstance(v, dict)]
+    tables = [f"\n[{k}]\n" + "\n".join(f"{kk} = {_value(vv)}" for kk, vv in v.items())
+              for k, v in spec.items() if isinstance(v, dict)]
+    return "\n".join(top) + "\n" + "\n".join(tables) + "\n"
+
+
+def tiny_lm_spec(*, args: dict[str, Any] | None = None, diloco: dict[str, Any] | None = None,
+                 env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The main job's spec (examples/tiny-lm/diloco.toml) with these keys changed."""
+    spec = tomllib.loads((TINY_LM / "diloco.toml").read_text())
+    spec["workdir"] = str(TINY_LM)
+    spec.setdefault("args", {}).update(args or {})
+    spec.setdefault("diloco", {}).update(diloco or {})
+    if env:
+        spec.setdefault("env", {}).update(env)
+    return spec

@@ -1,0 +1,125 @@
+"""A round a shard at a time: where Δ comes from, where each mean goes, and how much is in flight.
+
+A round used to hold its pseudo-gradient Δ and the mean as one model-sized buffer on top of
+θ_global and the momentum, and to download every contribution to a shard before averaging:
+4.6× the fp32 model of host memory at 100 MB. Streamed, it holds θ_global, the momentum and a
+few shards:
+
+- **Δ, shard by shard** (`LiveDelta`): Δ_j = θ_global[j] − θ_local[j] is computed from the
+  model's parameters when shard j is encoded and uploaded, or contributed to its own mean, and
+  freed after. θ_global[j] changes only once shard j's mean is known, and the training loop is
+  blocked for a synchronous round, so every Δ_j computed in a round is the same.
+- **Each mean where it goes** (`RoundSink`): the reducers' means reach the caller one shard at a
+  time, as they arrive; `DiLoCo` applies the outer step to that slice of θ_global and the
+  momentum in place, so no mean buffer exists.
+- **A window** (`InFlight`): at most `window` shards are being encoded, uploaded, downloaded or
+  folded at once.
+
+`WholeDelta` keeps the whole-vector form (overlap's snapshot, tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+# A sink receives shard j's mean: (shard index, start, stop within the round's vector, values).
+RoundSink = Callable[[int, int, int, torch.Tensor], None]
+
+
+class DeltaSource(Protocol):
+    """Δ of one round, readable a slice at a time."""
+
+    numel: int
+
+    def shard(self, a: int, b: int) -> torch.Tensor:
+        """Δ[a:b] as fp32 on the host. May be a view (`WholeDelta`) the caller may modify."""
+
+
+class WholeDelta:
+    """Δ held whole: slices are views into it."""
+
+    def __init__(self, delta: torch.Tensor):
+        self.delta = delta
+        self.numel = delta.numel()
+
+    def shard(self, a: int, b: int) -> torch.Tensor:
+        return self.delta[a:b]
+
+
+class LiveDelta:
+    """Δ = θ_global − θ_local computed per slice from the model (`read_local(a, b)` returns a new
+    host tensor of the local parameters [a, b) of the round's fragment); nothing kept."""
+
+    def __init__(self, theta: torch.Tensor, read_local: Callable[[int, int], torch.Tensor]):
+        self.theta, self.read_local = theta, read_local
+        self.numel = theta.numel()
+
+    def shard(self, a: int, b: int) -> torch.Tensor:
+        out = self.read_local(a, b)
+        return torch.sub(self.theta[a:b], out, out=out)
+
+
+def buffer_sink(out: torch.Tensor) -> RoundSink:
+    """A sink that writes each mean into its slice of `out` (the whole-vector form)."""
+
+    def sink(j: int, a: int, b: int, values: torch.Tensor) -> None:
+        out[a:b] = values
+
+    return sink
+
+
+def window_for(n: int, workers: int) -> int:
+    """Shards in flight at once: N/4 of them (a quarter of the model at most, so DiLoCo adds
+    θ_global + momentum + ~0.5× at any N), at least one, at most the pool's width: while shards
+    are large (N small) memory decides; as they get small the round is latency-bound and
+    parallel requests decide."""
+    return max(1, min(workers, n // 4))
+
+
+class Prefetch:
+    """Downloads in a fixed order, at most `window` held at once — the one being used and
+    `window` − 1 started ahead of it — so a reducer folds contributions as they arrive without
+    holding all N−1 of them."""
+
+    def __init__(self, pool, fetch: Callable, order: list, window: int):
+        self.pool, self.fetch, self.ahead = pool, fetch, max(0, window - 1)
+        self.queue, self.running = list(order), []
+        self._fill(self.ahead)
+
+    def _fill(self, limit: int) -> None:
+        while self.queue and len(self.running) < limit:
+            item = self.queue.pop(0)
+            self.running.append((item, self.pool.submit(self.fetch, item)))
+
+    def next(self, item):
+        """The download of `item` (the next in order), once done; the next ones start meanwhile."""
+        if not self.running:
+            self._fill(1)
+        got, future = self.running.pop(0)
+        if got != item:
+            raise RuntimeError(f"prefetch out of order: {got} before {item}")
+        self._fill(self.ahead)
+        return future.result()
+
+    def cancel(self) -> None:
+        for _, future in self.running:
+            future.cancel()
+        self.running, self.queue = [], []
+
+
+class InFlight:
+    """A counting gate: `with gate:` around the work on one shard keeps at most `limit` open."""
+
+    def __init__(self, limit: int):
+        self._sem = threading.BoundedSemaphore(max(1, limit))
+
+    def __enter__(self) -> InFlight:
+        self._sem.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._sem.release()

@@ -1,0 +1,52 @@
+"""Every bench under bench/ runs (its quick mode) and prints the JSON it documents.
+
+Numbers are not checked here (speed targets live in the benches, never in tests); what is
+checked is that each bench still runs against today's code and examples and reports the fields
+docs/benchmarks.md quotes — `sync_modes.py` and `tiny_lm.py` once broke unseen when the example's
+spec moved a key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHES = {
+    "launch.py": ["results", "bare_interpreter_s"],
+    "allreduce.py": ["results"],
+    "bytes.py": ["results", "bound_up"],
+    "status_reads.py": ["results"],
+    "lanes.py": ["results"],
+    "round_cost.py": ["rows"],
+    "tiny_lm.py": ["diloco", "data_parallel", "diloco_vs_dp_eval_loss"],
+    "sync_modes.py": ["rows", "targets"],
+}
+ROUND_COST_FIELDS = {"store", "replicas", "model_mb", "added_host_memory_vs_model", "requests_per_replica_per_round",
+                     "polls_per_replica_per_round", "round_vs_raw"}
+
+
+def test_every_bench_is_listed_here():
+    assert {p.name for p in (ROOT / "bench").glob("*.py") if not p.name.startswith("_")} == set(BENCHES)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("bench", sorted(BENCHES))
+def test_the_bench_runs_in_quick_mode_and_prints_its_json(bench, tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / bench)], capture_output=True, text=True,
+                          timeout=280, cwd=tmp_path, env={**os.environ, "BENCH_QUICK": "1",
+                                                          "DILOCO_STATE_DIR": str(tmp_path / "state")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    for key in BENCHES[bench]:
+        assert key in out, f"{bench} no longer reports {key!r}"
+    if bench == "round_cost.py":
+        assert {row["store"] for row in out["rows"]} == {"file", "s3"}
+        for row in out["rows"]:
+            assert ROUND_COST_FIELDS <= set(row), row
+            assert 0.99 < row["bytes_up_vs_bound"] < 1.01  # the byte bound holds, streamed or not
