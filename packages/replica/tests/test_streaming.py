@@ -1,0 +1,85 @@
+"""A round streamed shard by shard gives the very bits of the whole-vector round.
+
+`DiLoCo` now reads Δ from the model a shard at a time and applies each shard's outer step as
+its mean arrives (`diloco_replica.streaming`); the replicas' agreement rests on every replica
+computing the same floats, so the streamed path must equal the whole-vector one bit for bit,
+and must never materialise Δ or the mean whole (that was the memory it saves).
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import torch
+
+from diloco.store import open_store
+from diloco_replica.allreduce import StoreAllReduce
+from diloco_replica.outer import outer_step
+from diloco_replica.storeaccess import shard_bounds
+from diloco_replica.streaming import LiveDelta
+
+
+def rounds(n: int, deltas: list[torch.Tensor], *, streamed: bool, codec: str = "fp32"):
+    """Each replica's round-1 mean: whole (RoundResult.mean) or gathered from the sink."""
+    store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-stream"
+    out, sizes, errors = {}, {i: [] for i in range(n)}, []
+
+    def go(i: int) -> None:
+        ar = StoreAllReduce(store, run, i, n, codec=codec, round_timeout=10, poll_interval=0.002, poll_max=0.02)
+        try:
+            if streamed:
+                theta = torch.zeros_like(deltas[i])
+                local = -deltas[i]  # Δ = θ − local
+
+                def read_local(a: int, b: int) -> torch.Tensor:
+                    sizes[i].append(b - a)
+                    return local[a:b].clone()
+
+                got = torch.full_like(deltas[i], float("nan"))
+
+                def sink(j, a, b, mean):
+                    got[a:b] = mean
+
+                res = ar.run_round(1, LiveDelta(theta, read_local), sink=sink)
+                assert res.mean is None
+                out[i] = got
+            else:
+                out[i] = ar.run_round(1, deltas[i].clone()).mean
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+        finally:
+            ar.close()
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors, errors
+    return out, sizes
+
+
+def test_a_streamed_round_gives_the_bits_of_a_whole_one_and_never_reads_delta_whole():
+    n, numel = 4, 10_001
+    deltas = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+    for codec in ("fp32", "int8"):
+        whole, _ = rounds(n, deltas, streamed=False, codec=codec)
+        streamed, sizes = rounds(n, deltas, streamed=True, codec=codec)
+        for i in range(n):
+            assert torch.equal(whole[i], streamed[i]), (codec, i)
+            assert torch.equal(streamed[i], streamed[0])  # every replica holds the same mean
+        shard = -(-numel // n)
+        assert all(s <= shard for i in range(n) for s in sizes[i]), "Δ was read in pieces larger than a shard"
+
+
+def test_the_outer_step_applied_shard_by_shard_is_bit_identical_to_the_whole_step():
+    numel = 3 * (1 << 18) + 12_345  # across several of the step's chunks
+    theta = torch.randn(numel, generator=torch.Generator().manual_seed(1))
+    buf = torch.randn(numel, generator=torch.Generator().manual_seed(2))
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+    whole_t, whole_b = theta.clone(), buf.clone()
+    assert outer_step(whole_t, whole_b, grad, lr=0.7, momentum=0.9, nesterov=True)
+    for n in (3, 7):
+        t, b = theta.clone(), buf.clone()
+        for a, z in reversed(shard_bounds(numel, n)):  # any order, as shards arrive
+            assert outer_step(t[a:z], b[a:z], grad[a:z], lr=0.7, momentum=0.9, nesterov=True)
+        assert torch.equal(t, whole_t) and torch.equal(b, whole_b)
