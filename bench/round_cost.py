@@ -24,6 +24,7 @@ from the same run on the same machine. `BENCH_QUICK=1`: 4 MB, N = 2 and 4 (a smo
 
     .venv/bin/python bench/round_cost.py
     BENCH_COMPARE=HEAD~3 BENCH_MB=100 .venv/bin/python bench/round_cost.py
+    BENCH_PNG=docs/round-cost.png ...     # also plot memory and requests against N, per store and code
 Prints JSON rows {store, replicas, model_mb, added_host_memory_vs_model,
 requests_per_replica_per_round, polls_per_replica_per_round, round_vs_raw, ...}.
 """
@@ -190,8 +191,43 @@ def main() -> None:
                     row = {"store": store, "code": label, **one(uri, env, n, src, run)}
                     out["rows"].append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
+    if os.environ.get("BENCH_PNG"):
+        plot(out["rows"], Path(os.environ["BENCH_PNG"]))
     json.dump(out, sys.stdout, indent=1)
     print()
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Added host memory and requests per replica per round against N, a line per store and code."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (mem, req) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for store in sorted({r["store"] for r in rows}):
+        for code in sorted({r["code"] for r in rows}):
+            pts = sorted((r["replicas"], r) for r in rows if r["store"] == store and r["code"] == code)
+            if not pts:
+                continue
+            ns = [n for n, _ in pts]
+            style = "--" if code.startswith("baseline") else "-"
+            label = f"{store}, {code}"
+            mem.plot(ns, [r["added_host_memory_vs_model"] for _, r in pts], style, marker="o", label=label)
+            req.plot(ns, [r["requests_per_replica_per_round"] for _, r in pts], style, marker="o", label=label)
+    ns = sorted({r["replicas"] for r in rows})
+    req.plot(ns, [2 * n + 6 for n in ns], ":", color="grey", label="target 2N + 6")
+    mem.axhline(2.5, linestyle=":", color="grey", label="target 2.5×")
+    mem.set(title=f"host memory DiLoCo adds ({rows[0]['model_mb']:g} MB fp32 model)", xlabel="replicas N",
+            ylabel="× the model")
+    req.set(title="requests per replica per round (polls apart)", xlabel="replicas N", ylabel="requests")
+    for ax in (mem, req):
+        ax.set_xticks(ns)
+        ax.grid(alpha=0.3)
+    req.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,9 @@ CLOUD_SCHEMES = {"s3": "aws", "gs": "gcp", "az": "azure", "azure": "azure", "adl
                  "abfss": "azure", "https": "azure"}
 AZURE_HTTPS_HOSTS = (".blob.core.windows.net", ".dfs.core.windows.net")
 SCHEMES = ("file", "memory", *CLOUD_SCHEMES)
+# Keys per bulk-delete request, by cloud (obstore uses S3's DeleteObjects and Azure's blob batch;
+# GCS has none and deletes one request a key).
+BULK_DELETE = {"aws": 1000, "azure": 256}
 
 
 def scheme_of(uri: str | None) -> str:
@@ -111,6 +114,24 @@ class Store:
             obstore.delete(self.raw, key)
         except FileNotFoundError:
             pass
+
+    def delete_many(self, keys: list[str]) -> None:
+        """Delete objects (absent ones are fine) in as few requests as the store allows: one
+        DeleteObjects per 1,000 keys on S3, one blob batch per 256 on Azure (`BULK_DELETE`)."""
+        import obstore
+
+        if not keys:
+            return
+        try:
+            obstore.delete(self.raw, list(keys))
+        except FileNotFoundError:  # a local or Azure store refuses the whole call for one absent key
+            for key in keys:
+                self.delete(key)
+
+    @property
+    def bulk_delete(self) -> int:
+        """Keys one delete request takes on this store (1: no bulk delete)."""
+        return BULK_DELETE.get(CLOUD_SCHEMES.get(scheme_of(self.uri), ""), 1)
 
 
 def open_store(uri: str) -> Store:

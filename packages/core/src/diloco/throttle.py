@@ -86,6 +86,11 @@ class ThrottledStore(Store):
         self._round_trip()
         super().delete(key)
 
+    def delete_many(self, keys: list[str]) -> None:
+        for _ in range(-(-len(keys) // self.bulk_delete)):
+            self._round_trip()
+        super().delete_many(keys)
+
 
 def throttled_from_env(store: Store, env: dict[str, str] | None = None) -> Store:
     """`store` behind the link the environment asks for, or `store` itself when it asks for none."""

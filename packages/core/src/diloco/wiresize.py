@@ -27,7 +27,9 @@ class Traffic:
     and what the estimate predicts (`diloco.estimate`), field for field.
 
     `polls` are the GETs and LISTs made while waiting for other replicas (also counted in
-    `gets` and `lists`): their number follows the wait, not the protocol.
+    `gets` and `lists`): their number follows the wait, not the protocol. `repair_looks` are
+    the polls a reducer spends looking for repair requests (also in `polls`): only while it
+    waits itself, at most one a second.
     """
 
     bytes_up: float = 0
@@ -37,6 +39,7 @@ class Traffic:
     lists: float = 0
     deletes: float = 0
     polls: float = 0
+    repair_looks: float = 0
 
     @property
     def request_count(self) -> float:
@@ -44,7 +47,8 @@ class Traffic:
         return self.puts + self.gets + self.lists - self.polls
 
     def requests(self) -> dict[str, float]:
-        return {"puts": self.puts, "gets": self.gets, "lists": self.lists, "deletes": self.deletes, "polls": self.polls}
+        return {"puts": self.puts, "gets": self.gets, "lists": self.lists, "deletes": self.deletes, "polls": self.polls,
+                "repair_looks": self.repair_looks}
 
     def snapshot(self) -> Traffic:
         return Traffic(**asdict(self))

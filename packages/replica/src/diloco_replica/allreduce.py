@@ -51,10 +51,11 @@ from .history import History
 from .lanes import Lanes
 from .membership import FellBehind, Membership, RoundFailed
 from .repairs import RepairDesk
-from .roundio import RoundIO
+from .roundio import Laps, RoundIO
 from .storeaccess import CountingStore, LaneShards, RunKeys, Traffic, reducer_of, shard_bounds
-from .streaming import DeltaSource, InFlight, Prefetch, RoundSink, WholeDelta, buffer_sink, window_for
-from .wire import CorruptObject, Identity, decode_tensor, encode_tensor, pack
+from .streaming import (DeltaSource, InFlight, Prefetch, Published, ReadOnceThenRefetch, RoundSink, WholeDelta,
+                        buffer_sink, window_for)
+from .wire import Identity, decode_tensor, encode_tensor, pack
 
 __all__ = ["FellBehind", "RoundFailed", "RoundResult", "StoreAllReduce"]
 
@@ -71,19 +72,6 @@ class RoundResult:
     incidents: list[dict[str, Any]] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)  # upload / wait / reduce / download seconds
     nonfinite: list[int] = field(default_factory=list)  # ranks some shard's mean left out for NaN/Inf values
-
-
-class Laps:
-    """Seconds spent in each named phase, measured back to back from one clock."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._last = time.monotonic()
-
-    def lap(self, name: str) -> None:
-        now = time.monotonic()
-        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
-        self._last = now
 
 
 class StoreAllReduce:
@@ -110,6 +98,7 @@ class StoreAllReduce:
         self.membership = Membership(self.io, self.history, min_members=min_members)
         self.repairs = RepairDesk(self.io, self.membership)
         self._cleanup_due: tuple[int, list[int], list[int]] | None = None
+        self._finished: tuple[int, float] | None = None  # (round, when) this replica last completed one
 
     @property
     def store(self) -> CountingStore:
@@ -162,7 +151,8 @@ class StoreAllReduce:
             self.lanes.agree(upload)  # "ready" means every lane's shards are in the store
             laps.lap("upload")
             self.phase("membership", r)
-            members = self.lanes.on_leader(lambda: self._ready_and_decide(r))
+            with self.repairs.waiting():  # every lane: a reader stuck on last round's shard holds this up
+                members = self.lanes.on_leader(lambda: self._ready_and_decide(r))
         laps.lap("wait")
         # The previous round's reduced shards stay servable until this round is formed: a reader
         # that found one corrupt is still finishing that round, and this round waits for it.
@@ -187,18 +177,31 @@ class StoreAllReduce:
                                              nonfinite=nonfinite))
         laps.lap("reduce")
         self.phase("gather", r)
-        takeovers = self._gather(r, bounds, members, sink, set(mine), own if member else None, incidents,
-                                 nonfinite=nonfinite)
+        if mine:
+            self.repairs.watch()  # a reader may find a shard published here corrupt while this replica gathers
+        with self.repairs.waiting():
+            takeovers = self._gather(r, bounds, members, sink, set(mine), own if member else None, incidents,
+                                     nonfinite=nonfinite)
         self._run_cleanup()
         if mine:
             self._cleanup_due = (r, mine, members)  # inputs stay one round, for takeovers and repairs
-            self.repairs.watch(r)
+            self.repairs.look_soon()
         laps.lap("download")
+        self._finished = (r, time.monotonic())
         return RoundResult(r, members, mean, member, io.store.traffic.since(before), time.monotonic() - t0,
                            takeovers, incidents, {"upload": 0.0, **laps.seconds}, sorted(nonfinite))
 
     def _decided_or_open(self, r: int) -> list[int] | None:
-        """Round r's members if already decided (we are late); None if it is open to join."""
+        """Round r's members if already decided (we are late); None if it is open to join.
+
+        Skipped (two requests a round: a GET of members.json, a LIST of the low-water mark) when
+        this replica finished round r − 1 less than round_timeout/2 ago: the others decide a
+        round without a replica only round_timeout after they were ready for it, and none was
+        ready before finishing r − 1, so round r is still open and far from collected. A replica
+        late after all learns it in `Membership.decide` (the round's record is there)."""
+        last = self._finished
+        if last is not None and last[0] == r - 1 and time.monotonic() - last[1] < self.io.round_timeout / 2:
+            return None
         members = self.membership.read(r)
         if members is None:
             self.membership.check_not_collected(r)
@@ -295,16 +298,16 @@ class StoreAllReduce:
                             self.membership.check_not_collected(r)
                         published = self.repairs.published_or_none(r, j, b - a, nonfinite)
                         if published is not None:  # reduced (and inputs cleaned) while we looked: use that
-                            raise _Published(published)
+                            raise Published(published)
                         left_out[str(m)] = self._left_out(r, j, key, m, problem, incidents)
                         continue
-                    reader = _ReadOnceThenRefetch(obj, lambda m=m: fetch(m))
+                    reader = ReadOnceThenRefetch(obj, lambda m=m: fetch(m))
                     del obj  # this frame must not keep the download alive while the next one comes
                     yield Contribution(m, key, reader.read)
 
         try:
             summed = accumulate(contributions(), b - a)
-        except _Published as done:
+        except Published as done:
             return done.values
         finally:
             prefetch.cancel()
@@ -332,7 +335,7 @@ class StoreAllReduce:
                             f"(it overflowed): training diverged; it is not published. Lower the learning rate and "
                             f"start a new run")
         if io.put(io.keys.reduced(r, io.sid(j)), blob, create_only=True, written=("reduced", r, io.sid(j))):
-            self.repairs.published[j] = (r, blob)
+            self.repairs.publish(r, j, blob)
             if nonfinite is not None:
                 nonfinite.update(summed.nonfinite)
             return decoded
@@ -416,43 +419,18 @@ class StoreAllReduce:
         keys = [io.keys.scatter(r, io.sid(j), m) for j in owned for m in members if m != self.rank]
 
         def delete_all() -> None:
-            for key in keys:
-                try:
-                    io.store.delete(key)
-                except Exception:  # best effort; a leftover object costs storage, not correctness
-                    pass
+            try:
+                io.store.delete_many(keys)  # one request per 1,000 keys on S3
+            except Exception:  # best effort; a leftover object costs storage, not correctness
+                pass
 
         io.pool.submit(delete_all)
 
     def close(self) -> None:
-        self.repairs.stop()
+        self.repairs.close()
         self.io.pool.shutdown(wait=True)
 
     def describe(self) -> dict[str, Any]:
         return {"run": self.io.run_id, "rank": self.rank, "world_size": self.n, "codec": self.codec,
                 "topk_density": self.topk_density,
                 "lane": self.lanes.index, "lanes": self.lanes.count}
-
-
-class _Published(Exception):
-    """Shard j was reduced by another replica while this one read its inputs: use that."""
-
-    def __init__(self, values: torch.Tensor):
-        self.values = values
-
-
-class _ReadOnceThenRefetch:
-    """A verified contribution: the first read decodes the downloaded object and lets it go (the
-    fold holds one at a time); a second read — only on the slow path, to find which member's
-    values are non-finite — downloads it again."""
-
-    def __init__(self, obj, refetch: Callable[[], tuple]):
-        self.obj, self.refetch = obj, refetch
-
-    def read(self) -> torch.Tensor:
-        obj, self.obj = self.obj, None
-        if obj is None:
-            obj, problem = self.refetch()
-            if obj is None:
-                raise CorruptObject(f"re-read for the non-finite check: {problem}")
-        return obj.tensor()

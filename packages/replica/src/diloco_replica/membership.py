@@ -83,7 +83,8 @@ class Membership:
             if not backoff.sleep(deadline):
                 break
             waited = True
-        self.check_not_collected(r)  # paused past the history (even our own ready marker went): rejoin
+        if len(ready) < self.n:  # paused past the history (even our own ready marker went): rejoin
+            self.check_not_collected(r)  # (with every marker there, this round is not collected)
         if len(ready) < self.min_members:
             raise RoundFailed(f"round {r}: only {len(ready)} of {self.n} replicas ready within "
                               f"{self.round_timeout:g}s, below min_members={self.min_members}")

@@ -2,10 +2,16 @@
 
 A reducer keeps the bytes it published until its next round is formed. A reader that finds a
 reduced shard corrupt (twice: a torn transfer heals on a second read, damage at rest does not)
-asks with ``r/repair/j`` and waits for ``r/repaired/j``; the reducer's watch thread, polling
-with a backoff capped at `REPAIR_POLL_CAP`, answers with the very bytes it first wrote, which the
-reader verifies the same way. Races with retention end in "use the published result" or
-`FellBehind` (rejoin), never in an exception that costs a restart.
+leaves a request, ``r/repair/j``, and waits for ``r/repaired/j``; the reducer answers with the
+very bytes it first wrote, which the reader verifies the same way. Races with retention end in
+"use the published result" or `FellBehind` (rejoin), never in an exception that costs a restart.
+
+When the reducer looks is event-driven, not a continuous watch: a reader stuck on a corrupt
+shard holds up the next round, so the reducer meets it while it waits itself — for the next
+round's members, for reduced shards, or for a repair of its own — and looks then (`waiting()`),
+at most once every `REPAIR_LOOK_EVERY` seconds (polls, counted as `repair_looks`); and once when
+the next round is formed. A healthy round costs one LIST for repairs, not one every few seconds
+of the inner phase (~20 LISTs a round on S3 before).
 
 "Corrupt" is anything a reader cannot use: a bad checksum, an object that does not fit the
 round's layout (shard length, codec), non-finite values (a reducer never publishes them), or a
@@ -18,6 +24,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -28,9 +36,9 @@ from .roundio import RoundIO
 from .storeaccess import reducer_of
 from .wire import CorruptObject, Identity, Unpacked
 
-# A reducer watches for repair requests for round_timeout after publishing, backing off to one LIST
-# per 30 s: ~20 LISTs a round on S3 for a fault that is rare; a reader asking waits at most that long.
-REPAIR_POLL_CAP = 30.0
+# While a reducer waits, it looks for repair requests at most this often (and at the store's
+# poll_max, if longer): a stuck reader is served within about a second of the reducer's next wait.
+REPAIR_LOOK_EVERY = 1.0
 
 
 class RepairDesk:
@@ -42,6 +50,10 @@ class RepairDesk:
         self.published: dict[int, tuple[int, list]] = {}  # shard -> (round, blob) this replica last reduced
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._waiters = 0
+        self._waiting = threading.Event()  # set while this replica waits in the store protocol
+        self._look_at: float | None = None  # one look this long after a round ended (readers a bit behind)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -83,16 +95,25 @@ class RepairDesk:
     def _repaired(self, r: int, j: int, key: str, numel: int, problem: str, members: list[int] | None,
                   incidents: list[dict[str, Any]], nonfinite: set[int] | None) -> torch.Tensor:
         io = self.io
-        ident = Identity(io.run_id, r, "reduced", io.sid(j), -1)
         members = members or self.membership.read(r) or []
         writer = reducer_of(j, members) if members else None
         io.log(f"round {r}: {problem}; asking its reducer (rank {writer}) to re-publish it")
         io.put(io.keys.repair(r, io.sid(j)), json.dumps({"by": io.rank, "problem": problem}).encode(),
                create_only=True)
+        with self.waiting():
+            return self._await_repair(r, j, key, numel, problem, writer, incidents, nonfinite)
+
+    def _await_repair(self, r: int, j: int, key: str, numel: int, problem: str, writer: int | None,
+                      incidents: list[dict[str, Any]], nonfinite: set[int] | None) -> torch.Tensor:
+        io = self.io
+        ident = Identity(io.run_id, r, "reduced", io.sid(j), -1)
         deadline = time.monotonic() + io.round_timeout
         backoff = io.backoff()
+        waited = False
         while True:
-            obj, _ = io.get_verified(io.keys.repaired(r, io.sid(j)), ident, numel=numel, codec=io.codec)
+            with io.store.polling(waited):  # every look after the first is a poll
+                obj, _ = io.get_verified(io.keys.repaired(r, io.sid(j)), ident, numel=numel, codec=io.codec)
+            waited = True
             if obj is not None:
                 try:
                     mean = self._usable(obj, nonfinite)
@@ -108,51 +129,89 @@ class RepairDesk:
 
     # -- serving -----------------------------------------------------------------------------
 
+    def publish(self, r: int, j: int, blob: list) -> None:
+        """Keep what this replica published for shard j of round r, to re-publish it if asked."""
+        with self._lock:
+            self.published[j] = (r, blob)
+
     def serve_once(self) -> bool:
-        """Re-publish shards readers found corrupt; True once nothing is left to watch."""
+        """Re-publish shards readers found corrupt (one LIST per round); True once nothing is left."""
         io = self.io
         by_round: dict[int, list[int]] = {}
-        for j, (r, _) in self.published.items():
-            by_round.setdefault(r, []).append(j)
+        with self._lock:
+            for j, (r, _) in self.published.items():
+                by_round.setdefault(r, []).append(j)
         for r, shards in by_round.items():
             asked = io.present(io.keys.repair(r))
             for j in shards:
                 if j in asked:  # the very bytes it published first: readers verify them the same way
-                    _, blob = self.published.pop(j)
+                    with self._lock:
+                        _, blob = self.published.pop(j)
                     io.put(io.keys.repaired(r, io.sid(j)), blob, create_only=True)
                     io.log(f"round {r}: re-published reduced shard {j} (a reader found it corrupt)")
-        return not self.published
+        with self._lock:
+            return not self.published
 
-    def watch(self, r: int) -> None:
-        """Until the next round is formed (or the timeout), answer repair requests for round r."""
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """This replica waits in the store protocol: a reader stuck on its shard may be why."""
+        with self._lock:
+            self._waiters += 1
+            self._waiting.set()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiters -= 1
+                if not self._waiters:
+                    self._waiting.clear()
+
+    def watch(self) -> None:
+        """Until the next round is formed, answer repair requests whenever this replica waits."""
+        if self._watcher is not None and self._watcher.is_alive():
+            return
         io = self.io
         self._stop = threading.Event()
-        stop = self._stop
+        stop, every = self._stop, max(REPAIR_LOOK_EVERY, io.poll_max)
 
         def watch() -> None:
-            deadline = time.monotonic() + io.round_timeout
-            delay = max(io.poll_interval, 0.05)
-            while True:
+            while not stop.is_set():
+                due = self._look_at is not None and time.monotonic() >= self._look_at
+                if not (self._waiting.wait(0.05) or due) or stop.is_set():
+                    continue
+                self._look_at = None
                 try:
-                    with io.store.polling():  # a watch costs what the wait costs: polls
+                    with io.store.polling(repair=True):  # a look costs what the wait costs: polls
                         if self.serve_once():
                             return
                 except Exception as exc:  # never let the watcher take the replica down
-                    io.log(f"round {r}: repair watch failed: {exc}")
-                remaining = deadline - time.monotonic()
-                # waiting on the event, not sleeping: the next round stops the watch at once
-                if remaining <= 0 or stop.wait(min(delay, remaining)):
-                    return
-                delay = min(delay * 1.5, max(io.poll_max, REPAIR_POLL_CAP))
+                    io.log(f"repair watch failed: {exc}")
+                stop.wait(every)  # waiting on the event, not sleeping: the next round stops it at once
 
-        self._watcher = threading.Thread(target=watch, name=f"diloco-repairs-r{r}", daemon=True)
+        self._watcher = threading.Thread(target=watch, name="diloco-repairs", daemon=True)
         self._watcher.start()
+
+    def look_soon(self) -> None:
+        """This replica's round is done: look once, a moment from now, for readers just behind it
+        (the last round of a run has no next round to wait in)."""
+        self._look_at = time.monotonic() + max(REPAIR_LOOK_EVERY, self.io.poll_max)
 
     def next_round(self) -> None:
         """A new round is formed: stop watching, answer late requests once, forget what was published."""
         self.stop()
-        self.serve_once()  # late requests (e.g. from a replaying rejoiner)
-        self.published.clear()
+        if self.published:
+            self.serve_once()  # late requests (e.g. from a replaying rejoiner)
+        with self._lock:
+            self.published.clear()
+
+    def close(self) -> None:
+        """The replica leaves: answer the requests already made, then stop."""
+        self.stop()
+        if self.published:
+            try:
+                self.serve_once()
+            except Exception as exc:  # leaving anyway; a reader that waits rejoins
+                self.io.log(f"repair watch failed: {exc}")
 
     def stop(self) -> None:
         self._stop.set()

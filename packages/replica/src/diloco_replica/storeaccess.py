@@ -30,17 +30,21 @@ class CountingStore:
         self._local = threading.local()
 
     @contextmanager
-    def polling(self, active: bool = True):
+    def polling(self, active: bool = True, *, repair: bool = False):
+        """Requests inside are polls; `repair`: a reducer's look for repair requests, too."""
         before = getattr(self._local, "polling", False)
-        self._local.polling = active
+        self._local.polling = "repair" if active and repair else active
         try:
             yield
         finally:
             self._local.polling = before
 
     def _count_poll(self) -> None:
-        if getattr(self._local, "polling", False):
+        kind = getattr(self._local, "polling", False)
+        if kind:
             self.traffic.polls += 1
+            if kind == "repair":
+                self.traffic.repair_looks += 1
 
     @property
     def uri(self) -> str:
@@ -79,6 +83,15 @@ class CountingStore:
     def delete(self, key: str) -> None:
         self.traffic.deletes += 1
         self.store.delete(key)
+
+    def delete_many(self, keys: list[str]) -> None:
+        """Delete `keys`, counted as the requests the store bills: one per bulk batch where it
+        has bulk delete (S3, Azure), one per key elsewhere."""
+        if not keys:
+            return
+        batch = getattr(self.store, "bulk_delete", 1)
+        self.traffic.deletes += -(-len(keys) // batch)
+        self.store.delete_many(keys)
 
 
 class Backoff:

@@ -26,6 +26,8 @@ from typing import Protocol
 
 import torch
 
+from .wire import CorruptObject
+
 # A sink receives shard j's mean: (shard index, start, stop within the round's vector, values).
 RoundSink = Callable[[int, int, int, torch.Tensor], None]
 
@@ -123,3 +125,27 @@ class InFlight:
 
     def __exit__(self, *exc: object) -> None:
         self._sem.release()
+
+
+class Published(Exception):
+    """Shard j was reduced by another replica while this one read its inputs: use that."""
+
+    def __init__(self, values: torch.Tensor):
+        self.values = values
+
+
+class ReadOnceThenRefetch:
+    """A verified contribution: the first read decodes the downloaded object and lets it go (the
+    fold holds one at a time); a second read — only on the slow path, to find which member's
+    values are non-finite — downloads it again."""
+
+    def __init__(self, obj, refetch: Callable[[], tuple]):
+        self.obj, self.refetch = obj, refetch
+
+    def read(self) -> torch.Tensor:
+        obj, self.obj = self.obj, None
+        if obj is None:
+            obj, problem = self.refetch()
+            if obj is None:
+                raise CorruptObject(f"re-read for the non-finite check: {problem}")
+        return obj.tensor()
