@@ -6,7 +6,8 @@ contributions and N−1 reduced shards down, and a fixed handful of requests aro
 module counts them the same way the replicas' rows do (`RoundMetrics.bytes_up/bytes_down/
 requests`), so the estimate can be checked against a run, and the run's `diloco status` shows
 both. What depends on timing is kept apart: `polls` (re-checks while a replica waits for the
-others, at most one per `poll_max` seconds of waiting) and deletes (free on S3).
+others, at most one per `poll_max` seconds of waiting, a reducer's looks for repair requests
+among them) and deletes (free on S3, and one request per 1,000 keys there).
 
 Outside the exchange a run also writes a metrics row per replica and round, one summary per
 round, and every `checkpoint_every` rounds a checkpoint of θ and the outer momentum (8 bytes
@@ -96,8 +97,15 @@ class Estimate:
         return out
 
 
-def exchange(n: int, lanes: int, numel: int, transport: str, density: float, *, first: bool = False) -> Traffic:
-    """One replica's all-reduce traffic for a round syncing `numel` elements (its lanes together)."""
+def exchange(n: int, lanes: int, numel: int, transport: str, density: float, *, first: bool = False,
+             bulk_delete: int = 1) -> Traffic:
+    """One replica's all-reduce traffic for a round syncing `numel` elements (its lanes together).
+
+    `first`: the run's first round (or the first after a rejoin): the replica checks whether the
+    round was decided or collected without it (a GET of members.json, a LIST of the low-water
+    mark), which a replica fresh from the previous round skips, and has nothing to delete or to
+    look for repairs of yet. `bulk_delete`: keys one delete request takes on the store.
+    """
     per_lane = numel / lanes
     shard = per_lane / n
     scatter = OBJECT_OVERHEAD + expected_payload_nbytes(round(shard), transport, density=density)
@@ -107,9 +115,9 @@ def exchange(n: int, lanes: int, numel: int, transport: str, density: float, *, 
         bytes_up=lanes * ((n - 1) * scatter + reduced) + MARKER_NBYTES + MEMBERS_NBYTES,
         bytes_down=lanes * (n - 1) * (scatter + reduced) + loser * MEMBERS_NBYTES,
         puts=lanes * (n - 1) + 1 + 1 + lanes,               # shards, ready marker, members.json, reduced shard
-        gets=1 + loser + 2 * lanes * (n - 1),                # members.json (absent), the winner's, shards in
-        lists=3 + lanes + (0 if first else lanes),           # low-water ×2, ready; reduced; repair requests
-        deletes=0 if first else lanes * (n - 1))             # the previous round's shards it reduced
+        gets=(1 if first else 0) + loser + 2 * lanes * (n - 1),  # [members.json, absent], the winner's, shards in
+        lists=(1 if first else 0) + 1 + lanes + (0 if first else lanes),  # [low-water], ready; reduced; repairs
+        deletes=0 if first else lanes * -(-(n - 1) // bulk_delete))  # the previous round's inputs it reduced
 
 
 def estimate(spec: Any, *, parameters: int | None = None, parameters_from: str | None = None,
@@ -132,8 +140,11 @@ def estimate(spec: Any, *, parameters: int | None = None, parameters_from: str |
         return est
     numel = parameters / k
     density = float(d["topk_density"])
-    est.round = exchange(n, lanes, numel, d["transport"], density)
-    est.first_round = exchange(n, lanes, numel, d["transport"], density, first=True)
+    from .store import BULK_DELETE, CLOUD_SCHEMES, scheme_of
+
+    bulk = BULK_DELETE.get(CLOUD_SCHEMES.get(scheme_of(spec.rendezvous), ""), 1)  # local: one delete a key
+    est.round = exchange(n, lanes, numel, d["transport"], density, bulk_delete=bulk)
+    est.first_round = exchange(n, lanes, numel, d["transport"], density, first=True, bulk_delete=bulk)
     if rounds:
         ckpts = rounds // int(d["checkpoint_every"])
         summary = OBJECT_OVERHEAD + n * ROW_NBYTES
