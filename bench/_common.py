@@ -54,3 +54,25 @@ def tiny_lm_spec(*, args: dict[str, Any] | None = None, diloco: dict[str, Any] |
     if env:
         spec.setdefault("env", {}).update(env)
     return spec
+
+
+def rss_kb() -> int:
+    """This process's resident set size now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets VmHWM to the current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_kb() -> int:
+    """This process's peak RSS (VmHWM). Not getrusage's ru_maxrss: Linux carries that across fork
+    and exec, so a spawned worker would report the launching process's size (moto's objects) as its own."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status")

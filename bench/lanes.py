@@ -34,28 +34,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.multiprocessing as mp
 
-from _common import knob  # noqa: E402 - bench/ is the script's directory
+from _common import knob, peak_rss_kb, rss_kb  # noqa: E402 - bench/ is the script's directory
 
 MB = int(knob("BENCH_MB", "100", "4"))
 LANES = [int(x) for x in knob("BENCH_LANES", "1,2,4", "1,2").split(",")]
 STORES = os.environ.get("BENCH_STORES", "file,s3").split(",")
 N = 2
-
-
-def rss_kb() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
-
-
-def peak_rss_kb() -> int:
-    """This process's peak RSS since its exec (VmHWM). Not getrusage's ru_maxrss: Linux carries
-    that across fork and exec, so a worker would inherit the launching process's size (here the
-    parent holds moto's objects) as its own peak."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def raw_round(store, run: str, rank: int, lane: int, lanes: int, numel: int, barrier) -> float:

@@ -41,32 +41,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
-QUICK = os.environ.get("BENCH_QUICK") == "1"
-MB = float(os.environ.get("BENCH_MB", "4" if QUICK else "100"))
-REPLICAS = [int(x) for x in os.environ.get("BENCH_REPLICAS", "2,4" if QUICK else "2,4,8").split(",")]
+from _common import knob, peak_rss_kb, reset_peak_rss, rss_kb  # noqa: E402 - bench/ is the script's directory
+
+MB = float(knob("BENCH_MB", "100", "4"))
+REPLICAS = [int(x) for x in knob("BENCH_REPLICAS", "2,4,8", "2,4").split(",")]
 STORES = os.environ.get("BENCH_STORES", "file,s3").split(",")
 COMPARE = os.environ.get("BENCH_COMPARE", "")
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def rss_kb() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
-
-
-def reset_peak_rss() -> None:
-    """Linux: writing 5 to clear_refs resets VmHWM to the current RSS."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def peak_rss_kb() -> int:
-    """VmHWM, not getrusage's ru_maxrss (Linux carries that across fork and exec)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def raw_round(store, run: str, rank: int, n: int, numel: int, barrier) -> float:

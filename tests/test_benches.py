@@ -26,6 +26,7 @@ BENCHES = {
     "round_cost.py": ["rows"],
     "tiny_lm.py": ["diloco", "data_parallel", "diloco_vs_dp_eval_loss"],
     "sync_modes.py": ["rows", "targets"],
+    "scale.py": ["rows", "targets"],
 }
 ROUND_COST_FIELDS = {"store", "replicas", "model_mb", "added_host_memory_vs_model", "requests_per_replica_per_round",
                      "polls_per_replica_per_round", "round_vs_raw"}
@@ -45,6 +46,9 @@ def test_the_bench_runs_in_quick_mode_and_prints_its_json(bench, tmp_path):
     out = json.loads(proc.stdout)
     for key in BENCHES[bench]:
         assert key in out, f"{bench} no longer reports {key!r}"
+    if bench == "scale.py":
+        assert [row["replicas"] for row in out["rows"]] == [4, 8, 16]
+        assert all(row["round_s"] > 0 and row["requests_per_replica_per_round"] > 0 for row in out["rows"])
     if bench == "round_cost.py":
         assert {row["store"] for row in out["rows"]} == {"file", "s3"}
         for row in out["rows"]:

@@ -249,8 +249,8 @@ def test_untrusted_objects_are_incidents_and_the_run_succeeds(tmp_path):
     reset = [e for e in incidents if "reset its model and inner optimizer state" in e["action"]]
     assert [(e["round"], e["replica"]) for e in reset] == [(nan_round, 2)]
     layout = {e["object"].split("/", 1)[1]: e["action"] for e in incidents if "wrong layout" in e["problem"]}
-    assert set(layout) == {"r00000002/scatter/0/1", "r00000004/reduced/3"}, incidents
-    assert "left out" in layout["r00000002/scatter/0/1"] and "re-published" in layout["r00000004/reduced/3"]
+    assert set(layout) == {"r00000002/scatter/0/1", "r00000004/reduced/3/mean"}, incidents
+    assert "left out" in layout["r00000002/scatter/0/1"] and "re-published" in layout["r00000004/reduced/3/mean"]
     losses = {e["round"]: e["loss"] for e in events if e["event"] == "round"}
     assert all(math.isfinite(loss) for rnd, loss in losses.items() if rnd > nan_round), losses
     assert all(r["rounds"] == 6 for r in results)

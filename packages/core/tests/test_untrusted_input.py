@@ -172,9 +172,9 @@ def test_of_many_supervisors_started_together_exactly_one_holds_the_lease(tmp_pa
     assert all("already supervised by" in r[1] for r in results if r[0] == "refused"), results
 
 
-def test_a_dead_holders_lease_is_taken_over_and_a_live_one_is_not(tmp_path, monkeypatch):
+def dead_holders_lease(tmp_path):
+    """A run directory whose lease names a process of this host that has exited."""
     from diloco import lease as lease_mod
-    from diloco.lease import LeaseHeld, LeaseHolder, SupervisorLease, current_holder
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -183,6 +183,14 @@ def test_a_dead_holders_lease_is_taken_over_and_a_live_one_is_not(tmp_path, monk
     path = run_dir / lease_mod.LEASE_FILE
     path.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "start_ticks": 1, "token": "old",
                                 "taken_at": time.time()}))
+    return run_dir, path
+
+
+def test_a_dead_holders_lease_is_taken_over_and_a_live_one_is_not(tmp_path, monkeypatch):
+    from diloco import lease as lease_mod
+    from diloco.lease import LeaseHeld, LeaseHolder, SupervisorLease, current_holder
+
+    run_dir, path = dead_holders_lease(tmp_path)
     assert current_holder(run_dir) is None
     held = SupervisorLease.acquire(run_dir)  # the same host, its process gone: no wait
     assert current_holder(run_dir).token == held.holder.token
@@ -220,13 +228,7 @@ def test_a_racer_that_finds_a_takeover_under_way_waits_and_names_the_new_holder(
     from diloco import lease as lease_mod
     from diloco.lease import LeaseHeld, SupervisorLease
 
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    path = run_dir / lease_mod.LEASE_FILE
-    path.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "start_ticks": 1, "token": "old",
-                                "taken_at": time.time()}))
+    run_dir, path = dead_holders_lease(tmp_path)
     guard = path.with_name(path.name + ".takeover")
     guard.touch()  # another racer is mid-takeover
 

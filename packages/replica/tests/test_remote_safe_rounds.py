@@ -121,7 +121,7 @@ def test_replaying_a_round_that_retention_deletes_underneath_is_a_rejoin_not_a_c
     threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    store.delete(f"{run}/r00000001/reduced/1")  # GC got there first: mark, then delete
+    store.delete(f"{run}/r00000001/reduced/1/mean")  # GC got there first: mark, then delete
     store.put(f"{run}/history/gc-through-r00000001", b"{}")
     replayer = StoreAllReduce(store, run, 0, n, round_timeout=30.0, poll_interval=0.005)
     t0 = time.monotonic()
@@ -203,19 +203,22 @@ def summaries(store_uri, run_id):
     return read_rounds(store_uri, run_id, final=True)
 
 
+@pytest.mark.parametrize("fault, problem", [("DILOCO_FAULT_CORRUPT", "checksum"),
+                                            ("DILOCO_FAULT_WRONG_LENGTH", "layout")])  # a bit flipped; a writer bug
 @pytest.mark.parametrize("target, action", [("scatter:2:0:1", "left out of shard 0's mean"),
                                             ("reduced:2:1", "re-published by its reducer")])
-def test_a_corrupt_object_mid_run_is_handled_the_same_everywhere(replicas, store_uri, target, action):
+def test_a_bad_object_mid_run_is_handled_the_same_everywhere(replicas, store_uri, fault, problem, target, action):
+    """A corrupt or wrong-length object is an incident, never a crash, and every replica ends the same."""
     handles = replicas.launch("mlp_rounds", 4, rendezvous=store_uri, settings={"sync_every": 2, "round_timeout": 20},
-                              args={"steps": 10, "dim": 32}, env={"DILOCO_FAULT_CORRUPT": target})
+                              args={"steps": 10, "dim": 32}, env={fault: target})
     results = replicas.results(handles, timeout=240)
     for rnd in ("1", "2", "3", "4", "5"):
         assert len({r["hashes"][rnd] for r in results}) == 1, f"replicas differ after round {rnd}"
     rounds = {s.round: s for s in summaries(store_uri, replicas.run_id)}
     incidents = rounds[2].incidents
-    assert incidents and all(action in i["action"] for i in incidents), incidents
+    assert incidents and all(action in i["action"] and problem in i["problem"] for i in incidents), incidents
     kind, _, owner, *src = target.split(":")
-    assert incidents[0]["object"].endswith(f"/r00000002/{kind}/{owner}" + (f"/{src[0]}" if src else ""))
+    assert incidents[0]["object"].endswith(f"/r00000002/{kind}/{owner}" + (f"/{src[0]}" if src else "/mean"))
     assert incidents[0]["writer"] == (int(src[0]) if src else int(owner))
     assert all(r["rounds"][-1]["members"] == [0, 1, 2, 3] for r in results)
 

@@ -54,7 +54,7 @@ from .repairs import RepairDesk
 from .roundio import Laps, RoundIO
 from .storeaccess import CountingStore, LaneShards, RunKeys, Traffic, reducer_of, shard_bounds
 from .streaming import (DeltaSource, InFlight, Prefetch, Published, ReadOnceThenRefetch, RoundSink, WholeDelta,
-                        buffer_sink, window_for)
+                        buffer_sink, pool_width, window_for)
 from .wire import Identity, decode_tensor, encode_tensor, pack
 
 __all__ = ["FellBehind", "RoundFailed", "RoundResult", "StoreAllReduce"]
@@ -80,14 +80,15 @@ class StoreAllReduce:
 
     def __init__(self, store: Store, run_id: str, rank: int, world_size: int, *, codec: str = "fp32",
                  round_timeout: float = 300.0, min_members: int = 1, poll_interval: float = 0.05,
-                 poll_max: float = 1.0, workers: int = 8, log: Callable[[str], None] | None = None,
+                 poll_max: float = 1.0, workers: int | None = None, log: Callable[[str], None] | None = None,
                  lanes: Lanes | None = None, topk_density: float = DILOCO["topk_density"].default):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         lanes = lanes or Lanes()
         self.io = RoundIO(store=CountingStore(store), keys=RunKeys(run_id),
                           shards=LaneShards(lanes.index, world_size, lanes.count), lanes=lanes,
-                          pool=ThreadPoolExecutor(max_workers=max(2, min(workers, 2 * world_size))),
+                          pool=ThreadPoolExecutor(max_workers=max(2, min(workers or pool_width(world_size),
+                                                                          2 * world_size))),
                           run_id=run_id, rank=rank, n=world_size, round_timeout=round_timeout,
                           poll_interval=poll_interval, poll_max=poll_max, log=log or (lambda msg: None),
                           faults=Faults(rank, lanes.index), codec=codec)

@@ -139,9 +139,10 @@ class LaneShards:
         return self.lane * self.n + j
 
     def mine(self, names: list[str]) -> set[int]:
-        """This lane's shard indices (0..N−1) among object names."""
+        """This lane's shard indices (0..N−1) among object names (`<shard>` or `<shard>/...`)."""
         base = self.lane * self.n
-        return {int(x) - base for x in names if x.isdigit() and base <= int(x) < base + self.n}
+        firsts = [x.split("/", 1)[0] for x in names]
+        return {int(x) - base for x in firsts if x.isdigit() and base <= int(x) < base + self.n}
 
 
 def reducer_of(shard: int, members: list[int]) -> int:
@@ -168,7 +169,10 @@ class RunKeys:
         return f"{self.round(r)}/members.json"
 
     def reduced(self, r: int, owner: int | None = None) -> str:
-        return f"{self.round(r)}/reduced/" + ("" if owner is None else str(owner))
+        """Reduced shard j under a prefix of its own (`reduced/<j>/mean`): every replica GETs every
+        reduced shard, N² GETs a round, which in one prefix would pass S3's 5,500 GET/s per prefix
+        from N ≈ 64 on (bench/scale.py); one LIST of `reduced/` still finds them all."""
+        return f"{self.round(r)}/reduced/" + ("" if owner is None else f"{owner}/mean")
 
     def repair(self, r: int, owner: int | None = None) -> str:
         return f"{self.round(r)}/repair/" + ("" if owner is None else str(owner))
