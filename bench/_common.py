@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import tempfile
 import tomllib
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +79,14 @@ def peak_rss_kb() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1])
     raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def baseline_sources(stack: ExitStack, rev: str) -> list[str]:
+    """A `git worktree` of `rev` (removed when `stack` closes); its core and replica source folders,
+    for workers that put them first on sys.path to run that revision's code in the same bench run."""
+    where = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "baseline"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), rev], check=True,
+                   capture_output=True)
+    stack.callback(subprocess.run, ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(where)],
+                   capture_output=True)
+    return [str(where / "packages" / p / "src") for p in ("core", "replica")]

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
-from _common import knob, peak_rss_kb, reset_peak_rss, rss_kb  # noqa: E402 - bench/ is the script's directory
+from _common import baseline_sources, knob, peak_rss_kb, reset_peak_rss, rss_kb  # noqa: E402 - bench/ is the script's directory
 
 MB = float(knob("BENCH_MB", "100", "4"))
 REPLICAS = [int(x) for x in knob("BENCH_REPLICAS", "2,4,8", "2,4").split(",")]
@@ -139,16 +138,6 @@ def one(uri: str, env: dict, n: int, src: list[str], run: str) -> dict:
             "bytes_down_vs_bound": round(got[0]["bytes_down"] / (2 * (n - 1) / n * size), 4)}
 
 
-def baseline_sources(stack: ExitStack) -> list[str]:
-    """A worktree of BENCH_COMPARE's revision; its packages' source folders."""
-    where = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "baseline"
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), COMPARE], check=True,
-                   capture_output=True)
-    stack.callback(subprocess.run, ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(where)],
-                   capture_output=True)
-    return [str(where / "packages" / p / "src") for p in ("core", "replica")]
-
-
 def main() -> None:
     from diloco.replicaenv import REPLICA_ENV_DEFAULTS
 
@@ -157,7 +146,7 @@ def main() -> None:
     with ExitStack() as stack:
         codes = [("current", [])]
         if COMPARE:
-            codes.insert(0, (f"baseline {COMPARE}", baseline_sources(stack)))
+            codes.insert(0, (f"baseline {COMPARE}", baseline_sources(stack, COMPARE)))
         for store in STORES:
             if store == "file":
                 uri, env = f"file://{stack.enter_context(tempfile.TemporaryDirectory())}/store", {}

@@ -24,6 +24,7 @@ no prefix above 3,500 requests/s.
 
     .venv/bin/python bench/scale.py                     # N = 4 … 256 (~15 minutes here)
     BENCH_PNG=docs/scale.png .venv/bin/python bench/scale.py   # and plot it
+    BENCH_COMPARE=5bd2dc5 ...   # also that revision's code, in a process of its own per row (N ≤ 128)
     BENCH_QUICK=1 .venv/bin/python bench/scale.py       # N = 4, 8, 16
 Prints JSON rows {replicas, round_s, requests_per_replica_per_round, peak_prefix_requests_per_s, ...}.
 """
@@ -35,15 +36,19 @@ import itertools
 import json
 import os
 import re
+import subprocess
 import sys
 import threading
 import time as real_time
 from collections import defaultdict, deque
+from contextlib import ExitStack
 from typing import Any
 
-from _common import knob  # noqa: E402 - bench/ is the script's directory
+from _common import baseline_sources, knob  # noqa: E402 - bench/ is the script's directory
 
 REPLICAS = [int(x) for x in knob("BENCH_REPLICAS", "4,8,16,32,64,128,256", "4,8,16").split(",")]
+COMPARE = os.environ.get("BENCH_COMPARE", "")  # a git revision whose code runs each row too (N ≤ BENCH_COMPARE_MAX)
+COMPARE_MAX = int(os.environ.get("BENCH_COMPARE_MAX", "128"))
 ELEMENTS = int(knob("BENCH_ELEMENTS", "262144", "16384"))  # fp32 elements per replica (1 MB)
 LATENCY_S = float(knob("BENCH_LATENCY_S", "0.02", "0.02"))
 BANDWIDTH = float(knob("BENCH_BANDWIDTH", "100e6", "100e6"))  # bytes/s of one connection
@@ -289,13 +294,27 @@ def one(n: int) -> dict[str, Any]:
 
 
 def main() -> None:
+    if os.environ.get("BENCH_ONE"):  # a row for BENCH_COMPARE, in a process running that revision's code
+        print(json.dumps(one(int(os.environ["BENCH_ONE"]))))
+        return
     rows = []
-    for n in REPLICAS:
-        rows.append(one(n))
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    base = next((r for r in rows if r["replicas"] == 8), rows[0])
-    for r in rows:
-        r["round_vs_n8"] = round(r["round_s"] / base["round_s"], 2)
+    with ExitStack() as stack:
+        src = baseline_sources(stack, COMPARE) if COMPARE else []
+        for n in REPLICAS:
+            if COMPARE and n <= COMPARE_MAX:
+                env = {**os.environ, "BENCH_ONE": str(n), "PYTHONPATH": os.pathsep.join(src)}
+                proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=3600)
+                if proc.returncode != 0:
+                    raise SystemExit(f"baseline N = {n}: {proc.stderr[-2000:]}")
+                rows.append({"code": f"baseline {COMPARE}", **json.loads(proc.stdout)})
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+            rows.append({"code": "current", **one(n)})
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    for code in {r["code"] for r in rows}:
+        mine = [r for r in rows if r["code"] == code]
+        base = next((r for r in mine if r["replicas"] == 8), mine[0])
+        for r in mine:
+            r["round_vs_n8"] = round(r["round_s"] / base["round_s"], 2)
     if os.environ.get("BENCH_PNG"):
         plot(rows, os.environ["BENCH_PNG"])
     json.dump({"bench": "scale", "elements_per_replica": ELEMENTS, "latency_s": LATENCY_S,
@@ -306,25 +325,28 @@ def main() -> None:
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    """Round time, requests per replica and the hottest prefix's rate against N (log scales)."""
+    """Round time, requests per replica and the busiest prefix's rate against N (log scales)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ns = [r["replicas"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    panels = [("round_s", "round time (virtual s)", None), ("requests_per_replica_per_round",
-              "requests per replica per round", [2 * n + 6 for n in ns]),
-              ("peak_prefix_requests_per_s", "busiest prefix, requests/s", [PUT_RATE] * len(ns))]
-    for ax, (key, title, target) in zip(axes, panels):
-        ax.plot(ns, [r[key] for r in rows], marker="o", label="measured")
+    ns = sorted({r["replicas"] for r in rows})
+    panels = [("round_s", "round time (virtual s)", None, ""),
+              ("requests_per_replica_per_round", "requests per replica per round", [2 * n + 6 for n in ns], "2N + 6"),
+              ("peak_prefix_requests_per_s", "busiest prefix, requests/s", [PUT_RATE] * len(ns), "3,500/s")]
+    for ax, (key, title, target, label) in zip(axes, panels):
+        for code in sorted({r["code"] for r in rows}):
+            mine = sorted((r["replicas"], r[key]) for r in rows if r["code"] == code)
+            ax.plot([n for n, _ in mine], [v for _, v in mine], "--" if code.startswith("baseline") else "-",
+                    marker="o", label=code)
         if target:
-            ax.plot(ns, target, ":", color="grey", label="2N + 6" if key.startswith("requests") else "3,500/s")
-            ax.legend(fontsize=7)
+            ax.plot(ns, target, ":", color="grey", label=label)
         ax.set(title=title, xlabel="replicas N", xscale="log", yscale="log")
         ax.set_xticks(ns, [str(n) for n in ns])
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -55,10 +55,23 @@ def image_python(opts: SageMakerOptions, image: str) -> str | None:
     return f"{found[1]}.{found[2]}" if found else None
 
 
-def _build(dest: Path) -> list[Path]:
-    from diloco.wheelhouse import dependency_wheels, launcher_wheels
+def _build(dest: Path, python: str | None) -> list[Path]:
+    """The launcher's diloco and what it needs as wheels; a native one built for this machine's
+    Python is swapped for the index's build of the same version for the image's Python."""
+    from packaging.utils import parse_wheel_filename
 
-    return [*launcher_wheels(dest), *dependency_wheels(dest, exclude=IMAGE_HOLDS)]
+    from diloco.wheelhouse import dependency_wheels, fetch_wheel, launcher_wheels, wheel_fits
+
+    out = []
+    for path in [*launcher_wheels(dest), *dependency_wheels(dest, exclude=IMAGE_HOLDS)]:
+        if not wheel_fits(path, python=python or "3.11", platform=PLATFORM):
+            name, version, _, _ = parse_wheel_filename(path.name)
+            fetched = fetch_wheel(str(name), str(version), dest, python=python or "3.11", platform=PLATFORM)
+            if fetched is not None:
+                path.unlink()
+                path = fetched
+        out.append(path)
+    return out
 
 
 def check_python(python: str | None, opts: SageMakerOptions) -> None:
@@ -88,8 +101,9 @@ def check_fits(wheels: list[Path], python: str | None) -> None:
         if not wheel_fits(path, python=python or "3.11", platform=PLATFORM):
             name = path.name.split("-")[0].replace("_", "-")
             raise UserError(f"{path.name} ({name}, built from this machine's installation) does not install on the "
-                            f"official image (Python {python or '3.11'}, {PLATFORM}): launch from Linux x86-64 "
-                            f"with CPython {python or '3.11'}, or give an `image` holding diloco")
+                            f"official image (Python {python or '3.11'}, {PLATFORM}), and pip could not download "
+                            f"a build of it for that Python: launch from Linux x86-64 with CPython "
+                            f"{python or '3.11'}, or give an `image` holding diloco")
 
 
 def planned_wheels(opts: SageMakerOptions, image: str) -> dict[str, Any] | None:
@@ -100,7 +114,7 @@ def planned_wheels(opts: SageMakerOptions, image: str) -> dict[str, Any] | None:
     python = image_python(opts, image)
     check_python(python, opts)
     with tempfile.TemporaryDirectory(prefix="diloco-wheels-") as tmp:
-        wheels = _build(Path(tmp))
+        wheels = _build(Path(tmp), python)
         check_fits(wheels, python)
         listing = [{"file": p.name, "bytes": p.stat().st_size} for p in wheels]
     from diloco.replicaenv import pinned_requirement
@@ -109,6 +123,6 @@ def planned_wheels(opts: SageMakerOptions, image: str) -> dict[str, Any] | None:
             "install": [pinned_requirement("diloco-core"), pinned_requirement("diloco-replica")]}
 
 
-def build_wheels(dest: Path) -> list[Path]:
+def build_wheels(dest: Path, python: str | None) -> list[Path]:
     """The wheels `planned_wheels` listed, built into `dest` for upload (reproducible: same bytes)."""
-    return _build(dest)
+    return _build(dest, python)

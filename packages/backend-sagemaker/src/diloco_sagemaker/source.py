@@ -57,5 +57,5 @@ def upload_code(s3: Any, code: dict[str, Any], ignore: list[str]) -> None:
         from .officialimage import build_wheels
 
         with tempfile.TemporaryDirectory(prefix="diloco-wheels-") as tmp:
-            for wheel in build_wheels(Path(tmp)):
+            for wheel in build_wheels(Path(tmp), code["wheels"].get("python")):
                 put_once(s3, bucket, f"{prefix}{WHEELS_DIR}/{wheel.name}", wheel.read_bytes())

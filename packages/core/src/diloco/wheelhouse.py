@@ -199,6 +199,34 @@ def dependency_wheels(dest: str | os.PathLike[str], *, exclude: Iterable[str] = 
     return wheels
 
 
+def fetch_wheel(name: str, version: str, dest: str | os.PathLike[str], *, python: str,
+                platform: str) -> Path | None:
+    """The published wheel of `name`==`version` for CPython `python` on `platform`, from the package
+    index pip is configured with; None if pip cannot get one.
+
+    A native dependency installed here is built for this machine's Python (xxhash's wheels are
+    per CPython version, unlike obstore's abi3 one), so an image with another Python needs the
+    index's build of the same version."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="diloco-fetch-") as tmp:
+        platforms = [arg for p in _manylinux_platforms(platform) for arg in ("--platform", p)]
+        try:
+            done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                                   "--disable-pip-version-check", "--python-version", python, *platforms, "-d", tmp,
+                                   f"{name}=={version}"], capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        found = sorted(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not found or not wheel_fits(found[0], python=python, platform=platform):
+            return None
+        out = Path(dest) / found[0].name
+        out.write_bytes(found[0].read_bytes())
+        return out
+
+
 def _manylinux_platforms(platform: str) -> list[str]:
     """Every platform tag a `manylinux_2_X_ARCH` system installs (and the legacy aliases)."""
     m = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", platform)
