@@ -211,3 +211,36 @@ def test_every_backend_option_refuses_hostile_values_in_one_line(runner, backend
                 failures.append(failure)
     assert not failures, "\n".join(failures[:40])
     assert cases >= 9 * len(backend_fields(backend))
+
+
+# Findings of "Trust nothing that arrives" that every backend must refuse before its plan is made:
+# a reserved name in `secrets` (on EKS it replaced the rank the pod reads) and credentials in the
+# rendezvous (printed by every backend's dry run, put in the EKS Job's env and SageMaker's
+# Environment). The value after "=" must never be echoed: not by dryrun, not by run.
+RESERVED_AND_CREDENTIALS = [
+    ("secrets", '["REPLICA_RANK"]', "REPLICA_RANK", None),
+    ("secrets", '["DILOCO_REPLICAS", "WORLD_SIZE"]', "DILOCO_REPLICAS", None),
+    ("rendezvous", '"s3://AKIAIOSFODNN7EXAMPLE:wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY@bucket/runs"', "rendezvous",
+     "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY"),
+    ("rendezvous", '"s3://bucket/runs?X-Amz-Signature=f00dfacecafe0123456789"', "rendezvous", "f00dfacecafe0123456789"),
+    ("rendezvous", '"az://account/container/runs?sv=2024&sig=c2VjcmV0LXNhcy1zaWduYXR1cmU%3D"', "rendezvous",
+     "c2VjcmV0LXNhcy1zaWduYXR1cmU"),
+]
+
+
+@pytest.mark.parametrize("backend", ["local", "eks", "modal", "sagemaker"])
+@pytest.mark.parametrize("key, value, named, secret", RESERVED_AND_CREDENTIALS)
+def test_reserved_secrets_and_credentials_in_the_rendezvous_are_refused_on_every_backend(runner, backend, key, value,
+                                                                                          named, secret):
+    from diloco.cli import main
+
+    cli, project, state = runner
+    path = write(project, backend, "", key, value)
+    for command in ("dryrun", "run"):
+        out = cli.invoke(main, [command, str(path)])
+        assert out.exit_code == 2 and "Traceback" not in out.output, (command, out.output)
+        [line] = out.stderr.strip().splitlines()
+        assert line.startswith("error: ") and named in line, line
+        if secret is not None:
+            assert secret not in out.output and "secrets" in line, line
+    assert not (state / "runs").exists() or not any((state / "runs").iterdir())

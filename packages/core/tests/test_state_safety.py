@@ -27,6 +27,24 @@ def test_a_run_id_that_is_a_path_a_glob_or_empty_is_refused_in_one_line(state_di
         RunRecord.load(run_id)
 
 
+@pytest.mark.parametrize("command", ["cancel", "status", "logs"])
+@pytest.mark.parametrize("run_id", ["", "/etc", "../../x", "**"])
+def test_the_cli_refuses_a_path_a_glob_or_an_empty_run_id_and_leaves_the_run_alone(state_dir, tmp_path, run_id,
+                                                                                       command):
+    """`diloco cancel ""` once cancelled the only run; `../../x` listed files outside the state
+    dir in its hint; `**` and `/etc` ended in tracebacks."""
+    outside = tmp_path / "outside-the-state-dir"
+    outside.mkdir()
+    (tmp_path / "x-secret-file").write_text("")  # what <state>/runs/../../x* would match
+    RunRecord.create("only-run", {"state": "HEALTHY"})
+    proc = subprocess.run([sys.executable, "-m", "diloco", command, run_id], capture_output=True, text=True,
+                          cwd=outside, env={**os.environ, "DILOCO_STATE_DIR": str(state_dir)})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert "is not a run id" in line and "x-secret-file" not in line and "only-run" not in line
+    assert RunRecord.load("only-run").data["state"] == "HEALTHY"  # nothing was cancelled
+
+
 def test_a_planted_record_outside_the_state_dir_is_never_loaded(state_dir, tmp_path):
     planted = tmp_path / "elsewhere"
     planted.mkdir()

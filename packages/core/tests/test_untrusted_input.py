@@ -284,6 +284,37 @@ def test_two_resumes_started_together_one_supervises_and_the_other_names_it(cli,
             launcher.kill()
 
 
+def test_the_python_api_cannot_supervise_a_run_another_launcher_holds(cli, project, state_dir, monkeypatch):
+    """`diloco.attach(id).supervise()` from a notebook while `diloco run` supervises the run: refused
+    in one line naming the holder, and the run goes on untouched (one rank-0 replica, not two)."""
+    import diloco
+    from diloco.errors import UserError
+
+    spec = write_spec(project, GOOD + "[args]\nsteps = 4000\ndelay = 0.05\n[restart]\nmonitor_interval = 0.1\n")
+    monkeypatch.setenv("DILOCO_STATE_DIR", str(state_dir))
+    launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec)], text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        run_id, deadline = None, time.time() + 60
+        while time.time() < deadline and run_id is None:
+            for p in (state_dir / "runs").glob("*/run.json") if (state_dir / "runs").exists() else []:
+                if json.loads(p.read_text()).get("state") == "HEALTHY":
+                    run_id = p.parent.name
+            time.sleep(0.1)
+        assert run_id, "the run never became HEALTHY"
+        with pytest.raises(UserError, match=f"already supervised by process {launcher.pid}") as refused:
+            diloco.attach(run_id).supervise()
+        assert "\n" not in str(refused.value)
+        assert launcher.poll() is None and diloco.attach(run_id).state == "HEALTHY"
+        events = [json.loads(line)["event"] for line in (state_dir / "runs" / run_id / "events.jsonl").open()]
+        assert "resumed" not in events
+        cli("cancel", run_id, check_rc=0)
+        launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
 # -- output ---------------------------------------------------------------------------------------
 
 
