@@ -27,6 +27,7 @@ BENCHES = {
     "tiny_lm.py": ["diloco", "data_parallel", "diloco_vs_dp_eval_loss"],
     "sync_modes.py": ["rows", "targets"],
     "scale.py": ["rows", "targets"],
+    "uneven.py": ["rows", "targets", "round_seconds_vs_fixed"],
 }
 ROUND_COST_FIELDS = {"store", "replicas", "model_mb", "added_host_memory_vs_model", "requests_per_replica_per_round",
                      "polls_per_replica_per_round", "round_vs_raw"}

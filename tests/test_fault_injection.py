@@ -174,6 +174,7 @@ SYNC_MODES = {
     "overlap+fragments+int4": 'overlap = true\nfragments = 5\ntransport = "int4"',
     "overlap+topk": 'overlap = true\ntransport = "topk"',
     "fragments+topk": 'fragments = 5\ntransport = "topk"',
+    "round_seconds+int8": 'round_seconds = 0.15\ntransport = "int8"',  # time-based rounds: a round is 0.15 s, not H steps
 }
 
 

@@ -142,9 +142,12 @@ def parallelize(model: TinyLM, parallel: str) -> nn.Module:
 
 def train(ctx: ReplicaContext, steps: int | None = None, batch_size: int = 16, context: int = 64, dim: int = 128,
           layers: int = 2, lr: float = 2e-3, warmup: int = 50, seed: int = 0, threads: int = 1,
-          max_bytes: int = 3_000_000, parallel: str = "ddp", eval_every: int = 0) -> dict:
+          max_bytes: int = 3_000_000, parallel: str = "ddp", eval_every: int = 0,
+          slow_ranks: list[int] | None = None) -> dict:
     """`steps`: inner steps per replica (default: the spec's [diloco] total_steps); `eval_every`:
-    replica 0 evaluates the model on the held-out split every that many steps and reports it."""
+    replica 0 evaluates the model on the held-out split every that many steps and reports it;
+    `slow_ranks`: these replicas take twice as long per inner step (a sleep as long as the step),
+    a stand-in for a slower GPU (bench/uneven.py)."""
     from diloco_replica import DiLoCo, inner_optimizer
 
     torch.set_num_threads(threads)
@@ -160,7 +163,10 @@ def train(ctx: ReplicaContext, steps: int | None = None, batch_size: int = 16, c
                  diloco.global_step, diloco.round)
     started = time.monotonic()
     steps = steps or diloco.total_steps or 600
+    slow = ctx.rank in (slow_ranks or [])
+    next_eval = eval_every
     for step in diloco.steps(steps):
+        step_t0 = time.monotonic()
         gen = torch.Generator().manual_seed(hash((seed, ctx.rank, step)) & 0x7FFF_FFFF)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
@@ -169,12 +175,17 @@ def train(ctx: ReplicaContext, steps: int | None = None, batch_size: int = 16, c
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if slow:
+            time.sleep(time.monotonic() - step_t0)
         info = diloco.step(loss=loss.item(), tokens=batch_size * context // ctx.lanes)
         if info is not None:
             ctx.log.info("round %d: loss %.4f members %s%s sync %.2fs", info.round, info.loss or float("nan"),
                          info.members, "" if info.member else " (not a member)", info.sync_s)
-        if eval_every and ctx.rank == 0 and (step + 1) % eval_every == 0:  # every process of the replica (FSDP)
+        # every process of the replica (FSDP); `>=`: with round_seconds a round may end before H
+        # steps and the global step then jumps to the next round's start
+        if eval_every and ctx.rank == 0 and step + 1 >= next_eval:
             diloco.report_eval(evaluate(model, eval_data.to(device), context, batches=4))
+            next_eval = (step + 1) // eval_every * eval_every + eval_every
     eval_loss = evaluate(model, eval_data.to(device), context)
     diloco.close()
     result = {"rank": ctx.rank, "rounds": diloco.round, "eval_loss": eval_loss,

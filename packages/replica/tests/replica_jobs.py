@@ -61,14 +61,16 @@ def gloo_vs_store(ctx: ReplicaContext, numel: int = 100_003, init_file: str = ""
 
 def mlp_rounds(ctx: ReplicaContext, steps: int = 12, dim: int = 64, delay_rank: int = -1, delay_before_round: int = 0,
                delay_s: float = 0.0, start_delay_s: float = 0.0, crash_at_step: int = -1, perturb_rank: int = -1,
-               perturb_round: int = 0, nan_ranks: tuple[int, ...] = (), nan_step: int = -1) -> dict:
+               perturb_round: int = 0, nan_ranks: tuple[int, ...] = (), nan_step: int = -1,
+               slow_ranks: tuple[int, ...] = (), step_sleep: float = 0.0) -> dict:
     """A small MLP under DiLoCo with Adam; records θ's hash after every round.
 
     delay_rank sleeps `delay_s` before its sync of round `delay_before_round` (to miss it);
     start_delay_s delays joining; crash_at_step makes attempt 0 of the rank exit abruptly;
     perturb_rank adds 1e-3 to one element of its θ_global after round `perturb_round` (a bit flip
     in host memory, as far as DiLoCo can tell); nan_ranks' parameters turn NaN after inner step
-    `nan_step` (a diverged step: the following inner steps poison AdamW's moments too).
+    `nan_step` (a diverged step: the following inner steps poison AdamW's moments too);
+    slow_ranks sleep `step_sleep` every inner step (a slower GPU). Each inner step counts one token.
     """
     if start_delay_s:
         time.sleep(start_delay_s)
@@ -93,14 +95,17 @@ def mlp_rounds(ctx: ReplicaContext, steps: int = 12, dim: int = 64, delay_rank: 
                     p.fill_(float("nan"))
         if ctx.rank == delay_rank and step + 1 == delay_before_round * diloco.stride:  # before round r starts
             time.sleep(delay_s)
-        info = diloco.step(loss=loss.item())
+        if ctx.rank in slow_ranks:
+            time.sleep(step_sleep)
+        info = diloco.step(loss=loss.item(), tokens=1)
         if info is not None and ctx.rank == perturb_rank and info.round == perturb_round and ctx.attempt == 0:
             diloco._wait_for_record()  # round r's digest (written in the background) is of the state before the flip
             diloco.state.theta[0] += 1e-3
         if info is not None:
             hashes[info.round] = theta_crc(diloco)
             rounds.append({"round": info.round, "members": info.members, "member": info.member,
-                           "bytes_up": info.bytes_up, "bytes_down": info.bytes_down, "loss": info.loss})
+                           "bytes_up": info.bytes_up, "bytes_down": info.bytes_down, "loss": info.loss,
+                           "tokens": info.tokens, "wait_s": info.phases.get("wait", 0.0)})
     diloco.close()
     finite = bool(torch.isfinite(diloco.state.theta).all()) and all(bool(torch.isfinite(p).all())
                                                                     for p in model.parameters())
@@ -111,12 +116,13 @@ def mlp_rounds(ctx: ReplicaContext, steps: int = 12, dim: int = 64, delay_rank: 
 
 
 def plain_lanes(ctx: ReplicaContext, steps: int = 8, dim: int = 16, fail_lane: int = -1, fail_kind: str = "",
-                fail_step: int = -1) -> dict:
+                fail_step: int = -1, slow_lane: int = -1, step_sleep: float = 0.0) -> dict:
     """A plain module (no DDP) in each of a replica's processes: DiLoCo starts the group itself.
 
     Returns the whole model's hash after every round, per process (each process's own copy must
     hold θ_global after the lanes' broadcast). `fail_lane` raises at `fail_step`: a UserError
-    ("config") or a ValueError ("bug"), to check what the replica as a whole reports.
+    ("config") or a ValueError ("bug"), to check what the replica as a whole reports. `slow_lane`
+    sleeps `step_sleep` every inner step.
     """
     from diloco.errors import UserError
 
@@ -136,6 +142,8 @@ def plain_lanes(ctx: ReplicaContext, steps: int = 8, dim: int = 16, fail_lane: i
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if ctx.lane == slow_lane:
+            time.sleep(step_sleep)
         info = diloco.step(loss=loss.item())
         if info is not None:
             crc = 0

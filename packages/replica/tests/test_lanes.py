@@ -36,6 +36,20 @@ def test_a_plain_module_in_every_process_holds_the_global_model_after_every_roun
     assert sizes[0] + sizes[1] == 16 * 64 + 64 + 64 + 1 and abs(sizes[0] - sizes[1]) <= 1  # lane k: 1/L of θ
 
 
+def test_time_based_rounds_close_in_every_process_of_a_replica_at_the_same_step(replicas, store_uri):
+    """round_seconds with 2 processes per replica, one of them slower: the processes agree when a
+    round is due (each would read its own clock otherwise and wait forever in different rounds)."""
+    handles = replicas.launch("plain_lanes", 2, rendezvous=store_uri, processes=2,
+                              settings={"sync_every": 50, "round_seconds": 0.3, "round_timeout": 20},
+                              args={"steps": 200, "dim": 16, "slow_lane": 1, "step_sleep": 0.01})
+    replicas.results(handles)
+    lanes = lane_results(replicas.executor, handles)
+    assert sorted((x["rank"], x["lane"]) for x in lanes) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {x["rounds"] for x in lanes} == {4} and len({x["final"] for x in lanes}) == 1
+    for r in ("1", "2", "3", "4"):
+        assert len({x["hashes"][r] for x in lanes}) == 1, r
+
+
 def test_a_config_error_in_one_process_is_the_replicas_config_error(replicas, store_uri):
     handles = replicas.launch("plain_lanes", 2, rendezvous=store_uri, processes=2, settings={"sync_every": 2},
                               args={"steps": 8, "fail_lane": 1, "fail_kind": "config", "fail_step": 3})

@@ -26,6 +26,7 @@ class DilocoSettings:
     topk_density: float
     fragments: int
     overlap: bool
+    round_seconds: float | None
     total_steps: int | None
     parameters: int | None
     round_timeout: float
@@ -43,6 +44,10 @@ class DilocoSettings:
         if values["sync_every"] % values["fragments"]:
             raise SpecError(f"{where}: `diloco.fragments` ({values['fragments']}) must divide `diloco.sync_every` "
                             f"({values['sync_every']}): one fragment syncs every sync_every/fragments inner steps")
+        if values.get("round_seconds") is not None and (values["fragments"] > 1 or values["overlap"]):
+            which = "fragments > 1" if values["fragments"] > 1 else "overlap = true"
+            raise SpecError(f"{where}: `diloco.round_seconds` does not combine with `{which}` yet (a round's length "
+                            f"is set by the clock, a fragment's or an overlapped round's by steps); drop one of them")
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:

@@ -81,7 +81,8 @@ class StoreAllReduce:
     def __init__(self, store: Store, run_id: str, rank: int, world_size: int, *, codec: str = "fp32",
                  round_timeout: float = 300.0, min_members: int = 1, poll_interval: float = 0.05,
                  poll_max: float = 1.0, workers: int | None = None, log: Callable[[str], None] | None = None,
-                 lanes: Lanes | None = None, topk_density: float = DILOCO["topk_density"].default):
+                 lanes: Lanes | None = None, topk_density: float = DILOCO["topk_density"].default,
+                 step_cap: int | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         lanes = lanes or Lanes()
@@ -94,6 +95,10 @@ class StoreAllReduce:
                           faults=Faults(rank, lanes.index), codec=codec)
         self.rank, self.n, self.lanes = rank, world_size, lanes
         self.codec, self.topk_density = codec, topk_density
+        # Time-based rounds (`round_seconds`): each contribution states its inner steps (1..step_cap)
+        # and a shard's mean is FedNova's: mean_i(Δ_i / τ_i) · mean_i(τ_i) over the members in it.
+        self.step_cap = step_cap
+        self._own_steps: int | None = None  # this replica's τ in the round it is in
         self.window = window_for(world_size, self.io.pool._max_workers)  # shards in flight (`streaming`)
         self.history = History(self.io)
         self.membership = Membership(self.io, self.history, min_members=min_members)
@@ -112,7 +117,8 @@ class StoreAllReduce:
     # -- the round ---------------------------------------------------------------------------
 
     def run_round(self, r: int, delta: torch.Tensor | DeltaSource, *, in_place: bool = False,
-                  residual: torch.Tensor | None = None, sink: RoundSink | None = None) -> RoundResult:
+                  residual: torch.Tensor | None = None, sink: RoundSink | None = None,
+                  steps: int | None = None) -> RoundResult:
         """Take part in round `r` with `delta` (fp32, CPU, flat; or a `DeltaSource` read a shard at
         a time); return the members' mean, or hand it to `sink` shard by shard (`streaming`).
 
@@ -122,7 +128,11 @@ class StoreAllReduce:
         sparsifying, and left holding what was not sent.
         `sink(j, a, b, mean_j)`: called once per shard as its mean is known (on pool threads, for
         distinct shards at once); no mean buffer is made and `RoundResult.mean` is None.
+        `steps`: the inner steps behind `delta` (time-based rounds, `step_cap` set: required).
         """
+        if self.step_cap is not None and not (isinstance(steps, int) and 1 <= steps <= self.step_cap):
+            raise ValueError(f"time-based rounds need the inner steps behind Δ (1..{self.step_cap}), not {steps!r}")
+        self._own_steps = steps if self.step_cap is not None else None
         io = self.io
         t0, before = time.monotonic(), io.store.traffic.snapshot()
         laps = Laps()
@@ -260,7 +270,8 @@ class StoreAllReduce:
         io, sid = self.io, self.io.sid(owner)
         ident = Identity(io.run_id, r, "scatter", sid, self.rank)
         encoded = encoded if encoded is not None else encode_tensor(part, self.codec)
-        blob = pack(ident, encoded, codec=self.codec, numel=numel)
+        meta = {"steps": self._own_steps} if self._own_steps is not None else None
+        blob = pack(ident, encoded, codec=self.codec, numel=numel, meta=meta)
         io.put(io.keys.scatter(r, sid, self.rank), blob, written=("scatter", r, sid, self.rank))
 
     def _reduce_shard(self, r: int, j: int, bound: tuple[int, int], members: list[int],
@@ -286,12 +297,15 @@ class StoreAllReduce:
 
         prefetch = Prefetch(io.pool, fetch, sources, self.window)
         left_out: dict[str, str] = {}
+        steps_of: dict[int, int] = {}  # time-based rounds: each contribution's inner steps
 
         def contributions():
             for m in members:
                 key = io.keys.scatter(r, io.sid(j), m)  # for this replica's own part: the object it would be
                 if m == self.rank and own is not None:
-                    yield Contribution(m, key, lambda: own(j))
+                    if self._own_steps is not None:
+                        steps_of[m] = self._own_steps
+                    yield Contribution(m, key, lambda: own(j), 1.0 / steps_of.get(m, 1))
                 elif m in sources:
                     obj, problem = prefetch.next(m)
                     if obj is None:
@@ -302,9 +316,16 @@ class StoreAllReduce:
                             raise Published(published)
                         left_out[str(m)] = self._left_out(r, j, key, m, problem, incidents)
                         continue
+                    if self.step_cap is not None:
+                        steps = obj.meta.get("steps")
+                        if type(steps) is not int or not 1 <= steps <= self.step_cap:
+                            left_out[str(m)] = self._left_out(r, j, key, m, f"its inner-step count {steps!r} is not "
+                                                              f"an integer in 1..{self.step_cap}", incidents)
+                            continue
+                        steps_of[m] = steps
                     reader = ReadOnceThenRefetch(obj, lambda m=m: fetch(m))
                     del obj  # this frame must not keep the download alive while the next one comes
-                    yield Contribution(m, key, reader.read)
+                    yield Contribution(m, key, reader.read, 1.0 / steps_of.get(m, 1))
 
         try:
             summed = accumulate(contributions(), b - a)
@@ -324,14 +345,18 @@ class StoreAllReduce:
                                 f"can follow; lower the learning rate (or check the data) and start a new run")
             raise RoundFailed(f"round {r}: no usable contribution to shard {j}")
         mean = summed.total.div_(len(summed.used))  # in place: one shard-sized buffer (same rounding as total / n)
+        meta = {"members": summed.used, "left_out": left_out, "nonfinite": summed.nonfinite, "reducer": self.rank,
+                "takeover": takeover}
+        if self.step_cap is not None:  # FedNova: the mean of Δ_i/τ_i, scaled back by the mean τ
+            used_steps = [steps_of[m] for m in summed.used]
+            mean.mul_(sum(used_steps) / len(used_steps))
+            meta["steps"] = dict(zip(map(str, summed.used), used_steps))
         ident = Identity(io.run_id, r, "reduced", io.sid(j), -1)
-        blob = pack(ident, encode_tensor(mean, self.codec), codec=self.codec, numel=b - a,
-                    meta={"members": summed.used, "left_out": left_out, "nonfinite": summed.nonfinite,
-                          "reducer": self.rank, "takeover": takeover})
+        blob = pack(ident, encode_tensor(mean, self.codec), codec=self.codec, numel=b - a, meta=meta)
         payload = blob[1] if len(blob) == 2 else b"".join(blob[1:])
         decoded = decode_tensor(payload, self.codec, b - a)  # exactly what every reader decodes
         # fp32 decodes to total / k exactly, finite with the total; another codec's range may overflow
-        if not (summed.finite and self.codec == "fp32") and not all_finite(decoded):
+        if not (summed.finite and self.codec == "fp32" and self.step_cap is None) and not all_finite(decoded):
             raise NonFinite(f"round {r}: the mean of shard {j} would be non-finite in transport {self.codec!r} "
                             f"(it overflowed): training diverged; it is not published. Lower the learning rate and "
                             f"start a new run")

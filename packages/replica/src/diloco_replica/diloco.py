@@ -26,6 +26,10 @@ zeroed — what a relaunch would give, without one — and trains on, with an in
 of L processes (torchrun) each process syncs its lane (`lanes`, `modelview`): 1/L of the
 replicated parameters, or the shards it holds.
 
+Time-based rounds (`round_seconds = T`, for uneven GPUs): a round closes T seconds after it began
+here, or at H steps if sooner; each contribution carries its step count and the mean is FedNova's
+normalised average (docs/sync-modes.md). A round counts as H steps of the run's progress.
+
 Hiding the sync (docs/sync-modes.md):
 - `fragments = K` (Streaming DiLoCo): round r syncs fragment (r − 1) mod K, one round every H/K
   inner steps, so each fragment still syncs every H steps and a round moves 1/K of the model.
@@ -105,6 +109,8 @@ class DiLoCo:
             raise UserError(f"diloco setting fragments={self.fragments} must divide sync_every={self.H}")
         self.stride = self.H // self.fragments  # inner steps between rounds
         self.overlap = bool(s.overlap)
+        # time-based rounds: a round closes round_seconds after it began here, or at H steps if sooner
+        self.round_seconds = float(s.round_seconds) if s.round_seconds is not None else None
         self.store = store if store is not None else self.ctx.store
         verify_store(self.store, self.ctx.run_id, f"rank-{self.ctx.rank}-{self.ctx.lane}-attempt-{self.ctx.attempt}")
         first, cap = poll_defaults(self.store.uri)
@@ -112,7 +118,8 @@ class DiLoCo:
             self.store, self.ctx.run_id, self.ctx.rank, self.ctx.world_size, codec=s.transport,
             round_timeout=float(s.round_timeout), min_members=int(s.min_members),
             poll_interval=float(s.poll_interval or first), poll_max=float(s.poll_max or cap), log=self._log,
-            lanes=self.lanes, topk_density=float(s.topk_density))
+            lanes=self.lanes, topk_density=float(s.topk_density),
+            step_cap=self.H if self.round_seconds is not None else None)
         on_cuda = any(t.device.type == "cuda" for t in self.view.tensors[:1])
         self.state = GlobalState(self.allreduce, self.view.numel, lr=float(s.outer_lr),
                                  momentum=float(s.outer_momentum), nesterov=bool(s.nesterov),
@@ -130,7 +137,7 @@ class DiLoCo:
         self._tokens = 0
         self._evals: list[list[float]] = []  # [global step, eval loss] reported since the last sync
         self.total_steps: int | None = s.total_steps
-        self._compute_start = time.monotonic()
+        self._compute_start = self._step_at = time.monotonic()
         self._alone_since_start = self.ctx.world_size > 1  # until a round with another member is seen
         self.history: list[RoundMetrics] = []
         self._pending_row = None  # the last round's digest and metrics row, being written
@@ -183,7 +190,7 @@ class DiLoCo:
         if loss is not None and math.isfinite(loss):  # a diverged step is an incident, not a NaN in JSON rows
             self._losses.append(float(loss))
         self._tokens += int(tokens)
-        if self.local_steps >= self.stride:
+        if self._round_due():
             info = self.sync()
         elif self._inflight is not None and self._inflight.future.done() and self.lanes.count == 1:
             info = self._merge()  # arrived: merge now (a replica of several processes merges at the next round)
@@ -191,6 +198,19 @@ class DiLoCo:
             info = None
         self.ctx.global_step = self.global_step
         return info
+
+    def _round_due(self) -> bool:
+        """H inner steps done, or (time-based rounds) the round's deadline, round_seconds after it
+        began here, is nearer than half a step: every replica then arrives within half of its own
+        step of the deadline (checking only after the deadline would make a replica whose steps
+        are twice as long arrive half a fast step later, every round, on average). The processes
+        of a replica agree (each reads its own clock)."""
+        if self.round_seconds is None:
+            return self.local_steps >= self.stride
+        now = time.monotonic()
+        step_s, self._step_at = now - self._step_at, now
+        due = self.local_steps >= self.stride or now + step_s / 2 >= self._compute_start + self.round_seconds
+        return self.lanes.any_of(due)
 
     def report_eval(self, loss: float) -> None:
         """Record an evaluation of the model at the current global step; it goes into the next
@@ -242,18 +262,18 @@ class DiLoCo:
         source = LiveDelta(self.state.theta[a:b], lambda lo, hi: self.view.read_range(part, self.fragments, lo, hi))
         self.state.begin(r)
         try:
-            result = self._exchange(r, source, residual, sink=self.state.sink(r))
+            result = self._exchange(r, source, residual, sink=self.state.sink(r), steps=self.local_steps)
         except FellBehind as exc:
             self._log(f"{exc}; rejoining from the latest checkpoint")
             self.state.bootstrap(None)
             return self._adopted(compute_s, t0)
         return self._apply(result, part, None, compute_s, t0, 0.0, (self._tokens, self._losses, self._evals))
 
-    def _exchange(self, r: int, delta, residual: torch.Tensor | None, sink=None) -> RoundResult:
+    def _exchange(self, r: int, delta, residual: torch.Tensor | None, sink=None, steps: int | None = None) -> RoundResult:
         """Round r's all-reduce of Δ (the mean written over it, or to `sink` shard by shard); every
-        lane agrees on the outcome."""
+        lane agrees on the outcome. `steps`: the inner steps behind Δ (time-based rounds weigh by it)."""
         return self.lanes.agree(lambda: self.allreduce.run_round(r, delta, in_place=True, residual=residual,
-                                                                 sink=sink))
+                                                                 sink=sink, steps=steps))
 
     def _merge(self) -> RoundMetrics:
         """Wait for the round in flight (if it has not arrived yet) and apply it."""
@@ -373,7 +393,7 @@ class DiLoCo:
 
     def _next_phase(self) -> None:
         self.local_steps, self._losses, self._tokens, self._evals = 0, [], 0, []
-        self._compute_start = time.monotonic()
+        self._compute_start = self._step_at = time.monotonic()
         self.allreduce.phase("compute", self.state.round + 1)
 
     def _warn_if_alone(self, info: RoundMetrics) -> None:

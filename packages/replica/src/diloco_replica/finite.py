@@ -51,6 +51,7 @@ class Contribution:
     rank: int
     key: str
     read: Callable[[], torch.Tensor]
+    scale: float = 1.0  # its weight in the sum (time-based rounds: 1 / its inner steps)
 
 
 @dataclass
@@ -73,7 +74,7 @@ def accumulate(parts: list[Contribution], numel: int) -> Sum:
     readable = []
     for part in parts:
         try:
-            out.total += part.read()
+            _add(out.total, part.read(), part.scale)
         except CorruptObject as exc:
             out.corrupt[part.rank] = str(exc)
             continue
@@ -87,9 +88,16 @@ def accumulate(parts: list[Contribution], numel: int) -> Sum:
     for part in readable:
         values = part.read()
         if all_finite(values):
-            out.total += values
+            _add(out.total, values, part.scale)
             out.used.append(part.rank)
         else:
             out.nonfinite.append(part.rank)
     out.finite = all_finite(out.total)  # False: no culprit, the sum overflowed; the caller refuses to publish it
     return out
+
+
+def _add(total: torch.Tensor, values: torch.Tensor, scale: float) -> None:
+    if scale == 1.0:
+        total += values  # the plain mean's sum, bit for bit what it always was
+    else:
+        total.add_(values, alpha=scale)

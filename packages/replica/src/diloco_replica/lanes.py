@@ -46,8 +46,9 @@ PEER_LOST_WAIT_S = 60.0
 
 class Lanes:
     def __init__(self, index: int = 0, count: int = 1, group: Any = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, clock: Any = None):
         self.index, self.count, self.group = index, count, group
+        self.clock = clock  # a second group, for the per-step agreement of time-based rounds (`any_of`)
         self.log = log or (lambda msg: None)
 
     @property
@@ -67,7 +68,10 @@ class Lanes:
             raise UserError(f"torch.distributed's group has {dist.get_world_size()} processes (this is rank "
                             f"{dist.get_rank()}) but the replica has {lanes} (this is process {lane}); DiLoCo "
                             f"syncs the group torchrun started: call init_process_group() without a world size")
-        return cls(lane, lanes, dist.new_group(backend="gloo"), log)
+        group = dist.new_group(backend="gloo")
+        # its own group: `any_of` runs on the training thread every inner step while a round's
+        # record (`exchange`) may be running on a pool thread; one group for both mixes their messages
+        return cls(lane, lanes, group, log, clock=dist.new_group(backend="gloo"))
 
     # -- exchanges ---------------------------------------------------------------------------
 
@@ -142,6 +146,20 @@ class Lanes:
             raise error
         raise _KINDS.get(first["kind"], RoundFailed)(first["message"])
 
+    def any_of(self, flag: bool) -> bool:
+        """Whether any lane's `flag` is set (time-based rounds: has any process's clock run out?)."""
+        if self.count == 1:
+            return flag
+        import torch
+        import torch.distributed as dist
+
+        value = torch.tensor([int(flag)], dtype=torch.int32)
+        try:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.clock)
+        except RuntimeError as exc:  # gloo: a peer closed its connection (it died)
+            self.peer_lost(exc)
+        return bool(value.item())
+
     def largest(self, x: int) -> int:
         return max(self.exchange(x))
 
@@ -157,6 +175,8 @@ class Lanes:
             import torch.distributed as dist
 
             try:
+                if self.clock is not None:
+                    dist.destroy_process_group(self.clock)
                 dist.destroy_process_group(self.group)
             except Exception:  # the default group may already be gone at interpreter exit
                 pass

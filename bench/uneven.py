@@ -1,0 +1,101 @@
+"""Uneven GPUs: fixed-H rounds against time-based rounds (`[diloco] round_seconds`), N = 4.
+
+Two of the four replicas take twice as long per inner step (tiny_lm's `slow_ranks`: a sleep as
+long as the step, a stand-in for a GPU half as fast). With fixed H every round waits for them:
+the fast replicas spend about half of each round waiting. With `round_seconds` every replica
+trains until the round's deadline — the fast ones H steps, the slow ones about H/2 — and the
+mean weighs each update by its steps (FedNova's normalised average), so nobody waits.
+
+Both rows run through `diloco run` on the main job. The fixed-H row runs first; the time-based
+row's `round_seconds` is the fast replicas' compute time per round in it, and its length is
+chosen so that both runs take the same wall-clock time (its rounds are shorter, so it has more).
+Reported per row: replica-seconds spent waiting for a straggler (each round summary's
+`waited_s`, summed) and its share of all replica time, tokens processed, tokens per second,
+eval loss, wall time. Targets (issue "One run, many clouds"): waiting ≤ 2% of replica time with
+round_seconds; eval loss at equal wall-clock no worse than fixed H.
+
+    .venv/bin/python bench/uneven.py                  # ~6 minutes on 2 CPU cores; prints JSON
+    BENCH_QUICK=1 .venv/bin/python bench/uneven.py    # a smoke run: a few rounds each
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import knob, tiny_lm_spec, toml_text  # noqa: E402 - bench/ is the script's directory
+
+STEPS = int(knob("BENCH_STEPS", "500", "60"))
+H = int(knob("BENCH_H", "50", "20"))
+SLOW = [2, 3]
+
+
+def run_row(name: str, diloco: dict, tmp: Path) -> dict:
+    spec = tmp / f"{name}.toml"
+    state = tmp / f"state-{name}"
+    spec.write_text(toml_text(tiny_lm_spec(args={"slow_ranks": SLOW, "eval_every": 0},
+                                           diloco={"sync_every": H, **diloco})))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "diloco", "run", str(spec), "--on-interrupt", "cancel"],
+                          capture_output=True, text=True, env={**os.environ, "DILOCO_STATE_DIR": str(state)})
+    wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"diloco run ({name}) failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    run_id = proc.stdout.split()[1].rstrip(":")
+    run_dir = state / "runs" / run_id
+    from diloco.metrics import RoundCache
+
+    rounds = RoundCache(run_dir).load()
+    summary = json.loads((run_dir / "artifacts" / "summary.json").read_text())
+    results = [r["result"] for r in json.loads((run_dir / "run.json").read_text())["ranks"]]
+    if len({r["theta_crc32"] for r in results}) != 1:
+        raise SystemExit(f"{name}: replicas disagree on θ_global")
+    replica_s = sum(r["wall_s"] for r in results)
+    waited = sum(s.waited_s for s in rounds)
+    fast_compute = [row.compute_s for s in rounds[1:] for row in s.rows if row.rank not in SLOW]
+    steps_per_round = {rank: statistics.median(row.tokens for s in rounds[1:] for row in s.rows if row.rank == rank)
+                       // (16 * 64) for rank in range(4)} if len(rounds) > 1 else {}
+    return {
+        "row": name, "diloco": diloco, "rounds": len(rounds), "wall_s": round(wall, 1),
+        "train_s": round(max(r["wall_s"] for r in results), 1), "replica_s": round(replica_s, 1),
+        "waiting_replica_s": round(waited, 2), "waiting_share": round(waited / replica_s, 4),
+        "waited_s_by_round": [round(s.waited_s, 2) for s in rounds],
+        "tokens": summary["tokens"], "tokens_per_s": round(summary["tokens"] / max(r["wall_s"] for r in results)),
+        "eval_loss": round(summary["eval_loss"], 4), "inner_steps_per_round_by_rank": steps_per_round,
+        "fast_compute_s_per_round": round(statistics.median(fast_compute), 3) if fast_compute else None,
+        "sync_s_per_round": round(statistics.median(row.sync_s for s in rounds[1:] for row in s.rows), 3)
+        if len(rounds) > 1 else None,
+    }
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        fixed = run_row("fixed-H", {"total_steps": STEPS}, Path(tmp))
+        # a time-based round lasts what a fast replica's H steps took; as many rounds as fit in
+        # the fixed-H run's training time, so both rows train for the same wall-clock time. What
+        # a time-based round costs in all (its sync, start-up) is measured by a short run first.
+        seconds = round(max(0.05, fixed["fast_compute_s_per_round"] or 1.0), 3)
+        probe = run_row("probe", {"round_seconds": seconds, "total_steps": 4 * H}, Path(tmp))
+        per_round = probe["train_s"] / probe["rounds"]
+        rounds = max(2, round(fixed["train_s"] / per_round))
+        timed = run_row("round_seconds", {"round_seconds": seconds, "total_steps": rounds * H}, Path(tmp))
+    print(json.dumps({
+        "bench": "uneven", "replicas": 4, "slow_ranks": SLOW, "slowdown": 2, "sync_every": H,
+        "rows": [fixed, timed],
+        "round_seconds_vs_fixed": {"waiting_share": [fixed["waiting_share"], timed["waiting_share"]],
+                                   "train_s": round(timed["train_s"] / fixed["train_s"], 3),
+                                   "tokens": round(timed["tokens"] / fixed["tokens"], 3),
+                                   "eval_loss": round(timed["eval_loss"] / fixed["eval_loss"] - 1, 4)},
+        "targets": {"round_seconds waiting_share": "<= 0.02", "round_seconds eval_loss vs fixed H": "<= 0 at equal "
+                    "wall-clock"},
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

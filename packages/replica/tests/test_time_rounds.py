@@ -1,0 +1,123 @@
+"""Time-based rounds (`[diloco] round_seconds`): replicas of different speeds meet on the clock.
+
+Each replica runs inner steps until its round's deadline (at most sync_every of them), states
+its step count τ_i in every contribution, and a shard's mean is FedNova's normalised average,
+mean_i(Δ_i / τ_i) · mean_i(τ_i): a replica that ran half the steps moves the model half as far
+per step-normalised update, not half as far in total. θ_global stays bit-identical everywhere.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import torch
+
+from diloco.errors import SpecError
+from diloco.settings import DilocoSettings
+from diloco.store import open_store
+from diloco_replica.allreduce import StoreAllReduce
+
+
+def run_rounds(store, run: str, deltas: list[torch.Tensor], steps: list[int], *, cap: int = 10, codec: str = "fp32",
+               cls=StoreAllReduce):
+    n = len(deltas)
+    results, ars = {}, {}
+
+    def go(i: int) -> None:
+        ars[i] = cls(store, run, i, n, round_timeout=10.0, poll_interval=0.005, poll_max=0.05, codec=codec,
+                     step_cap=cap)
+        results[i] = ars[i].run_round(1, deltas[i].clone(), steps=steps[i])
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for ar in ars.values():
+        ar.close()
+    return results
+
+
+def test_the_weighted_mean_is_fednovas_normalised_average_computed_by_hand():
+    """Three replicas that ran 2, 5 and 10 inner steps: the mean every replica applies is
+    mean(Δ_i/τ_i) · mean(τ_i), not the plain mean — and the very same bytes on each."""
+    store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-weighted"
+    deltas = [torch.randn(1001, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    steps = [2, 5, 10]
+    results = run_rounds(store, run, deltas, steps)
+    by_hand = sum(d.double() / t for d, t in zip(deltas, steps)) / 3 * (sum(steps) / 3)
+    plain = sum(d.double() for d in deltas) / 3
+    for res in results.values():
+        assert res.members == [0, 1, 2]
+        assert torch.allclose(res.mean.double(), by_hand, rtol=1e-6, atol=1e-6)
+        assert not torch.allclose(res.mean.double(), plain, rtol=1e-3, atol=1e-3)
+    assert len({res.mean.numpy().tobytes() for res in results.values()}) == 1  # bit-identical
+
+
+def test_equal_step_counts_give_the_plain_mean():
+    store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-equal"
+    deltas = [torch.randn(64, generator=torch.Generator().manual_seed(10 + i)) for i in range(2)]
+    results = run_rounds(store, run, deltas, [7, 7], codec="int8")
+    plain = (deltas[0] + deltas[1]) / 2
+    for res in results.values():
+        assert torch.allclose(res.mean, plain, atol=0.05)  # int8 on the wire
+
+
+class StatesAnImpossibleStepCount(StoreAllReduce):
+    """A replica whose contributions claim 10⁹ inner steps (a bug, or an attacker with store access)."""
+
+    def _put_scatter(self, *args, **kwargs):
+        self._own_steps = 10**9
+        try:
+            return super()._put_scatter(*args, **kwargs)
+        finally:
+            self._own_steps = 3
+
+
+def test_a_contribution_with_an_impossible_step_count_is_left_out_with_an_incident():
+    store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-bad-steps"
+    deltas = [torch.randn(90, generator=torch.Generator().manual_seed(20 + i)) for i in range(3)]
+
+    def mixed(store, run, rank, n, **kwargs):
+        return (StatesAnImpossibleStepCount if rank == 2 else StoreAllReduce)(store, run, rank, n, **kwargs)
+
+    results = run_rounds(store, run, deltas, [3, 3, 3], cls=mixed)
+    incidents = [i for res in results.values() for i in res.incidents]
+    assert incidents and all(i["writer"] == 2 and "inner-step count 1000000000" in i["problem"] for i in incidents)
+    assert len({res.mean.numpy().tobytes() for res in results.values()}) == 1
+
+
+def test_a_time_based_round_needs_the_step_count():
+    store = open_store(f"memory://{uuid.uuid4().hex}")
+    ar = StoreAllReduce(store, "run-no-steps", 0, 1, round_timeout=1.0, step_cap=10)
+    with pytest.raises(ValueError, match="inner steps behind"):
+        ar.run_round(1, torch.zeros(8))
+    with pytest.raises(ValueError, match="inner steps behind"):
+        ar.run_round(1, torch.zeros(8), steps=11)
+    ar.close()
+
+
+@pytest.mark.parametrize("table, words", [({"round_seconds": 5, "overlap": True}, "overlap = true"),
+                                          ({"round_seconds": 5, "fragments": 2, "sync_every": 4}, "fragments > 1"),
+                                          ({"round_seconds": 0}, "round_seconds")])
+def test_what_time_based_rounds_do_not_combine_with_is_refused_in_one_line(table, words):
+    with pytest.raises(SpecError, match=words) as refused:
+        DilocoSettings.from_table(table)
+    assert "\n" not in str(refused.value)
+
+
+def test_replicas_of_different_speeds_meet_on_the_clock_and_end_bit_identical(replicas, store_uri):
+    """Ranks 2 and 3 take 4× as long per inner step: with round_seconds they close each round
+    after fewer steps instead of holding the fast ones up; every replica ends bit-identical."""
+    settings = {"sync_every": 40, "round_seconds": 0.6, "round_timeout": 20}
+    handles = replicas.launch("mlp_rounds", 4, rendezvous=store_uri, settings=settings,
+                              args={"steps": 160, "dim": 16, "slow_ranks": [2, 3], "step_sleep": 0.04})
+    results = replicas.results(handles)
+    assert len({r["final"] for r in results}) == 1
+    by_rank = {r["rank"]: r for r in results}
+    for rnd in ("1", "2", "3"):
+        assert len({r["hashes"][rnd] for r in results}) == 1, f"replicas diverge after round {rnd}"
+    fast = [x["tokens"] for x in by_rank[0]["rounds"][1:-1]]
+    slow = [x["tokens"] for x in by_rank[2]["rounds"][1:-1]]
+    assert fast and slow and max(slow) < min(fast), (fast, slow)  # the slow ones ran fewer steps per round
+    assert all(x["members"] == [0, 1, 2, 3] for r in results for x in r["rounds"])
