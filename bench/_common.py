@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tempfile
+import time
 import tomllib
 from contextlib import ExitStack
 from pathlib import Path
@@ -57,6 +59,19 @@ def tiny_lm_spec(*, args: dict[str, Any] | None = None, diloco: dict[str, Any] |
     if env:
         spec.setdefault("env", {}).update(env)
     return spec
+
+
+def run_spec(spec: Path, state: Path, label: str) -> tuple[Path, float]:
+    """`diloco run spec` as a user runs it, with its own state dir: the run's directory (its record,
+    events and artifacts) and the wall time. Exits the bench with the run's output if it failed."""
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "diloco", "run", str(spec), "--on-interrupt", "cancel"],
+                          capture_output=True, text=True, env={**os.environ, "DILOCO_STATE_DIR": str(state)})
+    wall = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"diloco run ({label}) failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    run_id = proc.stdout.split()[1].rstrip(":")
+    return state / "runs" / run_id, wall
 
 
 def rss_kb() -> int:

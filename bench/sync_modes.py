@@ -17,16 +17,12 @@ loss within 1%; topk at 1-3% density <= 1/30 of fp32 bytes with loss within 3%.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from _common import knob, tiny_lm_spec, toml_text  # noqa: E402 - bench/ is the script's directory
+from _common import knob, run_spec, tiny_lm_spec, toml_text  # noqa: E402 - bench/ is the script's directory
 
 STEPS = int(knob("BENCH_STEPS", "400", "40"))
 H = int(knob("BENCH_H", "20", "20"))
@@ -55,14 +51,7 @@ def spec_text(settings: dict) -> str:
 def run_row(name: str, settings: dict, tmp: Path) -> dict:
     spec, state = tmp / f"{name.replace(' ', '-')}.toml", tmp / "state"
     spec.write_text(spec_text(settings))
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "diloco", "run", str(spec), "--on-interrupt", "cancel"],
-                          capture_output=True, text=True, env={**os.environ, "DILOCO_STATE_DIR": str(state)})
-    wall = time.monotonic() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"diloco run ({name}) failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    run_id = proc.stdout.split()[1].rstrip(":")
-    runs = state / "runs" / run_id
+    runs, wall = run_spec(spec, state, name)
     summary = json.loads((runs / "artifacts" / "summary.json").read_text())
     record = json.loads((runs / "run.json").read_text())
     results = [r["result"] for r in record["ranks"]]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny-lm"
 sys.path.insert(0, str(EXAMPLE))
 
-from _common import knob, tiny_lm_spec, toml_text  # noqa: E402 - bench/ is the script's directory
+from _common import knob, run_spec, tiny_lm_spec, toml_text  # noqa: E402 - bench/ is the script's directory
 
 STEPS = int(knob("BENCH_STEPS", "1500", "60"))
 TRANSPORTS = knob("BENCH_TRANSPORTS", "fp32,fp16,int8", "fp32").split(",")
@@ -34,16 +33,10 @@ def diloco_run(transport: str, state: Path) -> dict:
     path = state / f"bench-{transport}.toml"
     path.write_text(toml_text(tiny_lm_spec(diloco={"total_steps": STEPS, "transport": transport})))
     try:
-        t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "diloco", "run", str(path), "--on-interrupt", "cancel"],
-                              capture_output=True, text=True, env={**os.environ, "DILOCO_STATE_DIR": str(state)})
-        wall = time.monotonic() - t0
+        run_dir, wall = run_spec(path, state, transport)
     finally:
         path.unlink()
-    if proc.returncode != 0:
-        raise SystemExit(f"diloco run ({transport}) failed:\n{proc.stdout}\n{proc.stderr}")
-    run_id = proc.stdout.split()[1].rstrip(":")
-    summary = json.loads((state / "runs" / run_id / "artifacts" / "summary.json").read_text())
+    summary = json.loads((run_dir / "artifacts" / "summary.json").read_text())
     summary.pop("rounds_detail", None)
     return {"transport": transport, "wall_s": round(wall, 1), **summary}
 

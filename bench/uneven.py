@@ -21,15 +21,11 @@ round_seconds; eval loss at equal wall-clock no worse than fixed H.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-from _common import knob, tiny_lm_spec, toml_text  # noqa: E402 - bench/ is the script's directory
+from _common import knob, run_spec, tiny_lm_spec, toml_text  # noqa: E402 - bench/ is the script's directory
 
 STEPS = int(knob("BENCH_STEPS", "500", "60"))
 H = int(knob("BENCH_H", "50", "20"))
@@ -41,14 +37,7 @@ def run_row(name: str, diloco: dict, tmp: Path) -> dict:
     state = tmp / f"state-{name}"
     spec.write_text(toml_text(tiny_lm_spec(args={"slow_ranks": SLOW, "eval_every": 0},
                                            diloco={"sync_every": H, **diloco})))
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "diloco", "run", str(spec), "--on-interrupt", "cancel"],
-                          capture_output=True, text=True, env={**os.environ, "DILOCO_STATE_DIR": str(state)})
-    wall = time.monotonic() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"diloco run ({name}) failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    run_id = proc.stdout.split()[1].rstrip(":")
-    run_dir = state / "runs" / run_id
+    run_dir, wall = run_spec(spec, state, name)
     from diloco.metrics import RoundCache
 
     rounds = RoundCache(run_dir).load()
