@@ -4,7 +4,7 @@ Two of the four replicas take twice as long per inner step (tiny_lm's `slow_rank
 long as the step, a stand-in for a GPU half as fast). With fixed H every round waits for them:
 the fast replicas spend about half of each round waiting. With `round_seconds` every replica
 trains until the round's deadline — the fast ones H steps, the slow ones about H/2 — and the
-mean weighs each update by its steps (FedNova's normalised average), so nobody waits.
+mean normalises each update by its steps (FedNova's average), so nobody waits.
 
 Both rows run through `diloco run` on the main job. The fixed-H row runs first; the time-based
 row's `round_seconds` is the fast replicas' compute time per round in it, and its length is

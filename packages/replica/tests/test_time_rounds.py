@@ -66,12 +66,8 @@ def test_equal_step_counts_give_the_plain_mean():
 class StatesAnImpossibleStepCount(StoreAllReduce):
     """A replica whose contributions claim 10⁹ inner steps (a bug, or an attacker with store access)."""
 
-    def _put_scatter(self, *args, **kwargs):
-        self._own_steps = 10**9
-        try:
-            return super()._put_scatter(*args, **kwargs)
-        finally:
-            self._own_steps = 3
+    def _scatter_meta(self):
+        return {"steps": 10**9}
 
 
 def test_a_contribution_with_an_impossible_step_count_is_left_out_with_an_incident():
@@ -99,6 +95,9 @@ def test_a_time_based_round_needs_the_step_count():
 
 @pytest.mark.parametrize("table, words", [({"round_seconds": 5, "overlap": True}, "overlap = true"),
                                           ({"round_seconds": 5, "fragments": 2, "sync_every": 4}, "fragments > 1"),
+                                          ({"round_seconds": 5, "transport": "topk"}, 'transport "topk"'),
+                                          ({"round_seconds": 5, "sync_every": 50, "total_steps": 1020},
+                                           "must be a multiple of `diloco.sync_every`"),
                                           ({"round_seconds": 0}, "round_seconds")])
 def test_what_time_based_rounds_do_not_combine_with_is_refused_in_one_line(table, words):
     with pytest.raises(SpecError, match=words) as refused:
@@ -121,3 +120,38 @@ def test_replicas_of_different_speeds_meet_on_the_clock_and_end_bit_identical(re
     slow = [x["tokens"] for x in by_rank[2]["rounds"][1:-1]]
     assert fast and slow and max(slow) < min(fast), (fast, slow)  # the slow ones ran fewer steps per round
     assert all(x["members"] == [0, 1, 2, 3] for r in results for x in r["rounds"])
+
+
+
+def time_one_round(stall: str) -> float:
+    """One replica alone, round_seconds = 1.0, 20 ms inner steps; a 0.6 s stall 0.2 s in: an
+    evaluation (`report_eval`) or one slow step (a checkpoint save). Returns round 1's compute time."""
+    import time
+
+    from diloco.context import ReplicaContext
+    from diloco_replica import DiLoCo
+
+    store = open_store(f"memory://{uuid.uuid4().hex}")
+    diloco = DiLoCo(torch.nn.Linear(4, 1), None, ReplicaContext(0, 1, "run-stall"), store=store, sync_every=1000,
+                    round_seconds=1.0, round_timeout=5.0)
+    start, stalled = time.monotonic(), False
+    for _ in range(1000):
+        time.sleep(0.02)
+        if not stalled and time.monotonic() - start > 0.2:
+            stalled = True
+            time.sleep(0.6)
+            if stall == "eval":
+                diloco.report_eval(1.0)
+        info = diloco.step(tokens=1)
+        if info is not None:
+            diloco.close()
+            return info.compute_s
+    raise AssertionError("the round never closed")
+
+
+@pytest.mark.parametrize("stall", ["eval", "slow step"])
+def test_an_evaluation_or_one_slow_step_does_not_close_a_round_early(stall):
+    """Taking the last interval as the step time, a 0.6 s stall ending 0.82 s into a 1 s round made
+    the next step look 0.6 s long, so the round closed at 0.82 s (0.82 + 0.3 past the deadline).
+    Now the round runs to the step that ends nearest its deadline."""
+    assert time_one_round(stall) >= 0.95

@@ -16,6 +16,22 @@ from typing import Any
 from .errors import SpecError
 
 
+def check_time_based(values: Mapping[str, Any], where: str) -> None:
+    """What `round_seconds` (time-based rounds) cannot combine with, refused in one line."""
+    if values["fragments"] > 1 or values["overlap"]:
+        which = "fragments > 1" if values["fragments"] > 1 else "overlap = true"
+        raise SpecError(f"{where}: `diloco.round_seconds` does not combine with `{which}` yet (a round's length "
+                        f"is set by the clock, a fragment's or an overlapped round's by steps); drop one of them")
+    if values["transport"] == "topk":
+        raise SpecError(f"{where}: `diloco.round_seconds` does not combine with transport \"topk\" yet (its residual "
+                        f"carries unsent values of rounds with other step counts); use int4 or int8 to cut bytes")
+    total, H = values.get("total_steps"), values["sync_every"]
+    if total is not None and total % H:
+        raise SpecError(f"{where}: with `diloco.round_seconds`, `diloco.total_steps` ({total}) must be a multiple of "
+                        f"`diloco.sync_every` ({H}): a round counts as sync_every steps, and a run must end on a "
+                        f"round boundary or its replicas end on different models")
+
+
 @dataclass(frozen=True)
 class DilocoSettings:
     sync_every: int
@@ -44,10 +60,8 @@ class DilocoSettings:
         if values["sync_every"] % values["fragments"]:
             raise SpecError(f"{where}: `diloco.fragments` ({values['fragments']}) must divide `diloco.sync_every` "
                             f"({values['sync_every']}): one fragment syncs every sync_every/fragments inner steps")
-        if values.get("round_seconds") is not None and (values["fragments"] > 1 or values["overlap"]):
-            which = "fragments > 1" if values["fragments"] > 1 else "overlap = true"
-            raise SpecError(f"{where}: `diloco.round_seconds` does not combine with `{which}` yet (a round's length "
-                            f"is set by the clock, a fragment's or an overlapped round's by steps); drop one of them")
+        if values.get("round_seconds") is not None:
+            check_time_based(values, where)
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:

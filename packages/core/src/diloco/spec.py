@@ -169,7 +169,7 @@ DILOCO = {
                      help="exchange a round in the background while inner steps go on; merged one round late"),
     "round_seconds": Field("float", min=0.01, max=86_400,
                            help="time-based rounds: each replica runs inner steps for this long a round (at most "
-                                "sync_every of them), and the mean weights each update by its steps (docs/sync-modes.md)"),
+                                "sync_every of them), and the mean normalises each update by its steps (docs/sync-modes.md)"),
     "total_steps": Field("int", min=1, max=10**12, help="inner steps per replica for the whole run: DiLoCo.steps() runs this "
                          "many, and the estimate and the ETA count on it"),
     "parameters": Field("int", min=1, max=10**14, help="the model's parameter count, for the estimate before launch "

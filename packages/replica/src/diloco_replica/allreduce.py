@@ -270,9 +270,12 @@ class StoreAllReduce:
         io, sid = self.io, self.io.sid(owner)
         ident = Identity(io.run_id, r, "scatter", sid, self.rank)
         encoded = encoded if encoded is not None else encode_tensor(part, self.codec)
-        meta = {"steps": self._own_steps} if self._own_steps is not None else None
-        blob = pack(ident, encoded, codec=self.codec, numel=numel, meta=meta)
+        blob = pack(ident, encoded, codec=self.codec, numel=numel, meta=self._scatter_meta())
         io.put(io.keys.scatter(r, sid, self.rank), blob, written=("scatter", r, sid, self.rank))
+
+    def _scatter_meta(self) -> dict[str, Any] | None:
+        """What a contribution states besides its values: its inner steps, in time-based rounds."""
+        return {"steps": self._own_steps} if self._own_steps is not None else None
 
     def _reduce_shard(self, r: int, j: int, bound: tuple[int, int], members: list[int],
                       own: Callable[[int], torch.Tensor] | None, *, takeover: bool, incidents: list[dict[str, Any]],

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -101,7 +102,7 @@ class DiLoCo:
         # the launcher's settings, checked again here (nothing that arrives is trusted), then the keywords
         self.settings = s = DilocoSettings.from_table({**self.ctx.settings, **settings}, where=ENV_SETTINGS)
         self.model, self.inner_opt = model, inner_opt
-        self.lanes = Lanes.join(self.ctx.lanes, self.ctx.lane, self._log)
+        self.lanes = Lanes.join(self.ctx.lanes, self.ctx.lane, self._log, clock=s.round_seconds is not None)
         self.view = model_view(model, self.lanes)  # what this process syncs: its lane of the model
         self.H = int(s.sync_every)
         self.fragments = int(s.fragments)
@@ -138,6 +139,7 @@ class DiLoCo:
         self._evals: list[list[float]] = []  # [global step, eval loss] reported since the last sync
         self.total_steps: int | None = s.total_steps
         self._compute_start = self._step_at = time.monotonic()
+        self._step_times: deque[float] = deque(maxlen=5)  # time-based rounds: recent inner-step durations
         self._alone_since_start = self.ctx.world_size > 1  # until a round with another member is seen
         self.history: list[RoundMetrics] = []
         self._pending_row = None  # the last round's digest and metrics row, being written
@@ -172,6 +174,10 @@ class DiLoCo:
             raise UserError("DiLoCo.steps() needs the run's length: pass total_steps, or set [diloco] total_steps "
                             "in the spec")
         self.total_steps = int(total_steps)
+        if self.round_seconds is not None and self.total_steps % self.H:
+            raise UserError(f"with round_seconds, the run's length ({self.total_steps} steps) must be a multiple of "
+                            f"sync_every ({self.H}): a round counts as sync_every steps, and a run that ends inside "
+                            f"a round leaves its replicas on different models")
         while self.global_step < total_steps:
             yield self.global_step
         self.finish()
@@ -179,7 +185,8 @@ class DiLoCo:
         self.view.write(self.state.theta)
 
     def step(self, loss: float | None = None, tokens: int = 0) -> RoundMetrics | None:
-        """Call after each inner optimizer step; a round every sync_every/fragments steps.
+        """Call after each inner optimizer step; a round every sync_every/fragments steps (with
+        round_seconds: at the round's deadline, or after sync_every steps).
 
         Returns the metrics row of a round when its outer step has been applied here. A
         non-finite `loss` is left out of the row's mean loss (rows are JSON, which has no NaN); a
@@ -208,7 +215,10 @@ class DiLoCo:
         if self.round_seconds is None:
             return self.local_steps >= self.stride
         now = time.monotonic()
-        step_s, self._step_at = now - self._step_at, now
+        self._step_times.append(now - self._step_at)
+        self._step_at = now
+        step_s = sorted(self._step_times)[len(self._step_times) // 2]  # the median of the last few: one slow
+        # step (a checkpoint save, a data stall) does not close the round early
         due = self.local_steps >= self.stride or now + step_s / 2 >= self._compute_start + self.round_seconds
         return self.lanes.any_of(due)
 
@@ -218,8 +228,9 @@ class DiLoCo:
         Inf loss is logged and left out: it is no point on a curve, and rows are JSON."""
         if not math.isfinite(float(loss)):
             self._log(f"eval loss at global step {self.global_step} is {loss}: not recorded (the model diverged?)")
-            return
-        self._evals.append([self.global_step, float(loss)])
+        else:
+            self._evals.append([self.global_step, float(loss)])
+        self._step_at = time.monotonic()  # the evaluation is no inner step (time-based rounds time steps)
 
     def finish(self) -> RoundMetrics | None:
         """Merge the round in flight, if any (overlap): wait for its result and apply it."""

@@ -56,8 +56,9 @@ class Lanes:
         return self.index == 0
 
     @classmethod
-    def join(cls, lanes: int, lane: int, log: Callable[[str], None] | None = None) -> Lanes:
-        """The lanes of this process's replica (torchrun's group), or a single lane."""
+    def join(cls, lanes: int, lane: int, log: Callable[[str], None] | None = None, *, clock: bool = False) -> Lanes:
+        """The lanes of this process's replica (torchrun's group), or a single lane. `clock`: also a
+        group for `any_of` (time-based rounds; every lane of a replica runs the same settings)."""
         if lanes <= 1:
             return cls()
         import torch.distributed as dist
@@ -71,7 +72,7 @@ class Lanes:
         group = dist.new_group(backend="gloo")
         # its own group: `any_of` runs on the training thread every inner step while a round's
         # record (`exchange`) may be running on a pool thread; one group for both mixes their messages
-        return cls(lane, lanes, group, log, clock=dist.new_group(backend="gloo"))
+        return cls(lane, lanes, group, log, clock=dist.new_group(backend="gloo") if clock else None)
 
     # -- exchanges ---------------------------------------------------------------------------
 
@@ -150,6 +151,8 @@ class Lanes:
         """Whether any lane's `flag` is set (time-based rounds: has any process's clock run out?)."""
         if self.count == 1:
             return flag
+        if self.clock is None:
+            raise RuntimeError("Lanes.any_of needs the clock group: Lanes.join(..., clock=True)")
         import torch
         import torch.distributed as dist
 
