@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -66,6 +65,7 @@ from .lanes import Lanes
 from .membership import FellBehind
 from .modelview import model_view
 from .recorder import Recorder
+from .roundclock import RoundClock
 from .streaming import LiveDelta
 
 # One place for the defaults: the spec's [diloco] table (diloco.spec.DILOCO), typed as DilocoSettings.
@@ -138,8 +138,7 @@ class DiLoCo:
         self._tokens = 0
         self._evals: list[list[float]] = []  # [global step, eval loss] reported since the last sync
         self.total_steps: int | None = s.total_steps
-        self._compute_start = self._step_at = time.monotonic()
-        self._step_times: deque[float] = deque(maxlen=5)  # time-based rounds: recent inner-step durations
+        self.clock = RoundClock(self.stride, self.round_seconds, self.lanes)  # when a round is due
         self._alone_since_start = self.ctx.world_size > 1  # until a round with another member is seen
         self.history: list[RoundMetrics] = []
         self._pending_row = None  # the last round's digest and metrics row, being written
@@ -197,7 +196,7 @@ class DiLoCo:
         if loss is not None and math.isfinite(loss):  # a diverged step is an incident, not a NaN in JSON rows
             self._losses.append(float(loss))
         self._tokens += int(tokens)
-        if self._round_due():
+        if self.clock.due(self.local_steps):
             info = self.sync()
         elif self._inflight is not None and self._inflight.future.done() and self.lanes.count == 1:
             info = self._merge()  # arrived: merge now (a replica of several processes merges at the next round)
@@ -205,22 +204,6 @@ class DiLoCo:
             info = None
         self.ctx.global_step = self.global_step
         return info
-
-    def _round_due(self) -> bool:
-        """H inner steps done, or (time-based rounds) the round's deadline, round_seconds after it
-        began here, is nearer than half a step: every replica then arrives within half of its own
-        step of the deadline (checking only after the deadline would make a replica whose steps
-        are twice as long arrive half a fast step later, every round, on average). The processes
-        of a replica agree (each reads its own clock)."""
-        if self.round_seconds is None:
-            return self.local_steps >= self.stride
-        now = time.monotonic()
-        self._step_times.append(now - self._step_at)
-        self._step_at = now
-        step_s = sorted(self._step_times)[len(self._step_times) // 2]  # the median of the last few: one slow
-        # step (a checkpoint save, a data stall) does not close the round early
-        due = self.local_steps >= self.stride or now + step_s / 2 >= self._compute_start + self.round_seconds
-        return self.lanes.any_of(due)
 
     def report_eval(self, loss: float) -> None:
         """Record an evaluation of the model at the current global step; it goes into the next
@@ -230,7 +213,7 @@ class DiLoCo:
             self._log(f"eval loss at global step {self.global_step} is {loss}: not recorded (the model diverged?)")
         else:
             self._evals.append([self.global_step, float(loss)])
-        self._step_at = time.monotonic()  # the evaluation is no inner step (time-based rounds time steps)
+        self.clock.not_a_step()
 
     def finish(self) -> RoundMetrics | None:
         """Merge the round in flight, if any (overlap): wait for its result and apply it."""
@@ -244,7 +227,7 @@ class DiLoCo:
         Returns the row of the round applied during this call: this round's, or with overlap
         the previous round's if it had not been merged yet (None if there was none).
         """
-        compute_s = time.monotonic() - self._compute_start
+        compute_s = time.monotonic() - self.clock.phase_start
         merged = self._merge() if self._inflight is not None else None  # the one wait overlap has: a round late
         t0 = time.monotonic()  # (the merge's wait is in the merged round's row)
         self._wait_for_record()  # the previous round's digest must be of the state before this step
@@ -404,7 +387,7 @@ class DiLoCo:
 
     def _next_phase(self) -> None:
         self.local_steps, self._losses, self._tokens, self._evals = 0, [], 0, []
-        self._compute_start = self._step_at = time.monotonic()
+        self.clock.restart()
         self.allreduce.phase("compute", self.state.round + 1)
 
     def _warn_if_alone(self, info: RoundMetrics) -> None:
