@@ -15,12 +15,15 @@ eval loss, wall time. Targets (issue "One run, many clouds"): waiting ≤ 2% of 
 round_seconds; eval loss at equal wall-clock no worse than fixed H.
 
     .venv/bin/python bench/uneven.py                  # ~6 minutes on 2 CPU cores; prints JSON
+    BENCH_PLOTS=docs .venv/bin/python bench/uneven.py # also keep each row's timeline.png there
     BENCH_QUICK=1 .venv/bin/python bench/uneven.py    # a smoke run: a few rounds each
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -41,6 +44,9 @@ def run_row(name: str, diloco: dict, tmp: Path) -> dict:
     from diloco.metrics import RoundCache
 
     rounds = RoundCache(run_dir).load()
+    plots = os.environ.get("BENCH_PLOTS")
+    if plots and name != "probe" and (run_dir / "artifacts" / "timeline.png").exists():
+        shutil.copy(run_dir / "artifacts" / "timeline.png", Path(plots) / f"uneven-{name}-timeline.png")
     summary = json.loads((run_dir / "artifacts" / "summary.json").read_text())
     results = [r["result"] for r in json.loads((run_dir / "run.json").read_text())["ranks"]]
     if len({r["theta_crc32"] for r in results}) != 1:

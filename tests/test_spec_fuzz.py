@@ -144,29 +144,12 @@ def runner(tmp_path, monkeypatch):
 
 def check_case(runner, backend: str, table: str, key: str, bad: Bad) -> str | None:
     """Run dryrun (and, if refused, run) on one case; return a failure description or None."""
-    from diloco.cli import main
+    import diloco.cli as cli_module
 
     cli, project, state = runner
     path = write(project, backend, table, key, bad.toml)
-    where = f"{backend} {table + '.' if table else ''}{key} = <{bad.label}>"
-    dry = cli.invoke(main, ["dryrun", str(path)])
-    if dry.exception is not None and not isinstance(dry.exception, SystemExit):
-        return f"{where}: dryrun raised {type(dry.exception).__name__}: {dry.exception}"
-    if dry.exit_code == 0:
-        return f"{where}: dryrun accepted it" if bad.must_fail else None
-    lines = dry.stderr.strip().splitlines()
-    if dry.exit_code != 2 or len(lines) != 1 or not lines[0].startswith("error: ") or "Traceback" in dry.output:
-        return f"{where}: dryrun exit {dry.exit_code}, stderr {dry.stderr[-300:]!r}"
-    if len(lines[0]) > 1000:
-        return f"{where}: the error line is {len(lines[0])} characters (echoes the value?)"
-    if key.lower() not in lines[0].lower():
-        return f"{where}: the error does not name the field: {lines[0]!r}"
-    run = cli.invoke(main, ["run", str(path)])
-    if run.exit_code != 2 or run.stderr.strip() != lines[0]:
-        return f"{where}: run exit {run.exit_code} with {run.stderr[-300:]!r}, dryrun said {lines[0]!r}"
-    if (state / "runs").exists() and any((state / "runs").iterdir()):
-        return f"{where}: run recorded something"
-    return None
+    return _check_path(cli, cli_module, path, state, f"{backend} {table + '.' if table else ''}{key} = <{bad.label}>",
+                       key, bad)
 
 
 def assert_base_accepted(runner, backend: str) -> None:
@@ -244,3 +227,69 @@ def test_reserved_secrets_and_credentials_in_the_rendezvous_are_refused_on_every
         if secret is not None:
             assert secret not in out.output and "secrets" in line, line
     assert not (state / "runs").exists() or not any((state / "runs").iterdir())
+
+
+def write_group(project: Path, backend: str, key: str, value: str) -> Path:
+    """A spec of one [[group]] on `backend` with `key = value` in the group's table."""
+    rdv = f'rendezvous = "{RDV[backend]}"\n' if RDV[backend] else ""
+    table = {"name": '"g"', "replicas": "2"}
+    if key.startswith("env."):
+        extra = f"[group.env]\n{key[4:]} = {value}\n"
+    else:
+        table[key] = value
+        extra = ""
+    lines = "".join(f"{k} = {v}\n" for k, v in table.items())
+    path = project / "diloco.toml"
+    path.write_text(f'entrypoint = "job:main"\n{rdv}[[group]]\n{lines}{extra}[group.backend]\nname = "{backend}"\n'
+                    f"{BASES[backend]}")
+    return path
+
+
+@pytest.mark.parametrize("backend", ["local", "eks", "modal", "sagemaker"])
+def test_every_group_field_refuses_hostile_values_in_one_line(runner, backend):
+    """The same cases inside a [[group]] table: each field a group may set, and its [group.env]."""
+    from diloco import spec
+
+    cli, project, state = runner
+    fields = [(k, {"entrypoint": "str"}.get(f.kind, f.kind)) for k, f in spec.GROUP.items() if k not in ("backend", "env")]
+    fields.append(("env.NCCL_DEBUG", "str | int | float | bool"))
+    import diloco.cli as cli_module
+
+    base = cli.invoke(cli_module.main, ["dryrun", str(write_group(project, backend, "timeout", "60"))])
+    assert base.exit_code == 0, f"the {backend} group base spec is refused: {base.stderr or base.output}"
+
+    failures, cases = [], 0
+    for key, kind in fields:
+        for bad in [*wrong_types(kind), *HOSTILE, *(MAYBE if "str" in kind else [])]:
+            if key == "name" and bad.label == "unicode":
+                bad = Bad("unicode", bad.toml, must_fail=True)  # a group's name is a DNS-like label
+            cases += 1
+            path = write_group(project, backend, key, bad.toml)
+            failure = _check_path(cli, cli_module, path, state, f"{backend} group.{key} = <{bad.label}>",
+                                  key.removeprefix("env."), bad)
+            if failure:
+                failures.append(failure)
+    assert cases > 50
+    assert not failures, "\n".join(failures[:20]) + f"\n({len(failures)} of {cases} cases)"
+
+
+def _check_path(cli, cli_module, path: Path, state: Path, where: str, key: str, bad: Bad) -> str | None:
+    """dryrun on `path` (and, if refused, run): a failure description, or None."""
+    dry = cli.invoke(cli_module.main, ["dryrun", str(path)])
+    if dry.exception is not None and not isinstance(dry.exception, SystemExit):
+        return f"{where}: dryrun raised {type(dry.exception).__name__}: {dry.exception}"
+    if dry.exit_code == 0:
+        return f"{where}: dryrun accepted it" if bad.must_fail else None
+    lines = dry.stderr.strip().splitlines()
+    if dry.exit_code != 2 or len(lines) != 1 or not lines[0].startswith("error: ") or "Traceback" in dry.output:
+        return f"{where}: dryrun exit {dry.exit_code}, stderr {dry.stderr[-300:]!r}"
+    if len(lines[0]) > 1000:
+        return f"{where}: the error line is {len(lines[0])} characters (echoes the value?)"
+    if key.lower() not in lines[0].lower():
+        return f"{where}: the error does not name the field: {lines[0]!r}"
+    run = cli.invoke(cli_module.main, ["run", str(path)])
+    if run.exit_code != 2 or run.stderr.strip() != lines[0]:
+        return f"{where}: run exit {run.exit_code} with {run.stderr[-300:]!r}, dryrun said {lines[0]!r}"
+    if (state / "runs").exists() and any((state / "runs").iterdir()):
+        return f"{where}: run recorded something"
+    return None

@@ -56,7 +56,10 @@ def test_failing_rank_reported_with_traceback(cli, project):
     record = json.loads(cli("status", run_id, "--json").stdout)["record"]
     err = record["ranks"][2]["last_error"]
     assert err.startswith("ValueError: exploded on rank 2\nTraceback (most recent call last)") and 'job.py", line 7, in main' in err
-    assert [r["status"] for r in record["ranks"]] == ["succeeded", "succeeded", "failed", "succeeded"]
+    statuses = [r["status"] for r in record["ranks"]]
+    # the others end as they were when rank 2's failure ended the run: done, or stopped by it (a loaded host)
+    assert statuses[2] == "failed" and all(s in ("succeeded", "cancelled_by_supervisor") for i, s in
+                                           enumerate(statuses) if i != 2), statuses
 
 
 def test_logs_from_a_second_process(cli, project):

@@ -42,7 +42,7 @@ class EksExecutor:
     # pods have their own disks: the rendezvous must be an object store. relaunches_one_rank
     # follows `per_index` (set per instance).
     capabilities = Capabilities(shares_launcher_filesystem=False, relaunches_one_rank=True, process_groups=True,
-                                inter_replica_network=True)
+                                inter_replica_network=True, cloud="aws")
 
     def __init__(self, options: EksOptions | None = None, /, **overrides: Any):
         self.options = options_from(EksOptions, options, overrides, backend=self.backend_name)

@@ -64,7 +64,7 @@ class SageMakerExecutor:
     # instances have their own disks (the rendezvous must be an object store) and meet only through it;
     # a spot interruption is retried by SageMaker itself, announced to no one.
     capabilities = Capabilities(shares_launcher_filesystem=False, relaunches_one_rank=True, process_groups=True,
-                                inter_replica_network=False, status_detail=True)
+                                inter_replica_network=False, status_detail=True, cloud="aws")
 
     def __init__(self, options: SageMakerOptions | None = None, /, **overrides: Any):
         self.options = options_from(SageMakerOptions, options, overrides, backend=self.backend_name)

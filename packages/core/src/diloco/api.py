@@ -124,7 +124,8 @@ class Run:
         return self.state in FINAL_STATES
 
     def ranks(self) -> list[Any]:
-        """Each rank's `diloco.rankstate.RankState`: status, attempt handle, restarts, last error, result."""
+        """Each rank's `diloco.rankstate.RankState`: status, attempt handle, restarts, last error, result,
+        and (in a run with [[group]] tables) `group`, the name of the group it runs in."""
         return self.record.ranks
 
     def results(self) -> list[Any]:
@@ -170,16 +171,38 @@ class Run:
     def _handles_of(record: RunRecord) -> list[Any]:
         return record.handles
 
+    def groups(self) -> list[Any]:
+        """The run's `diloco.groups.ReplicaGroup`s: name, backend, ranks (one group for a spec without them)."""
+        return self.record.spec.replica_groups()
+
     def live(self) -> dict[int, str]:
-        """Each rank's status as its backend reports it now."""
-        return self._live_of(self.record)
+        """Each rank's status as its backend reports it now (ranks whose backend cannot be reached
+        from this shell are left out; `status()['live_error']` says why)."""
+        return self._live_of(self.record)[0]
 
     @staticmethod
-    def _live_of(record: RunRecord) -> dict[int, str]:
+    def _live_of(record: RunRecord) -> tuple[dict[int, str], str | None]:
+        """Live statuses, rank by rank, and why some are missing: in a run across backends one
+        group's missing SDK or API outage leaves the other groups' statuses standing."""
+        from .errors import DilocoError
+        from .groups import rank_groups
         from .launcher import executor_for
 
         executor = executor_for(record)
-        return {h.rank: executor.poll(h).value for h in Run._handles_of(record)}
+        groups = rank_groups(record.data.get("spec"))
+        live: dict[int, str] = {}
+        errors: dict[str, str] = {}
+        for h in Run._handles_of(record):
+            where = groups.get(h.rank, "")
+            if where in errors:
+                continue
+            try:
+                live[h.rank] = executor.poll(h).value
+            except DilocoError as exc:
+                if not groups:
+                    raise
+                errors[where] = f"group {where}: {exc}"
+        return live, ("; ".join(errors.values()) or None)
 
     def log_handles(self, rank: int | None = None, attempt: int | None = None) -> list[Any]:
         """The handle whose output `logs` reads, for each chosen rank (latest attempt by default)."""
@@ -213,12 +236,31 @@ class Run:
         record is marked STOPPED here."""
         from .launcher import executor_for
 
+        from .errors import DilocoError
+        from .groups import rank_groups
+
         record = self.record
         record.request_cancel()
         executor = executor_for(record)
         handles = self._handles_of(record)
-        for h in handles:
-            executor.cancel(h)
+        groups = rank_groups(record.data.get("spec"))
+        failed: dict[str, str] = {}
+        for h in handles:  # every handle that can be reached, whatever another group's backend says
+            where = groups.get(h.rank, "")
+            if where in failed:
+                continue
+            try:
+                executor.cancel(h)
+            except DilocoError as exc:
+                if not groups:
+                    raise
+                failed[where] = str(exc)
+        if failed:
+            left = [h.rank for h in handles if groups.get(h.rank, "") in failed]
+            first = next(iter(failed))
+            raise UserError(f"run {self.id}: cancelled {len(handles) - len(left)} of {len(handles)} replicas; ranks "
+                            f"{left} (group {', '.join(failed)}) could not be reached: {failed[first]}; run `diloco "
+                            f"cancel {self.id}` again from a shell that has that backend")
         supervised_here = self._thread is not None and self._thread.is_alive()
         if not supervised_here and not launcher_alive(record) and not record.ended:
             record.mark_stopped(by="diloco cancel")
@@ -290,11 +332,12 @@ class Run:
 
     def view(self) -> dict[str, Any]:
         """`status()` plus the rounds as `RoundSummary` objects (`rounds_objects`), for renderers."""
+        from .groups import rank_groups
         from .progress import progress_of, timeline_rows
 
         record = self.record  # read once: every part below describes the same moment
         try:
-            live, live_error = self._live_of(record), None
+            live, live_error = self._live_of(record)
         except UserError as exc:  # the backend's SDK or credentials are missing in this shell
             live, live_error = {}, str(exc)
         rounds = self._rounds_of(record)
@@ -302,7 +345,8 @@ class Run:
         return {"record": record.data, "live": live, "live_error": live_error, "events": events,
                 "rounds": [asdict(r) for r in rounds], "rounds_objects": rounds,
                 "progress": progress_of(record.data, events, time.time()).to_dict(),
-                "timeline": timeline_rows(rounds), **estimate_view(record, rounds)}
+                "timeline": timeline_rows(rounds, rank_groups(record.data.get("spec"))),
+                **estimate_view(record, rounds)}
 
 
 def launcher_alive(record: RunRecord) -> bool:
@@ -346,9 +390,9 @@ def estimate_view(record: RunRecord, rounds: list[Any]) -> dict[str, Any]:
         spec = record.spec
         measured = next((s.parameters for s in reversed(rounds) if s.parameters), None)
         if spec.diloco.get("parameters") or not measured:
-            est = estimate(spec)
+            est = estimate(spec, rendezvous=record.rendezvous)
         else:
-            est = estimate(spec, parameters=measured, parameters_from="measured at round 1")
+            est = estimate(spec, parameters=measured, parameters_from="measured at round 1", rendezvous=record.rendezvous)
     except (KeyError, TypeError, UserError):
         return {"estimate": None, "counted": counted}
     out = est.to_dict()

@@ -92,7 +92,7 @@ def dryrun(spec_path: str, fmt: str) -> None:
 
     spec = load_spec(spec_path)
     plan = plan_run(spec)
-    click.echo(format_estimate(estimate(spec)), err=True, nl=False)
+    click.echo(format_estimate(estimate(spec, rendezvous=plan.request.rendezvous)), err=True, nl=False)
     click.echo(plan.render(fmt), nl=False)
 
 
@@ -112,10 +112,14 @@ def _supervise(handle, on_interrupt: str, printer) -> None:
         finally:
             printer.close()  # the live progress display, if any, before the outcome lines
     except RunFailed as exc:
+        from .groups import rank_groups
+
         console.print(f"run {run_id} FAILED: {exc}", style="bold red", markup=False)
+        groups = rank_groups(handle.record.data.get("spec"))
         for rank, err in sorted(exc.errors.items()):
             if err:
-                console.print(f"  rank {rank}: {cause(err)}", style="red", markup=False)
+                where = f" ({groups[rank]})" if rank in groups else ""
+                console.print(f"  rank {rank}{where}: {cause(err)}", style="red", markup=False)
         console.print(f"  full errors: diloco status {run_id}", markup=False)
         sys.exit(1)
     except KeyboardInterrupt:
@@ -177,8 +181,9 @@ def run(spec_path: str, on_interrupt: str) -> None:
     spec = api.load(spec_path)
     handle = api.launch(spec, background=False)
     sup = handle.supervisor
-    click.echo(f"run {handle.id}: {spec.replicas} × {spec.backend}, store {sup.request.rendezvous}")
-    click.echo(format_estimate(estimate(spec)), nl=False)
+    where = ", ".join(f"{g.name} {g.replicas} × {g.backend}" for g in spec.groups) or f"{spec.replicas} × {spec.backend}"
+    click.echo(f"run {handle.id}: {where}, store {sup.request.rendezvous}")
+    click.echo(format_estimate(estimate(spec, rendezvous=sup.request.rendezvous)), nl=False)
     _supervise(handle, on_interrupt, ProgressPrinter(sup.record, spec=spec))
 
 
@@ -227,7 +232,10 @@ def status(run_id: str, as_json: bool, n_events: int, timeline: bool, n_rounds: 
         return
     console = Console(width=140, highlight=False)
     if timeline:
-        _print_timeline(console, view["rounds_objects"][-n_rounds:], view["rounds_objects"])
+        from .groups import rank_groups
+
+        _print_timeline(console, view["rounds_objects"][-n_rounds:], view["rounds_objects"],
+                        rank_groups(record.data.get("spec")))
         return
     console.print(status_table(record, live))
     _print_status_body(console, record, view, n_events)
@@ -275,14 +283,14 @@ def _print_status_body(console, record, view: dict, n_events: int) -> None:
         console.print(f"artifacts: {artifacts}", markup=False)
 
 
-def _print_timeline(console, shown: list, rounds: list) -> None:
+def _print_timeline(console, shown: list, rounds: list, groups: dict[int, str] | None = None) -> None:
     from .progress import straggler_lines, timeline_table
 
     if not shown:
         console.print("no rounds recorded yet", markup=False)
         return
-    console.print(timeline_table(shown))
-    for line in straggler_lines(rounds):
+    console.print(timeline_table(shown, groups))
+    for line in straggler_lines(rounds, groups):
         console.print(line, markup=False)
 
 
@@ -393,7 +401,9 @@ def list_runs(limit: int) -> None:
         data = run.record.data
         spec = data.get("spec", {})
         created = datetime.fromtimestamp(data.get("created_at", 0)).strftime("%Y-%m-%d %H:%M:%S")
-        table.add_row(*(Text(str(x)) for x in (run.id, spec.get("backend", "?"), spec.get("replicas", "?"),
+        groups = ", ".join(f"{g.get('name')} {g.get('replicas')}" for g in spec.get("groups") or [])
+        replicas = f"{spec.get('replicas', '?')}" + (f" ({groups})" if groups else "")
+        table.add_row(*(Text(str(x)) for x in (run.id, spec.get("backend", "?"), replicas,
                                                    data.get("state", "?"), created)))  # records are shown, never read as markup
     Console(width=140, highlight=False).print(table)
 

@@ -94,7 +94,8 @@ class ProgressPrinter:
         rounds = RoundCache(self.record.dir).load()
         if rounds and rounds[-1].parameters:
             spec, self._estimate_for = self._estimate_for, None
-            text = format_estimate(estimate(spec, parameters=rounds[-1].parameters, parameters_from="measured at round 1"))
+            text = format_estimate(estimate(spec, parameters=rounds[-1].parameters, parameters_from="measured at round 1",
+                                            rendezvous=self.record.rendezvous))
             self.console.print(text, markup=False, end="")
 
     def close(self) -> None:
@@ -128,9 +129,12 @@ def format_round(rnd: dict[str, Any]) -> str:
 
 def status_table(record: RunRecord, live: dict[int, str] | None) -> Table:
     table = Table(title=Text(f"run {record.run_id}  [{record.state}]"), title_justify="left")
-    for col in ("rank", "attempt", "status", "restarts", "preempted", "last error"):
+    ranks = record.ranks
+    grouped = any(r.group for r in ranks)
+    for col in ("rank", *(("group", "backend") if grouped else ()), "attempt", "status", "restarts", "preempted",
+                "last error"):
         table.add_column(col)
-    for r in record.ranks:
+    for r in ranks:
         attempt = r.handle.attempt if r.handle else 0
         status = str((live or {}).get(r.rank, r.status))
         if r.relaunch_at:
@@ -138,7 +142,8 @@ def status_table(record: RunRecord, live: dict[int, str] | None) -> Table:
         if r.given_up:
             status += " (given up)"
         # Text, not str: an error message is the replica's text, never rich markup ("[/]" would crash).
-        table.add_row(str(r.rank), str(attempt), Text(status), str(r.restarts), str(r.preemptions),
+        where = (Text(r.group or "?"), Text(r.handle.backend_name if r.handle else "?")) if grouped else ()
+        table.add_row(str(r.rank), *where, str(attempt), Text(status), str(r.restarts), str(r.preemptions),
                       Text(cause(r.last_error)[:80]))
     return table
 

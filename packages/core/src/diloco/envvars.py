@@ -11,6 +11,7 @@ ENV_LANE = "LOCAL_RANK"  # set by torchrun: this process's index within its repl
 ENV_LANES = "LOCAL_WORLD_SIZE"  # set by torchrun: processes per replica
 ENV_RENDEZVOUS = "DILOCO_RENDEZVOUS"
 ENV_RUN_ID = "DILOCO_RUN_ID"
+ENV_GROUP = "DILOCO_GROUP"  # the replica's group, in a run with [[group]] tables (diloco.groups)
 ENV_ATTEMPT = "DILOCO_ATTEMPT"
 ENV_ENTRYPOINT = "DILOCO_ENTRYPOINT"
 ENV_ENTRYPOINT_ARGS = "DILOCO_ENTRYPOINT_ARGS"

@@ -87,6 +87,7 @@ class Estimate:
     poll_max: float = 1.0
     prices: dict[str, Any] = field(default_factory=dict)
     rendezvous: str | None = None
+    groups: list[GroupCost] = field(default_factory=list)  # a run with [[group]] tables: each group's share
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -95,6 +96,54 @@ class Estimate:
             if t is not None:
                 out[key]["requests"] = t.request_count
         return out
+
+
+@dataclass
+class GroupCost:
+    """One replica group's share of the run: its reads of the store priced by where it runs.
+
+    `place` is where its replicas read the store from (same_region, cross_region, internet: the
+    keys of the price table's `transfer`), and `why` says how that was decided."""
+
+    group: str
+    backend: str
+    replicas: int
+    region: str | None
+    place: str
+    why: str
+    bytes_down: float | None = None       # the whole run's, every replica of the group
+    requests_cost: float | None = None
+    transfer_cost: float | None = None
+
+
+def backend_cloud(name: str) -> str | None:
+    """The cloud a backend's replicas run in (`Capabilities.cloud`), or None; from the plugin's
+    class, so no executor (and no cloud SDK) is built to price a run."""
+    try:
+        from .plugins import get_backend
+
+        caps = getattr(get_backend(name).cls, "capabilities", None)
+    except (UserError, KeyError):
+        return None
+    return getattr(caps, "cloud", None)
+
+
+def placement(group: Any, store_uri: str | None, store_region: str | None,
+              run_region: str | None = None) -> tuple[str, str]:
+    """Where `group` (a `diloco.groups.ReplicaGroup`) reads the store from, and why. Its region:
+    the group's own `region`, else its backend's `region` option (where it submits), else the
+    run's top-level `region`."""
+    cloud = backend_cloud(group.backend)
+    store_cloud = cloud_of(store_uri)
+    option = group.backend_options.get("region")
+    region = group.region or (option if isinstance(option, str) else None) or run_region
+    if cloud != store_cloud:
+        return "internet", f"{group.backend} runs outside {store_cloud}"
+    if not region or not store_region:
+        return "cross_region", "region unknown: priced as another region; set `region` and `store_region`"
+    if region == store_region:
+        return "same_region", f"{region}, the store's region"
+    return "cross_region", f"{region}, the store is in {store_region}"
 
 
 def exchange(n: int, lanes: int, numel: int, transport: str, density: float, *, first: bool = False,
@@ -121,9 +170,11 @@ def exchange(n: int, lanes: int, numel: int, transport: str, density: float, *, 
 
 
 def estimate(spec: Any, *, parameters: int | None = None, parameters_from: str | None = None,
-             prices: dict[str, Any] | None = None) -> Estimate:
-    """The estimate for `spec` (a `RunSpec`); `parameters` overrides the spec's [diloco] parameters."""
+             prices: dict[str, Any] | None = None, rendezvous: str | None = None) -> Estimate:
+    """The estimate for `spec` (a `RunSpec`); `parameters` overrides the spec's [diloco] parameters,
+    `rendezvous` the spec's store (the one the run really uses, when a default chose it)."""
     d = spec.diloco
+    uri = rendezvous or spec.rendezvous
     if parameters is None and d.get("parameters"):
         parameters, parameters_from = int(d["parameters"]), "spec"
     n, lanes, k = spec.replicas, max(1, int(spec.processes_per_replica)), int(d["fragments"])
@@ -134,15 +185,15 @@ def estimate(spec: Any, *, parameters: int | None = None, parameters_from: str |
     est = Estimate(replicas=n, lanes=lanes, transport=d["transport"], fragments=k, sync_every=int(d["sync_every"]),
                    parameters=parameters, parameters_from=parameters_from if parameters else None,
                    total_steps=total, rounds=rounds,
-                   prices=prices if prices is not None else load_prices(cloud_of(spec.rendezvous)),
-                   poll_max=float(d.get("poll_max") or poll_defaults(spec.rendezvous)[1]), rendezvous=spec.rendezvous)
+                   prices=prices if prices is not None else load_prices(cloud_of(uri)),
+                   poll_max=float(d.get("poll_max") or poll_defaults(uri)[1]), rendezvous=uri)
     if not parameters:
         return est
     numel = parameters / k
     density = float(d["topk_density"])
     from .store import BULK_DELETE, CLOUD_SCHEMES, scheme_of
 
-    bulk = BULK_DELETE.get(CLOUD_SCHEMES.get(scheme_of(spec.rendezvous), ""), 1)  # local: one delete a key
+    bulk = BULK_DELETE.get(CLOUD_SCHEMES.get(scheme_of(uri), ""), 1)  # local: one delete a key
     est.round = exchange(n, lanes, numel, d["transport"], density, bulk_delete=bulk)
     est.first_round = exchange(n, lanes, numel, d["transport"], density, first=True, bulk_delete=bulk)
     if rounds:
@@ -157,7 +208,25 @@ def estimate(spec: Any, *, parameters: int | None = None, parameters_from: str |
         exchanges = est.first_round.plus(est.round.times(rounds - 1)).times(n) if rounds else Traffic()
         est.run = exchanges.plus(est.bookkeeping)
         est.cost = price(est.run, est.prices)
+    if getattr(spec, "groups", None) or getattr(spec, "store_region", None) or getattr(spec, "region", None):
+        est.groups = group_costs(spec, est)  # where each group reads the store from, when the spec says
     return est
+
+
+def group_costs(spec: Any, est: Estimate) -> list[GroupCost]:
+    """Each group's share of the run (its replicas' part of the requests and the reads), with the
+    reads priced at the rate for where the group runs against the store."""
+    out = []
+    for g in spec.replica_groups():
+        place, why = placement(g, est.rendezvous, spec.store_region, spec.region)
+        cost = GroupCost(group=g.name, backend=g.backend, replicas=g.replicas, region=g.region, place=place, why=why)
+        if est.run is not None:
+            share = g.replicas / est.replicas
+            cost.bytes_down = est.run.bytes_down * share
+            cost.requests_cost = est.cost["requests"] * share
+            cost.transfer_cost = cost.bytes_down / 1e9 * est.prices.get("transfer", {}).get(place, 0.0)
+        out.append(cost)
+    return out
 
 
 def price(t: Traffic, prices: dict[str, Any]) -> dict[str, float]:
@@ -175,6 +244,26 @@ def _size(x: float) -> str:
         if x >= scale:
             return f"{x / scale:,.1f} {unit}"
     return f"{x:,.0f} B"
+
+
+def format_groups(e: Estimate) -> list[str]:
+    """The per-group lines: where each group reads the store from, and what that costs."""
+    from .store import scheme_of
+
+    if scheme_of(e.rendezvous) in ("file", "memory"):
+        return [f"  group {g.group:<14} {g.replicas} × {g.backend}" for g in e.groups]
+    lines = ["  by group (reads priced by where each group runs against the store):" if len(e.groups) > 1 else
+             "  where it runs (reads priced against the store's region):"]
+    for g in e.groups:
+        name = g.group if len(e.groups) > 1 else "replicas"
+        line = f"    {name:<12} {g.replicas} × {g.backend:<10} {g.place.replace('_', '-')} ({g.why})"
+        if g.transfer_cost is not None:
+            line += f"; down {_size(g.bytes_down)}, ${g.transfer_cost:,.2f} + requests ${g.requests_cost:,.2f}"
+        lines.append(line)
+    if e.groups[0].transfer_cost is not None and len(e.groups) > 1:
+        total = sum(g.transfer_cost + g.requests_cost for g in e.groups)
+        lines.append(f"    the run, priced by group: ${total:,.2f}")
+    return lines
 
 
 def format_estimate(e: Estimate) -> str:
@@ -205,6 +294,8 @@ def format_estimate(e: Estimate) -> str:
         if local:
             lines.append("                         (this run's store is local: nothing is billed; that is the same "
                          f"run on {e.prices.get('cloud', 'aws')})")
+    if e.groups:
+        lines += format_groups(e)
     per_hour = 3600 / e.poll_max * e.prices.get("requests", {}).get("list", 0) / 1000
     lines.append(f"  waiting costs polls    at most {3600 / e.poll_max:,.0f} LIST per replica-hour spent waiting "
                  f"(${per_hour:,.3f})")

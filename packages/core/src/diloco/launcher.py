@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .errors import SpecError, UserError
+from .errors import BackendNotFound, SpecError, UserError
 from .legacy import capabilities_of, make_executor as build_executor
 from .plugins import get_backend
 from .protocol import ENV_SETTINGS, Executor
@@ -30,18 +30,57 @@ def make_executor(backend: str, options: dict[str, Any], *, workdir: str | None 
     return build_executor(get_backend(backend).cls, dict(options), workdir=workdir, source=source)
 
 
+def executor_of_spec(spec: RunSpec) -> Executor:
+    """The run's executor: its backend's, or one over each group's backend (`diloco.groupexec`)."""
+    if not spec.groups:
+        return make_executor(spec.backend, spec.backend_options, workdir=spec.workdir, source=spec.source)
+    from .groupexec import GroupedExecutor
+
+    def builder(g: Any) -> Any:
+        def build() -> Executor:
+            where = f"{spec.source}: group {g.name!r}"
+            try:
+                cls = get_backend(g.backend).cls
+            except BackendNotFound as exc:
+                raise BackendNotFound(f"{where}: {exc}") from None
+            return build_executor(cls, dict(g.backend_options), workdir=spec.workdir, source=where)
+        return build
+
+    # Each group's executor is built when the group is first needed: a shell without one group's
+    # plugin or SDK can still see and cancel the others (run and dryrun need, and build, them all).
+    return GroupedExecutor([(g, builder(g)) for g in spec.groups])
+
+
+def _group_executors(spec: RunSpec, executor: Executor) -> list[tuple[Any, Executor]]:
+    """Each group with the executor that runs it (the one executor, for a spec without groups)."""
+    from .groupexec import GroupedExecutor
+
+    if isinstance(executor, GroupedExecutor):
+        return [(g, executor.executors[g.name]) for g in executor.groups]
+    return [(g, executor) for g in spec.replica_groups()]
+
+
 def launch_request(spec: RunSpec, run_id: str, executor: Executor, secrets: Secrets) -> LaunchRequest:
-    """The request for the first launch of every rank; refuses what the backend cannot do."""
+    """The request for the first launch of every rank; refuses what a group's backend cannot do.
+    The rendezvous rule applies to the union of the groups: any remote group needs a remote store."""
     env = dict(spec.env)
     if spec.diloco:
         env[ENV_SETTINGS] = DilocoSettings.from_table(spec.diloco, where=spec.source).to_env()
-    caps = capabilities_of(executor)
-    rendezvous = resolve_rendezvous(spec.rendezvous, backend=spec.backend, capabilities=caps,
-                                    run_dir=state_dir() / "runs" / run_id, source=spec.source)
-    if spec.processes_per_replica > 1 and not caps.process_groups:
-        raise SpecError(f"{spec.source}: backend {spec.backend!r} cannot start several processes per replica "
-                        f"(processes_per_replica = {spec.processes_per_replica}); use processes_per_replica = 1 "
-                        f"or a backend that supports it (local, eks, modal, sagemaker)")
+    parts = _group_executors(spec, executor)
+    remote = [(g, e) for g, e in parts if not capabilities_of(e).shares_launcher_filesystem]
+    group, reach = (remote or parts)[0]
+    try:
+        rendezvous = resolve_rendezvous(spec.rendezvous, backend=group.backend, capabilities=capabilities_of(reach),
+                                        run_dir=state_dir() / "runs" / run_id, source=spec.source)
+    except UserError as exc:
+        if not spec.groups:
+            raise
+        raise type(exc)(f"{exc} (group {group.name!r} runs on {group.backend})") from None
+    for g, e in parts:
+        if g.processes_per_replica > 1 and not capabilities_of(e).process_groups:
+            raise SpecError(f"{spec.source}: backend {g.backend!r} cannot start several processes per replica "
+                            f"(processes_per_replica = {g.processes_per_replica}); use processes_per_replica = 1 "
+                            f"or a backend that supports it (local, eks, modal, sagemaker)")
     try:
         return LaunchRequest(run_id=run_id, n_replicas=spec.replicas, entrypoint=spec.entrypoint,
                              args=dict(spec.args), env=env, secrets=secrets, rendezvous=rendezvous,
@@ -65,8 +104,7 @@ def plan_run(spec: RunSpec, *, run_id: str | None = None, secrets: Secrets | Non
     """The plan of the run's first launch: what `diloco dryrun` prints and `diloco run` submits.
 
     A dry run refuses a listed secret that is not set, as `run` does: what passes one passes the other."""
-    executor = executor or make_executor(spec.backend, spec.backend_options, workdir=spec.workdir,
-                                         source=spec.source)
+    executor = executor or executor_of_spec(spec)
     if secrets is None:
         secrets = secret_values(spec.secrets, spec.source)
     request = launch_request(spec, run_id or new_run_id(spec.name), executor, secrets)
@@ -76,7 +114,7 @@ def plan_run(spec: RunSpec, *, run_id: str | None = None, secrets: Secrets | Non
 def new_run(spec: RunSpec, **supervisor_kwargs: Any) -> Supervisor:
     """Validate everything that can be validated, plan, record the run, and return its supervisor,
     which submits exactly the plan made here."""
-    executor = make_executor(spec.backend, spec.backend_options, workdir=spec.workdir, source=spec.source)
+    executor = executor_of_spec(spec)
     secrets = secret_values(spec.secrets, spec.source)
     plan = plan_run(spec, secrets=secrets, executor=executor)  # anything wrong fails here, before a record exists
     check_sinks_installed(spec.metrics, spec.source)
@@ -87,8 +125,7 @@ def new_run(spec: RunSpec, **supervisor_kwargs: Any) -> Supervisor:
 
 
 def executor_for(record: RunRecord) -> Executor:
-    spec = record.spec
-    return make_executor(spec.backend, spec.backend_options, workdir=spec.workdir, source=spec.source)
+    return executor_of_spec(record.spec)
 
 
 def resume_run(record: RunRecord, **supervisor_kwargs: Any) -> Supervisor:

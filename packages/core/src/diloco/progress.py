@@ -15,6 +15,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from .groups import rank_groups
 from .metrics import PHASES, RoundSummary
 from .state import FINAL_STATES
 
@@ -39,6 +40,8 @@ class Progress:
     elapsed_s: float = 0.0
     straggler: int | None = None        # the last round's
     waited_s: float = 0.0               # replica-seconds spent waiting for it
+    groups: dict[str, list[int]] | None = None  # a run across backends: group → [members, replicas]
+    straggler_group: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -53,6 +56,11 @@ def progress_of(data: dict[str, Any], events: list[dict[str, Any]], now: float) 
     p = Progress(state=str(data.get("state", "?")), replicas=int((data.get("launch") or {}).get("n_replicas") or 0),
                  restarts=int(data.get("restarts_used", 0)), preemptions=int(data.get("preemptions_used", 0)),
                  elapsed_s=max(0.0, last_t - start))
+    names = rank_groups(data.get("spec"))
+    if names:
+        p.groups = {}
+        for name in names.values():
+            p.groups.setdefault(name, [0, 0])[1] += 1
     rounds = [e for e in events if e.get("event") == "round"]
     if not rounds:
         return p
@@ -60,6 +68,11 @@ def progress_of(data: dict[str, Any], events: list[dict[str, Any]], now: float) 
     p.round, p.step, p.total_steps = last["round"], int(last.get("step") or 0), last.get("total_steps")
     p.tokens_per_s, p.members = last.get("tokens_per_s"), len(last.get("members") or [])
     p.straggler, p.waited_s = last.get("straggler"), float(last.get("waited_s") or 0.0)
+    if p.groups is not None:
+        for m in last.get("members") or []:
+            if isinstance(m, int) and m in names:
+                p.groups[names[m]][0] += 1
+        p.straggler_group = names.get(p.straggler) if isinstance(p.straggler, int) else None
     window = rounds[-ETA_WINDOW - 1:]
     first_step, first_t = (int(window[0].get("step") or 0), window[0]["t"]) if len(window) > 1 else (0, start)
     if p.step > first_step and last["t"] > first_t:
@@ -88,9 +101,11 @@ def progress_line(p: Progress) -> str:
         parts.append(p.state.lower())
     else:
         parts.append(f"ETA {clock(p.eta_s)}" if p.total_steps else "ETA ? (no total_steps)")
-    parts += [f"members {p.members}/{p.replicas}", f"restarts {p.restarts}", f"elapsed {clock(p.elapsed_s)}"]
+    by_group = f" ({', '.join(f'{g} {m}/{n}' for g, (m, n) in p.groups.items())})" if p.groups else ""
+    parts += [f"members {p.members}/{p.replicas}{by_group}", f"restarts {p.restarts}", f"elapsed {clock(p.elapsed_s)}"]
     if p.straggler is not None and p.waited_s > 0:
-        parts.append(f"straggler {p.straggler} (+{p.waited_s:.1f} replica-s)")
+        where = f" in {p.straggler_group}" if p.straggler_group else ""
+        parts.append(f"straggler {p.straggler}{where} (+{p.waited_s:.1f} replica-s)")
     return "  ".join(parts)
 
 
@@ -113,22 +128,24 @@ def render_progress(p: Progress) -> Table:
 
 # -- the timeline ----------------------------------------------------------------------------
 
-def timeline_rows(rounds: list[RoundSummary]) -> list[dict[str, Any]]:
-    """One row per replica per round: seconds per phase, hidden exchange time, straggler flag."""
+def timeline_rows(rounds: list[RoundSummary], groups: dict[int, str] | None = None) -> list[dict[str, Any]]:
+    """One row per replica per round: seconds per phase, hidden exchange time, straggler flag;
+    `groups` (rank → group name, `diloco.groups.rank_groups`) adds each row's group."""
     out = []
     for s in rounds:
         for row in s.rows:
             out.append({"round": s.round, "rank": row.rank, "attempt": row.attempt,
+                        **({"group": groups.get(row.rank)} if groups else {}),
                         "member": row.member, **{p: row.phases.get(p) for p in PHASES},
                         "hidden": row.hidden_s, "straggler": s.straggler == row.rank,
                         "waited_for_straggler_s": s.waited_s if s.straggler == row.rank else 0.0})
     return out
 
 
-def timeline_table(rounds: list[RoundSummary]) -> Table:
+def timeline_table(rounds: list[RoundSummary], groups: dict[int, str] | None = None) -> Table:
     table = Table(title="timeline: seconds per phase, per replica and round", title_justify="left")
-    for col in ("round", "rank", *PHASES, "hidden", ""):
-        table.add_column(col, justify="right" if col not in ("",) else "left")
+    for col in ("round", "rank", *(("group",) if groups else ()), *PHASES, "hidden", ""):
+        table.add_column(col, justify="right" if col not in ("", "group") else "left")
     for s in rounds:
         for i, row in enumerate(sorted(s.rows, key=lambda r: r.rank)):
             phases = row.phases
@@ -138,19 +155,20 @@ def timeline_table(rounds: list[RoundSummary]) -> Table:
             elif not row.member:
                 note = "not a member (adopted the result)"
             table.add_row(str(s.round) if i == 0 else "", str(row.rank),
+                          *((Text(groups.get(row.rank, "?")),) if groups else ()),
                           *[f"{phases[p]:.2f}" if p in phases else "-" for p in PHASES],
                           f"{row.hidden_s:.2f}", note)
         table.add_section()
     return table
 
 
-def straggler_lines(rounds: list[RoundSummary]) -> list[str]:
-    """Who held the rounds up, overall: replica-seconds everyone waited, by straggler."""
+def straggler_lines(rounds: list[RoundSummary], groups: dict[int, str] | None = None) -> list[str]:
+    """Who held the rounds up, overall: replica-seconds everyone waited, by straggler (and its group)."""
     cost: dict[int, float] = {}
     count: dict[int, int] = {}
     for s in rounds:
         if s.straggler is not None:
             cost[s.straggler] = cost.get(s.straggler, 0.0) + s.waited_s
             count[s.straggler] = count.get(s.straggler, 0) + 1
-    return [f"rank {rank}: straggler in {count[rank]} of {len(rounds)} rounds, others waited {cost[rank]:.1f} "
+    return [f"rank {rank}{f' ({groups[rank]})' if groups and rank in groups else ''}: straggler in {count[rank]} of {len(rounds)} rounds, others waited {cost[rank]:.1f} "
             f"replica-s for it" for rank in sorted(cost, key=lambda k: -cost[k])]

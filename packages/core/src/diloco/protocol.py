@@ -129,6 +129,8 @@ class Capabilities:
         for why a replica is pending again (recorded in `pending` events).
     log_files: the executor has `log_path(handle) -> Path`, a file on this machine the replica's
         output grows in; `diloco logs --follow` tails it instead of re-reading `stream_logs`.
+    cloud: the cloud whose network the replicas run in ("aws", "gcp", "azure"), so the estimate
+        prices their reads of a store there by region; None (Modal, your own machines): the internet.
     """
 
     shares_launcher_filesystem: bool = False
@@ -138,6 +140,7 @@ class Capabilities:
     preemption_signal: str | None = None
     status_detail: bool = False
     log_files: bool = False
+    cloud: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -53,6 +53,7 @@ class RankState:
     failed_soon: bool = False            # whether that failure came within fail_fast_seconds of launch
     preemptions: int = 0                 # times the platform took this rank's machine away
     preempted: bool = False              # the scheduled relaunch replaces a preempted attempt
+    group: str | None = None             # its replica group's name, in a run with [[group]] tables
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "handle": self.handle.to_dict() if self.handle else None,
@@ -60,7 +61,7 @@ class RankState:
                 "relaunch_at": self.relaunch_at, "last_error": self.last_error, "result": self.result,
                 "history": self.history, "launched_at": self.launched_at,
                 "failure_signature": self.failure_signature, "failed_soon": self.failed_soon,
-                "preemptions": self.preemptions, "preempted": self.preempted}
+                "preemptions": self.preemptions, "preempted": self.preempted, "group": self.group}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RankState:
@@ -71,4 +72,4 @@ class RankState:
                    result=data.get("result"), history=list(data.get("history", [])),
                    launched_at=data.get("launched_at"), failure_signature=data.get("failure_signature"),
                    failed_soon=data.get("failed_soon", False), preemptions=data.get("preemptions", 0),
-                   preempted=data.get("preempted", False))
+                   preempted=data.get("preempted", False), group=data.get("group"))

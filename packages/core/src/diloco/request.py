@@ -213,6 +213,10 @@ class LaunchPlan:
     request: LaunchRequest
     body: Any
     format: str = "json"
+    # A run with replica groups (`diloco.groupexec`): each group's own plan, what `submit` submits,
+    # and a title for each ("group k8s: 2 × eks, ranks 0-1"); `body` then lists them as plain data.
+    parts: tuple[LaunchPlan, ...] = field(default=(), compare=False, repr=False)
+    part_titles: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.format not in ("json", "yaml"):
@@ -231,7 +235,9 @@ class LaunchPlan:
                                f"a plan holds REDACTED where a secret goes (report this to the backend's authors)")
 
     def render(self, fmt: str = "auto") -> str:
-        """Exactly what `diloco dryrun` prints."""
+        """Exactly what `diloco dryrun` prints; a grouped plan prints each group's plan under its title."""
+        if self.parts and fmt == "auto":  # one YAML stream ("---" between parts; JSON is YAML too)
+            return "---\n".join(f"# {title}\n{part.render(fmt)}" for title, part in zip(self.part_titles, self.parts))
         fmt = self.format if fmt == "auto" else fmt
         if fmt == "yaml":
             import yaml  # backends that render YAML depend on PyYAML themselves

@@ -16,6 +16,10 @@
     [restart] policy / max_restarts / max_restarts_per_rank / backoff / min_replicas / fail_fast_seconds
     [diloco]  sync_every / outer_lr / ...   # DiLoCo settings read by diloco-replica
     [metrics] sinks = ["tensorboard"]       # where the launcher writes round metrics (plugins add more)
+    region = "us-east-1"                    # optional: where the replicas run, for pricing their reads
+    store_region = "us-east-1"              # optional: where the store is (same region reads are free)
+    [[group]] name / replicas / gpu / ...   # instead of replicas + backend: groups on several backends
+                                            #   (diloco.groups; top-level keys are their defaults)
 
 Unknown keys, wrong types and out-of-range values raise `SpecError` naming file and key.
 """
@@ -27,11 +31,12 @@ import math
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from .errors import SpecError, UserError
+from .groups import ReplicaGroup, check_groups
 from .replicaenv import check_entrypoint_args, parse_entrypoint
 from .procgroup import resolve_processes
 from .store import SCHEMES, scheme_list
@@ -138,7 +143,23 @@ TOP_LEVEL = {
     "restart": Field("table", default={}),
     "diloco": Field("table", default={}),
     "metrics": Field("table", default={}),
+    "region": Field("str", help="where the replicas run (e.g. us-east-1), for pricing their reads of the store"),
+    "store_region": Field("str", help="the store's region (e.g. us-east-1): reads from the same region are free"),
+    "group": Field("groups", help="[[group]] tables: replicas on several backends (docs/groups.md)"),
 }
+
+# A [[group]] table: its own replicas and backend; what it leaves out, it inherits from the top level.
+GROUP = {
+    "name": Field("str"),
+    "replicas": Field("int", required=True, min=1, max=4096, help="e.g. replicas = 2"),
+    "backend": Field("backend", required=True, help='a [group.backend] table with name = "..." and its options'),
+    "gpu": Field("str"),
+    "processes_per_replica": Field("int", min=1, max=64),
+    "timeout": Field("float", min=1, max=30 * 86400),
+    "region": Field("str"),
+    "env": Field("table"),
+}
+INHERITED = ("gpu", "processes_per_replica", "timeout")  # `region`: see diloco.estimate.placement
 
 RESTART = {
     "policy": Field("str", default="per-rank", choices=("per-rank", "gang", "never")),
@@ -217,15 +238,31 @@ class RunSpec:
     restart: dict[str, Any] = field(default_factory=dict)
     diloco: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
+    region: str | None = None
+    store_region: str | None = None
+    groups: list[ReplicaGroup] = field(default_factory=list)  # empty: one group, the top-level backend
     source: str = "<spec>"
+
+    def replica_groups(self) -> list[ReplicaGroup]:
+        """The run's groups: its `[[group]]` tables, or the one group of a spec without them."""
+        if self.groups:
+            return list(self.groups)
+        return [ReplicaGroup(name="g0", backend=self.backend, replicas=self.replicas, first_rank=0,
+                             timeout=self.timeout, processes_per_replica=self.processes_per_replica, gpu=self.gpu,
+                             backend_options=dict(self.backend_options))]
 
     def to_dict(self) -> dict[str, Any]:
         """The spec as recorded with the run: plain data, secrets named but never valued."""
-        return {k: v for k, v in self.__dict__.items()}
+        out = {k: v for k, v in self.__dict__.items()}
+        out["groups"] = [g.to_dict() for g in self.groups]
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RunSpec:
-        return cls(**dict(data))
+        data = dict(data)
+        data["groups"] = [g if isinstance(g, ReplicaGroup) else ReplicaGroup.from_dict(g)
+                          for g in data.get("groups") or []]
+        return cls(**data)
 
     def to_table(self) -> dict[str, Any]:
         """The spec shaped like its TOML, so a `RunSpec` built in Python (not parsed) is checked
@@ -233,7 +270,10 @@ class RunSpec:
         def present(d: Mapping[str, Any]) -> dict[str, Any]:  # TOML has no null: unset is absent
             return {k: present(v) if k in ("restart", "diloco") else v for k, v in d.items() if v is not None}
 
-        table = {k: v for k, v in self.__dict__.items() if k not in ("backend", "backend_options", "source")}
+        table = {k: v for k, v in self.__dict__.items() if k not in ("backend", "backend_options", "source", "groups")}
+        if self.groups:
+            table.pop("replicas")
+            return {**present(table), "group": [g.to_table() for g in self.groups]}
         return {**present(table), "backend": {"name": self.backend, **self.backend_options}}
 
 
@@ -247,20 +287,29 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", base_dir: Pat
         if isinstance(data.get(table), dict) and key in data[table]:
             raise SpecError(f"{where}: `{old}` was renamed to `{new}` (the replicas a sync round needs; "
                             f"[restart] min_replicas is how many must stay alive)")
-    top = check_table(where, data, TOP_LEVEL)
+    grouped = "group" in data
+    schema = TOP_LEVEL
+    if grouped:
+        for key in ("replicas", "backend"):
+            if key in data:
+                raise SpecError(f"{where}: a spec with [[group]] tables has no top-level `{key}`; give each group "
+                                f"its own (`replicas = N` and a [group.backend] table)")
+        schema = {**TOP_LEVEL, **{k: replace(TOP_LEVEL[k], required=False) for k in ("replicas", "backend")}}
+    top = check_table(where, data, schema)
+    groups = _groups(where, top) if grouped else []
+    total = sum(g.replicas for g in groups) if grouped else top["replicas"]
+    if total > 4096:
+        raise SpecError(f"{where}: the groups hold {total} replicas together; a run has at most 4096")
     restart = check_table(where, top["restart"], RESTART, "restart.")
     diloco = check_table(where, top["diloco"], DILOCO, "diloco.")
-    if restart["min_replicas"] is not None and restart["min_replicas"] > top["replicas"]:
+    if restart["min_replicas"] is not None and restart["min_replicas"] > total:
         raise SpecError(f"{where}: `restart.min_replicas` ({restart['min_replicas']}) exceeds `replicas` "
-                        f"({top['replicas']})")
-    if diloco["min_members"] > top["replicas"]:
+                        f"({total})")
+    if diloco["min_members"] > total:
         raise SpecError(f"{where}: `diloco.min_members` ({diloco['min_members']}) exceeds `replicas` "
-                        f"({top['replicas']})")
+                        f"({total})")
     DilocoSettings.from_table(top["diloco"], where=where)  # the cross-setting rules, in their one place
-    for key, value in top["env"].items():
-        check_variable(where, "env", key)
-        if not isinstance(value, (str, int, float, bool)):
-            raise SpecError(f"{where}: `env.{key}` must be a string, number or boolean, got {_type_name(value)}")
+    _check_env(where, "env", top["env"])
     for name in top["secrets"]:
         check_variable(where, "secrets", name)
     if len(set(top["secrets"])) != len(top["secrets"]):
@@ -276,15 +325,55 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", base_dir: Pat
     workdir = (base / (top["workdir"] or ".")).resolve()
     if not workdir.is_dir():
         raise SpecError(f"{where}: `workdir` {str(workdir)!r} is not a directory")
-    backend = top["backend"] if isinstance(top["backend"], dict) else {"name": top["backend"]}
-    options = {k: v for k, v in backend.items() if k != "name"}
+    if grouped:
+        backend_name = "+".join(dict.fromkeys(g.backend for g in groups))
+        options: dict[str, Any] = {}
+        processes = groups[0].processes_per_replica
+    else:
+        backend = top["backend"] if isinstance(top["backend"], dict) else {"name": top["backend"]}
+        backend_name, options = backend["name"], {k: v for k, v in backend.items() if k != "name"}
+        processes = resolve_processes(top["processes_per_replica"], top["gpu"], source=where)
     return RunSpec(
-        name=top["name"] or name_default, backend=backend["name"], replicas=top["replicas"],
+        name=top["name"] or name_default, backend=backend_name, replicas=total,
         entrypoint=top["entrypoint"], workdir=str(workdir), timeout=top["timeout"], gpu=top["gpu"],
-        processes_per_replica=resolve_processes(top["processes_per_replica"], top["gpu"], source=where),
-        rendezvous=top["rendezvous"], secrets=list(top["secrets"]), args=dict(top["args"]),
-        env={k: str(v) for k, v in top["env"].items()}, backend_options=options,
-        restart=restart, diloco=diloco, metrics=check_metrics(where, top["metrics"]), source=source)
+        processes_per_replica=processes, rendezvous=top["rendezvous"], secrets=list(top["secrets"]),
+        args=dict(top["args"]), env={k: str(v) for k, v in top["env"].items()}, backend_options=options,
+        restart=restart, diloco=diloco, metrics=check_metrics(where, top["metrics"]), region=top["region"],
+        store_region=top["store_region"], groups=groups, source=source)
+
+
+def _check_env(where: str, table: str, env: Mapping[str, Any]) -> dict[str, str]:
+    for key, value in env.items():
+        check_variable(where, table, key)
+        if not isinstance(value, (str, int, float, bool)):
+            raise SpecError(f"{where}: `{table}.{key}` must be a string, number or boolean, got {_type_name(value)}")
+    return {k: str(v) for k, v in env.items()}
+
+
+def _groups(where: str, top: Mapping[str, Any]) -> list[ReplicaGroup]:
+    """The `[[group]]` tables as `ReplicaGroup`s, ranks numbered group by group. Every replica
+    syncs as the same number of lanes (its processes: the lane layout is part of the wire), so
+    the groups' `processes_per_replica` must agree."""
+    defaults = {k: top[k] for k in INHERITED if top[k] is not None}
+    tables = check_groups(where, top["group"], defaults, check_table, GROUP)
+    groups, first = [], 0
+    for t in tables:
+        gw = f"{where}: group {t['name']!r}"
+        backend = t["backend"] if isinstance(t["backend"], dict) else {"name": t["backend"]}
+        groups.append(ReplicaGroup(
+            name=t["name"], backend=backend["name"], replicas=t["replicas"], first_rank=first,
+            timeout=t["timeout"],
+            processes_per_replica=resolve_processes(t["processes_per_replica"], t["gpu"], source=gw),
+            gpu=t["gpu"], region=t["region"], env=_check_env(gw, "group.env", t["env"] or {}),
+            backend_options={k: v for k, v in backend.items() if k != "name"}))
+        first += t["replicas"]
+    lanes = {g.processes_per_replica for g in groups}
+    if len(lanes) > 1:
+        a, b = groups[0], next(g for g in groups if g.processes_per_replica != groups[0].processes_per_replica)
+        raise SpecError(f"{where}: group {a.name!r} runs {a.processes_per_replica} process(es) per replica and group "
+                        f"{b.name!r} {b.processes_per_replica}; every replica syncs as the same number of lanes, so "
+                        f"set `processes_per_replica` the same in every group (a GPU count does not have to match it)")
+    return groups
 
 
 def load_spec(path: str | Path) -> RunSpec:

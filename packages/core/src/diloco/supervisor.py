@@ -47,6 +47,7 @@ from typing import Any
 
 from .errors import BackendError
 from .failures import shorten
+from .groups import rank_groups
 from .legacy import as_executor, capabilities_of
 from .policy import Failure, Peer, RestartSettings, decide
 from .protocol import Executor, ReplicaResult, ReplicaStatus
@@ -109,12 +110,15 @@ class Supervisor:
         saved = record.data.get("ranks")
         self.ranks = ([RankState.from_dict(r) for r in saved] if saved
                       else [RankState(r) for r in range(request.n_replicas)])
+        self.group_names = rank_groups(record.data.get("spec"))  # empty for a one-backend run
+        for st in self.ranks:
+            st.group = self.group_names.get(st.rank)
         self.restarts_used = int(record.data.get("restarts_used", 0))
         self.preemptions_used = int(record.data.get("preemptions_used", 0))
         self.state = GroupState(record.data.get("state", GroupState.INIT.value))
         self.rounds = RoundWatcher(record, rendezvous=request.rendezvous, run_id=request.run_id,
                                    n_replicas=request.n_replicas, clock=clock)
-        self._outage_since: float | None = None
+        self._outage_since: dict[str, float] = {}  # by group: one backend's outage is timed on its own
         self.lease: Any = None  # a diloco.lease.SupervisorLease while this supervisor runs
 
     # -- persistence -----------------------------------------------------------------------
@@ -130,6 +134,11 @@ class Supervisor:
         self.record.save()
 
     def _event(self, kind: str, **fields: Any) -> None:
+        if self.group_names:  # a run across backends: every event about a rank names its group
+            if "rank" in fields:
+                fields["group"] = self.group_names.get(fields["rank"])
+            elif "ranks" in fields:
+                fields["groups"] = sorted({self.group_names.get(r) for r in fields["ranks"]} - {None})
         self.record.event(kind, **fields)
 
     # -- launching -------------------------------------------------------------------------
@@ -175,21 +184,26 @@ class Supervisor:
 
     def _poll(self, st: RankState) -> ReplicaStatus | None:
         """The rank's status, or None while the backend cannot say (see POLL_OUTAGE_LIMIT): a
-        `poll_failed` event marks the start of an outage, `poll_recovered` its end."""
+        `poll_failed` event marks the start of an outage, `poll_recovered` its end. In a run
+        across backends each group's backend has its own outage: one that answers does not end
+        another's, and one that never answers is not hidden by the others."""
+        backend = st.group or ""
         try:
             status = self.executor.poll(st.handle)
         except BackendError as exc:
             now = self.clock()
-            if self._outage_since is None:
-                self._outage_since = now
+            if backend not in self._outage_since:
+                self._outage_since[backend] = now
                 self._event("poll_failed", rank=st.rank, error=shorten(str(exc)))
-            if now - self._outage_since > POLL_OUTAGE_LIMIT:
-                raise BackendError(f"{exc} (the backend has not answered for {now - self._outage_since:.0f}s; the "
+            since = self._outage_since[backend]
+            if now - since > POLL_OUTAGE_LIMIT:
+                raise BackendError(f"{exc} (the backend has not answered for {now - since:.0f}s; the "
                                    f"replicas keep running: `diloco resume {self.record.run_id}` reattaches)") from None
             return None
-        if self._outage_since is not None:
-            self._event("poll_recovered", after_seconds=round(self.clock() - self._outage_since, 1))
-            self._outage_since = None
+        since = self._outage_since.pop(backend, None)
+        if since is not None:
+            self._event("poll_recovered", after_seconds=round(self.clock() - since, 1),
+                        **({"group": backend} if backend else {}))
         return status
 
     def tick(self) -> GroupState:

@@ -1,0 +1,149 @@
+"""One executor over several: each replica group's ranks go to that group's backend.
+
+The supervisor keeps one run on one executor (per-rank relaunch, gang rules, budgets and the
+lease are the run's, not a group's), so a run with `[[group]]` tables is supervised through a
+`GroupedExecutor`: it plans a request by splitting its ranks among the groups, asks each group's
+executor for that group's plan (with the group's GPU, processes, timeout and environment), and
+routes every handle back to the executor of the group holding its rank. A relaunched rank is
+relaunched by its own group's backend.
+
+Its plan is a `LaunchPlan` whose `parts` are the groups' own plans: `diloco dryrun` prints each
+of them (an EKS group as YAML, a SageMaker group as its API calls), and `submit` submits exactly
+those parts. All of it starts or none stays: if a later group cannot start, the groups already
+started are cancelled before the error is raised, as `diloco.submitting.start_each` does for ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from .envvars import ENV_GROUP
+from .errors import BackendError, UserError
+from .groups import ReplicaGroup, group_of
+from .legacy import as_executor, capabilities_of
+from .protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
+from .request import LaunchPlan, LaunchRequest
+
+
+class GroupedExecutor:
+    """The executors of a run's groups, as one `Executor` (see the module docstring)."""
+
+    backend_name = "groups"
+
+    def __init__(self, parts: Sequence[tuple[ReplicaGroup, Any]]):
+        """`parts`: each group with its executor, or with a function that builds it. A built one is
+        used as is; a function runs the first time its group is needed, so a shell that lacks one
+        group's SDK or plugin can still cancel, poll and read the logs of every other group."""
+        self.groups = [g for g, _ in parts]
+        self._built: dict[str, Any] = {}
+        self._build: dict[str, Callable[[], Any]] = {}
+        for g, e in parts:
+            if hasattr(e, "poll") or hasattr(e, "launch_replicas"):
+                self._built[g.name] = as_executor(e)
+            else:
+                self._build[g.name] = e
+
+    def executor_for_group(self, name: str) -> Any:
+        if name not in self._built:
+            self._built[name] = as_executor(self._build[name]())
+        return self._built[name]
+
+    @property
+    def executors(self) -> dict[str, Any]:
+        """Every group's executor by group name (building any not yet built)."""
+        return {g.name: self.executor_for_group(g.name) for g in self.groups}
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the run can count on: what every group can do. A group that cannot relaunch one
+        rank alone makes the whole run restart as a gang (the supervisor's rule, unchanged)."""
+        caps = [capabilities_of(e) for e in self.executors.values()]
+        return Capabilities(
+            shares_launcher_filesystem=all(c.shares_launcher_filesystem for c in caps),
+            relaunches_one_rank=all(c.relaunches_one_rank for c in caps),
+            process_groups=all(c.process_groups for c in caps),
+            inter_replica_network=False,
+            status_detail=any(c.status_detail for c in caps),
+            log_files=all(c.log_files for c in caps))
+
+    def group_of(self, rank: int) -> ReplicaGroup:
+        return group_of(self.groups, rank)
+
+    def executor_of(self, rank: int) -> Any:
+        return self.executor_for_group(self.group_of(rank).name)
+
+    def group_request(self, group: ReplicaGroup, request: LaunchRequest, ranks: Sequence[int]) -> LaunchRequest:
+        """`request` (the run's) as `group` launches `ranks`: its GPU, processes, timeout and env
+        (with DILOCO_GROUP naming the group, for code that sizes itself by it)."""
+        env = {**group.env_over(request.env), ENV_GROUP: group.name}
+        return replace(request, ranks=tuple(ranks), gpu=group.gpu, timeout=group.timeout,
+                       processes_per_replica=group.processes_per_replica, env=env)
+
+    # -- the contract ------------------------------------------------------------------------
+
+    def plan(self, request: LaunchRequest) -> LaunchPlan:
+        parts = []
+        for g in self.groups:
+            ranks = [r for r in request.ranks if r in g.ranks]
+            if not ranks:
+                continue
+            try:
+                part = self.executor_for_group(g.name).plan(self.group_request(g, request, ranks))
+            except UserError as exc:
+                raise type(exc)(f"group {g.name!r} ({g.backend}): {exc}") from None
+            parts.append((g, part))
+        body = [{"group": g.name, "backend": g.backend, "ranks": list(p.request.ranks), "format": p.format,
+                 "plan": p.body} for g, p in parts]
+        return LaunchPlan(backend_name=self.backend_name, request=request, body=body,
+                          parts=tuple(p for _, p in parts), part_titles=tuple(g.describe() for g, _ in parts))
+
+    def submit(self, plan: LaunchPlan) -> list[ReplicaHandle]:
+        started: list[ReplicaHandle] = []
+        for part in plan.parts or ():
+            group = self.group_of(part.request.ranks[0])
+            try:
+                started += self.executor_for_group(group.name).submit(part)
+            except Exception as exc:  # whatever it was, no other group's replicas may stay behind untracked
+                undone = 0
+                for h in started:
+                    try:
+                        self.cancel(h)
+                        undone += 1
+                    except Exception:  # noqa: BLE001 - keep undoing the rest; the first error is the one to report
+                        pass
+                left = len(started) - undone
+                note = (f"; the {undone} replica(s) other groups had started were cancelled" if undone else "") + \
+                       (f"; {left} could not be cancelled: stop them by hand" if left else "")
+                if not isinstance(exc, (UserError, BackendError)):
+                    raise
+                raise type(exc)(f"group {group.name!r} ({group.backend}): {exc}{note}") from None
+        by_rank = {h.rank: h for h in started}
+        return [by_rank[r] for r in plan.request.ranks]
+
+    def poll(self, handle: ReplicaHandle) -> ReplicaStatus:
+        return self.executor_of(handle.rank).poll(handle)
+
+    def stream_logs(self, handle: ReplicaHandle, *, n_lines: int = 200) -> str:
+        return self.executor_of(handle.rank).stream_logs(handle, n_lines=n_lines)
+
+    def cancel(self, handle: ReplicaHandle) -> None:
+        self.executor_of(handle.rank).cancel(handle)
+
+    def collect(self, handles: Sequence[ReplicaHandle], *, timeout: float | None = None) -> list[ReplicaResult]:
+        by_group: dict[str, list[ReplicaHandle]] = {}
+        for h in handles:
+            by_group.setdefault(self.group_of(h.rank).name, []).append(h)
+        results: dict[int, ReplicaResult] = {}
+        for name, group_handles in by_group.items():
+            for res in self.executor_for_group(name).collect(group_handles, timeout=timeout):
+                results[res.rank] = res
+        return [results[h.rank] for h in handles]
+
+    def status_detail(self, handle: ReplicaHandle) -> str | None:
+        executor = self.executor_of(handle.rank)
+        return executor.status_detail(handle) if capabilities_of(executor).status_detail else None
+
+    def log_path(self, handle: ReplicaHandle) -> Any:
+        return self.executor_of(handle.rank).log_path(handle)
