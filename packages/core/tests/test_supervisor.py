@@ -344,3 +344,44 @@ def test_a_control_plane_that_cannot_answer_for_a_while_does_not_stop_the_launch
     kinds = [e["event"] for e in record.events()]
     assert kinds.count("poll_failed") == 1 and "poll_recovered" in kinds
     assert not any(k in ("failed", "cancelled", "launch") for k in kinds[1:])  # nothing relaunched or cancelled
+
+
+class _AnsweringControlPlane(_ThrottledControlPlane):
+    """Answers every poll at once: its replica keeps running."""
+
+    backend_name = "answering"
+
+    def poll(self, handle):
+        from diloco.protocol import ReplicaStatus
+
+        return ReplicaStatus.RUNNING
+
+
+def test_one_groups_silent_backend_is_not_hidden_by_another_that_answers():
+    """A run across backends: group b's control plane never answers while group a's does. b's
+    outage is timed on its own, so the launcher stops after POLL_OUTAGE_LIMIT (naming the fix)
+    instead of logging poll_failed / poll_recovered every pass forever."""
+    from diloco.errors import BackendError
+    from diloco.groupexec import GroupedExecutor
+    from diloco.groups import ReplicaGroup
+    from diloco.request import LaunchRequest
+    from diloco.state import RunRecord
+    from diloco.supervisor import POLL_OUTAGE_LIMIT, Supervisor
+
+    now = [1000.0]
+    clock = lambda: now[0]  # noqa: E731
+    a = ReplicaGroup(name="a", backend="answering", replicas=1, first_rank=0, timeout=60.0)
+    b = ReplicaGroup(name="b", backend="throttled", replicas=1, first_rank=1, timeout=60.0)
+    executor = GroupedExecutor([(a, _AnsweringControlPlane(clock, 0)), (b, _ThrottledControlPlane(clock, 10**9))])
+    request = LaunchRequest(run_id="two-planes", n_replicas=2, entrypoint="x:y", timeout=60)
+    record = RunRecord.create("two-planes", {"spec": {"groups": [a.to_dict(), b.to_dict()]}})
+    sup = Supervisor(executor, record, request, {}, clock=clock)
+    sup.start()
+    with pytest.raises(BackendError, match="has not answered for"):
+        for _ in range(100):
+            sup.tick()
+            now[0] += 30.0
+    assert now[0] - 1000.0 > POLL_OUTAGE_LIMIT
+    failed = [e for e in record.events() if e["event"] == "poll_failed"]
+    assert [(e["rank"], e["group"]) for e in failed] == [(1, "b")]
+    assert not any(e["event"] == "poll_recovered" for e in record.events())
