@@ -77,6 +77,31 @@ def grouped(project, *, steps: int = 3, second: str = "nearby", extra: str = "")
     return write_spec(project, GROUPS.format(steps=steps, second=second) + extra)
 
 
+def start_running(project, plugin_env, state_dir, steps: int, *flags: str):
+    """`diloco run` of the grouped spec in its own process, once every rank runs: (launcher, run id,
+    its run.json, each rank's pid)."""
+    import subprocess
+    import sys
+
+    launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(grouped(project, steps=steps)), *flags],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, **plugin_env, "DILOCO_STATE_DIR": str(state_dir)})
+    run_id = launcher.stdout.readline().split()[1].rstrip(":")
+    record = state_dir / "runs" / run_id / "run.json"
+    assert wait_until(lambda: record.exists() and all(
+        r.get("status") == "running" for r in json.loads(record.read_text()).get("ranks") or [{}]), timeout=60)
+    pids = [r["handle"]["metadata"]["pid"] for r in json.loads(record.read_text())["ranks"]]
+    return launcher, run_id, record, pids
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return False
+    except ProcessLookupError:
+        return True
+
+
 def one_line_error(proc, expected: str) -> None:
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -212,34 +237,15 @@ def test_a_grouped_run_succeeds_and_every_view_names_each_ranks_group(cli, proje
 
     import diloco
 
-    os.environ["DILOCO_PLUGINS"] = "nearby_plugin"  # the Python API in this process: the same plugin
-    try:
-        run = diloco.attach(run_id)
-        assert [(g.name, g.backend, list(g.ranks)) for g in run.groups()] == [("here", "local", [0, 1]),
-                                                                               ("there", "nearby", [2])]
-        assert [r.group for r in run.ranks()] == ["here", "here", "there"]
-    finally:
-        del os.environ["DILOCO_PLUGINS"]
+    run = diloco.attach(run_id)  # the Python API, from the record alone
+    assert [(g.name, g.backend, list(g.ranks)) for g in run.groups()] == [("here", "local", [0, 1]),
+                                                                           ("there", "nearby", [2])]
+    assert [r.group for r in run.ranks()] == ["here", "here", "there"]
 
 
 def test_a_killed_replica_is_relaunched_by_its_own_groups_backend(cli, project, plugin_env, state_dir):
-    import subprocess
-    import sys
-
-    spec = grouped(project, steps=60)
-    launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec)], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, **plugin_env, "DILOCO_STATE_DIR": str(state_dir)})
-    run_id = launcher.stdout.readline().split()[1].rstrip(":")
-    record = state_dir / "runs" / run_id / "run.json"
-
-    def handle(rank):
-        ranks = json.loads(record.read_text()).get("ranks") or []
-        return ranks[rank]["handle"] if len(ranks) > rank and ranks[rank].get("handle") else None
-
-    assert wait_until(lambda: handle(2) and handle(2)["metadata"].get("pid") and
-                      json.loads(record.read_text())["ranks"][2]["status"] == "running", timeout=60)
-    os.kill(handle(2)["metadata"]["pid"], signal.SIGKILL)
+    launcher, run_id, record, pids = start_running(project, plugin_env, state_dir, 60)
+    os.kill(pids[2], signal.SIGKILL)
     out, _ = launcher.communicate(timeout=120)
     assert launcher.returncode == 0, out
     ranks = json.loads(record.read_text())["ranks"]
@@ -252,29 +258,10 @@ def test_a_killed_replica_is_relaunched_by_its_own_groups_backend(cli, project, 
 
 
 def test_cancel_reaches_every_group(cli, project, plugin_env, state_dir):
-    import subprocess
-    import sys
-
-    spec = grouped(project, steps=600)
-    launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec)], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, **plugin_env, "DILOCO_STATE_DIR": str(state_dir)})
-    run_id = launcher.stdout.readline().split()[1].rstrip(":")
-    record = state_dir / "runs" / run_id / "run.json"
-    assert wait_until(lambda: record.exists() and all(
-        r.get("status") == "running" for r in json.loads(record.read_text()).get("ranks") or [{}]), timeout=60)
-    pids = [r["handle"]["metadata"]["pid"] for r in json.loads(record.read_text())["ranks"]]
+    launcher, run_id, record, pids = start_running(project, plugin_env, state_dir, 600)
     assert "cancelled run" in cli("cancel", run_id, env=plugin_env, check_rc=0).stdout
     launcher.communicate(timeout=60)
     assert json.loads(record.read_text())["state"] == "STOPPED"
-
-    def gone(pid):
-        try:
-            os.kill(pid, 0)
-            return False
-        except ProcessLookupError:
-            return True
-
     assert wait_until(lambda: all(gone(p) for p in pids), timeout=30)
 
 
@@ -288,14 +275,6 @@ def test_a_group_that_cannot_start_leaves_no_other_group_running(cli, project, p
     assert sorted(p.name for p in local.glob("*.cancelled")) == ["rank-0.attempt-0.cancelled",
                                                                  "rank-1.attempt-0.cancelled"]
     pids = [json.loads(p.read_text())["pid"] for p in local.glob("*.started.json")]
-
-    def gone(pid):
-        try:
-            os.kill(pid, 0)
-            return False
-        except ProcessLookupError:
-            return True
-
     assert wait_until(lambda: all(gone(p) for p in pids), timeout=30)
 
 
@@ -341,17 +320,7 @@ def test_a_group_that_cannot_relaunch_one_rank_makes_the_run_a_gang(project):
 
 def test_a_grouped_run_whose_launcher_died_is_resumed_with_every_group(cli, project, plugin_env, state_dir):
     """`diloco resume` rebuilds each group's executor from the record and reattaches to all of them."""
-    import subprocess
-    import sys
-
-    spec = grouped(project, steps=40)
-    launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec)], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, **plugin_env, "DILOCO_STATE_DIR": str(state_dir)})
-    run_id = launcher.stdout.readline().split()[1].rstrip(":")
-    record = state_dir / "runs" / run_id / "run.json"
-    assert wait_until(lambda: record.exists() and all(
-        r.get("status") == "running" for r in json.loads(record.read_text()).get("ranks") or [{}]), timeout=60)
+    launcher, run_id, record, _ = start_running(project, plugin_env, state_dir, 40)
     launcher.send_signal(signal.SIGKILL)
     launcher.wait()
     resumed = cli("resume", run_id, env=plugin_env, check_rc=0)
@@ -365,18 +334,7 @@ def test_a_shell_without_one_groups_backend_still_sees_and_cancels_the_others(cl
     """One group's plugin (or SDK) missing in this shell: status shows the other groups live and
     names the one it cannot reach; cancel stops every replica it can reach and fails naming the
     ranks left, and a shell that has the backend cancels them."""
-    import subprocess
-    import sys
-
-    spec = grouped(project, steps=600)
-    launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec), "--on-interrupt", "detach"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, **plugin_env, "DILOCO_STATE_DIR": str(state_dir)})
-    run_id = launcher.stdout.readline().split()[1].rstrip(":")
-    record = state_dir / "runs" / run_id / "run.json"
-    assert wait_until(lambda: record.exists() and all(
-        r.get("status") == "running" for r in json.loads(record.read_text()).get("ranks") or [{}]), timeout=60)
-    pids = [r["handle"]["metadata"]["pid"] for r in json.loads(record.read_text())["ranks"]]
+    launcher, run_id, record, pids = start_running(project, plugin_env, state_dir, 600, "--on-interrupt", "detach")
     launcher.send_signal(signal.SIGKILL)  # no launcher: only `cancel` can stop them
     launcher.wait()
     bare = {"DILOCO_CONFIG": plugin_env["DILOCO_CONFIG"]}  # this shell lacks the "nearby" plugin
@@ -384,14 +342,6 @@ def test_a_shell_without_one_groups_backend_still_sees_and_cancels_the_others(cl
     assert view["live"] == {"0": "running", "1": "running"} and "group there" in view["live_error"]
     refused = cli("cancel", run_id, env=bare)
     assert refused.returncode == 2 and "cancelled 2 of 3 replicas; ranks [2] (group there)" in refused.stderr
-
-    def gone(pid):
-        try:
-            os.kill(pid, 0)
-            return False
-        except ProcessLookupError:
-            return True
-
     assert wait_until(lambda: gone(pids[0]) and gone(pids[1]), timeout=30) and not gone(pids[2])
     cli("cancel", run_id, env=plugin_env, check_rc=0)
     assert wait_until(lambda: gone(pids[2]), timeout=30)
