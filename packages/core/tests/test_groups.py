@@ -311,9 +311,9 @@ def test_a_group_that_cannot_relaunch_one_rank_makes_the_run_a_gang(project):
 
     a = ReplicaGroup(name="a", backend="local", replicas=1, first_rank=0, timeout=60.0)
     b = ReplicaGroup(name="b", backend="gang-only", replicas=1, first_rank=1, timeout=60.0)
-    both = GroupedExecutor([(a, LocalProcessExecutor()), (b, GangOnly())])
+    both = GroupedExecutor([(a, LocalProcessExecutor), (b, GangOnly)])
     assert not both.capabilities.relaunches_one_rank and not both.capabilities.shares_launcher_filesystem
-    alone = GroupedExecutor([(a, LocalProcessExecutor())])
+    alone = GroupedExecutor([(a, LocalProcessExecutor)])
     assert alone.capabilities.relaunches_one_rank and alone.capabilities.shares_launcher_filesystem
     assert both.group_of(1).name == "b"
 

@@ -372,7 +372,8 @@ def test_one_groups_silent_backend_is_not_hidden_by_another_that_answers():
     clock = lambda: now[0]  # noqa: E731
     a = ReplicaGroup(name="a", backend="answering", replicas=1, first_rank=0, timeout=60.0)
     b = ReplicaGroup(name="b", backend="throttled", replicas=1, first_rank=1, timeout=60.0)
-    executor = GroupedExecutor([(a, _AnsweringControlPlane(clock, 0)), (b, _ThrottledControlPlane(clock, 10**9))])
+    executor = GroupedExecutor([(a, lambda: _AnsweringControlPlane(clock, 0)),
+                                (b, lambda: _ThrottledControlPlane(clock, 10**9))])
     request = LaunchRequest(run_id="two-planes", n_replicas=2, entrypoint="x:y", timeout=60)
     record = RunRecord.create("two-planes", {"spec": {"groups": [a.to_dict(), b.to_dict()]}})
     sup = Supervisor(executor, record, request, {}, clock=clock)

@@ -184,25 +184,11 @@ class Run:
     def _live_of(record: RunRecord) -> tuple[dict[int, str], str | None]:
         """Live statuses, rank by rank, and why some are missing: in a run across backends one
         group's missing SDK or API outage leaves the other groups' statuses standing."""
-        from .errors import DilocoError
-        from .groups import rank_groups
         from .launcher import executor_for
 
         executor = executor_for(record)
-        groups = rank_groups(record.data.get("spec"))
-        live: dict[int, str] = {}
-        errors: dict[str, str] = {}
-        for h in Run._handles_of(record):
-            where = groups.get(h.rank, "")
-            if where in errors:
-                continue
-            try:
-                live[h.rank] = executor.poll(h).value
-            except DilocoError as exc:
-                if not groups:
-                    raise
-                errors[where] = f"group {where}: {exc}"
-        return live, ("; ".join(errors.values()) or None)
+        live, failed = _per_group(record, lambda h: executor.poll(h).value)
+        return live, ("; ".join(f"group {g}: {e}" for g, e in failed.items()) or None)
 
     def log_handles(self, rank: int | None = None, attempt: int | None = None) -> list[Any]:
         """The handle whose output `logs` reads, for each chosen rank (latest attempt by default)."""
@@ -236,25 +222,12 @@ class Run:
         record is marked STOPPED here."""
         from .launcher import executor_for
 
-        from .errors import DilocoError
-        from .groups import rank_groups
-
         record = self.record
         record.request_cancel()
         executor = executor_for(record)
         handles = self._handles_of(record)
-        groups = rank_groups(record.data.get("spec"))
-        failed: dict[str, str] = {}
-        for h in handles:  # every handle that can be reached, whatever another group's backend says
-            where = groups.get(h.rank, "")
-            if where in failed:
-                continue
-            try:
-                executor.cancel(h)
-            except DilocoError as exc:
-                if not groups:
-                    raise
-                failed[where] = str(exc)
+        _, failed = _per_group(record, executor.cancel)  # every handle that can be reached
+        groups = record.rank_groups
         if failed:
             left = [h.rank for h in handles if groups.get(h.rank, "") in failed]
             first = next(iter(failed))
@@ -332,7 +305,6 @@ class Run:
 
     def view(self) -> dict[str, Any]:
         """`status()` plus the rounds as `RoundSummary` objects (`rounds_objects`), for renderers."""
-        from .groups import rank_groups
         from .progress import progress_of, timeline_rows
 
         record = self.record  # read once: every part below describes the same moment
@@ -345,8 +317,31 @@ class Run:
         return {"record": record.data, "live": live, "live_error": live_error, "events": events,
                 "rounds": [asdict(r) for r in rounds], "rounds_objects": rounds,
                 "progress": progress_of(record.data, events, time.time()).to_dict(),
-                "timeline": timeline_rows(rounds, rank_groups(record.data.get("spec"))),
+                "timeline": timeline_rows(rounds, record.rank_groups),
                 **estimate_view(record, rounds)}
+
+
+def _per_group(record: RunRecord, act: Callable[[Any], Any]) -> tuple[dict[int, Any], dict[str, str]]:
+    """`act(handle)` for the current handle of every rank, by rank. In a run across backends a
+    group whose backend cannot be reached from this shell (its SDK or plugin missing, its API
+    down) is skipped after its first error, which is returned by group name, and the other groups
+    still get theirs; a one-backend run raises as before."""
+    from .errors import DilocoError
+
+    groups = record.rank_groups
+    done: dict[int, Any] = {}
+    failed: dict[str, str] = {}
+    for h in record.handles:
+        where = groups.get(h.rank, "")
+        if where in failed:
+            continue
+        try:
+            done[h.rank] = act(h)
+        except DilocoError as exc:
+            if not groups:
+                raise
+            failed[where] = str(exc)
+    return done, failed
 
 
 def launcher_alive(record: RunRecord) -> bool:

@@ -112,10 +112,8 @@ def _supervise(handle, on_interrupt: str, printer) -> None:
         finally:
             printer.close()  # the live progress display, if any, before the outcome lines
     except RunFailed as exc:
-        from .groups import rank_groups
-
         console.print(f"run {run_id} FAILED: {exc}", style="bold red", markup=False)
-        groups = rank_groups(handle.record.data.get("spec"))
+        groups = handle.record.rank_groups
         for rank, err in sorted(exc.errors.items()):
             if err:
                 where = f" ({groups[rank]})" if rank in groups else ""
@@ -232,10 +230,7 @@ def status(run_id: str, as_json: bool, n_events: int, timeline: bool, n_rounds: 
         return
     console = Console(width=140, highlight=False)
     if timeline:
-        from .groups import rank_groups
-
-        _print_timeline(console, view["rounds_objects"][-n_rounds:], view["rounds_objects"],
-                        rank_groups(record.data.get("spec")))
+        _print_timeline(console, view["rounds_objects"][-n_rounds:], view["rounds_objects"], record.rank_groups)
         return
     console.print(status_table(record, live))
     _print_status_body(console, record, view, n_events)

@@ -123,7 +123,7 @@ def backend_cloud(name: str) -> str | None:
         from .plugins import get_backend
 
         caps = getattr(get_backend(name).cls, "capabilities", None)
-    except (UserError, KeyError):
+    except UserError:
         return None
     return getattr(caps, "cloud", None)
 
@@ -208,7 +208,7 @@ def estimate(spec: Any, *, parameters: int | None = None, parameters_from: str |
         exchanges = est.first_round.plus(est.round.times(rounds - 1)).times(n) if rounds else Traffic()
         est.run = exchanges.plus(est.bookkeeping)
         est.cost = price(est.run, est.prices)
-    if getattr(spec, "groups", None) or getattr(spec, "store_region", None) or getattr(spec, "region", None):
+    if spec.groups or spec.store_region or spec.region:
         est.groups = group_costs(spec, est)  # where each group reads the store from, when the spec says
     return est
 
@@ -224,7 +224,7 @@ def group_costs(spec: Any, est: Estimate) -> list[GroupCost]:
             share = g.replicas / est.replicas
             cost.bytes_down = est.run.bytes_down * share
             cost.requests_cost = est.cost["requests"] * share
-            cost.transfer_cost = cost.bytes_down / 1e9 * est.prices.get("transfer", {}).get(place, 0.0)
+            cost.transfer_cost = price(Traffic(bytes_down=cost.bytes_down), est.prices).get(f"transfer_{place}", 0.0)
         out.append(cost)
     return out
 

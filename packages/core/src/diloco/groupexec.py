@@ -32,18 +32,13 @@ class GroupedExecutor:
 
     backend_name = "groups"
 
-    def __init__(self, parts: Sequence[tuple[ReplicaGroup, Any]]):
-        """`parts`: each group with its executor, or with a function that builds it. A built one is
-        used as is; a function runs the first time its group is needed, so a shell that lacks one
-        group's SDK or plugin can still cancel, poll and read the logs of every other group."""
+    def __init__(self, parts: Sequence[tuple[ReplicaGroup, Callable[[], Any]]]):
+        """`parts`: each group with a function that builds its executor, called the first time the
+        group is needed, so a shell that lacks one group's SDK or plugin can still cancel, poll and
+        read the logs of every other group."""
         self.groups = [g for g, _ in parts]
+        self._build = {g.name: build for g, build in parts}
         self._built: dict[str, Any] = {}
-        self._build: dict[str, Callable[[], Any]] = {}
-        for g, e in parts:
-            if hasattr(e, "poll") or hasattr(e, "launch_replicas"):
-                self._built[g.name] = as_executor(e)
-            else:
-                self._build[g.name] = e
 
     def executor_for_group(self, name: str) -> Any:
         if name not in self._built:

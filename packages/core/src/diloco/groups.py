@@ -106,10 +106,11 @@ def rank_groups(spec_data: Mapping[str, Any] | None) -> dict[int, str]:
     return out
 
 
-def check_groups(where: str, tables: Any, defaults: Mapping[str, Any], check_table: Any,
-                 schema: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The `[[group]]` tables, each checked against `schema` with the top-level keys in
+def check_groups(where: str, tables: Any, defaults: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The `[[group]]` tables, each checked against `diloco.spec.GROUP` with the top-level keys in
     `defaults` filled in for what it leaves out; names given or g0, g1, …, each once."""
+    from .spec import GROUP, check_table  # spec imports this module: its schema is read when called
+
     if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
         raise SpecError(f"{where}: `group` must be [[group]] tables, each with `replicas` and a [group.backend]")
     if len(tables) > MAX_GROUPS:
@@ -123,7 +124,7 @@ def check_groups(where: str, tables: Any, defaults: Mapping[str, Any], check_tab
         if name in seen:
             raise SpecError(f"{where}: two groups are named {name!r}; give each group its own name")
         seen.add(name)
-        checked = check_table(f"{where}: group {name!r}", table, schema, "group.")
+        checked = check_table(f"{where}: group {name!r}", table, GROUP, "group.")
         for key, value in defaults.items():
             if key not in table:
                 checked[key] = value

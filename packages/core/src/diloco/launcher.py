@@ -56,7 +56,7 @@ def _group_executors(spec: RunSpec, executor: Executor) -> list[tuple[Any, Execu
     from .groupexec import GroupedExecutor
 
     if isinstance(executor, GroupedExecutor):
-        return [(g, executor.executors[g.name]) for g in executor.groups]
+        return [(g, executor.executor_for_group(g.name)) for g in executor.groups]
     return [(g, executor) for g in spec.replica_groups()]
 
 

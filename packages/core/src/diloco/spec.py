@@ -355,7 +355,7 @@ def _groups(where: str, top: Mapping[str, Any]) -> list[ReplicaGroup]:
     syncs as the same number of lanes (its processes: the lane layout is part of the wire), so
     the groups' `processes_per_replica` must agree."""
     defaults = {k: top[k] for k in INHERITED if top[k] is not None}
-    tables = check_groups(where, top["group"], defaults, check_table, GROUP)
+    tables = check_groups(where, top["group"], defaults)
     groups, first = [], 0
     for t in tables:
         gw = f"{where}: group {t['name']!r}"

@@ -183,6 +183,13 @@ class RunRecord:
         return RunSpec.from_dict(self.data["spec"])
 
     @property
+    def rank_groups(self) -> dict[int, str]:
+        """Rank → its group's name, for a run with [[group]] tables; empty otherwise (`diloco.groups`)."""
+        from .groups import rank_groups
+
+        return rank_groups(self.data.get("spec"))
+
+    @property
     def launch(self) -> dict[str, Any]:
         """The first launch's `diloco.request.LaunchRequest.to_dict()` (no secret values)."""
         return dict(self.data.get("launch") or {})

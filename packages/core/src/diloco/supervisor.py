@@ -47,7 +47,6 @@ from typing import Any
 
 from .errors import BackendError
 from .failures import shorten
-from .groups import rank_groups
 from .legacy import as_executor, capabilities_of
 from .policy import Failure, Peer, RestartSettings, decide
 from .protocol import Executor, ReplicaResult, ReplicaStatus
@@ -110,7 +109,7 @@ class Supervisor:
         saved = record.data.get("ranks")
         self.ranks = ([RankState.from_dict(r) for r in saved] if saved
                       else [RankState(r) for r in range(request.n_replicas)])
-        self.group_names = rank_groups(record.data.get("spec"))  # empty for a one-backend run
+        self.group_names = record.rank_groups  # empty for a one-backend run
         for st in self.ranks:
             st.group = self.group_names.get(st.rank)
         self.restarts_used = int(record.data.get("restarts_used", 0))
@@ -187,23 +186,23 @@ class Supervisor:
         `poll_failed` event marks the start of an outage, `poll_recovered` its end. In a run
         across backends each group's backend has its own outage: one that answers does not end
         another's, and one that never answers is not hidden by the others."""
-        backend = st.group or ""
+        group = st.group or ""
         try:
             status = self.executor.poll(st.handle)
         except BackendError as exc:
             now = self.clock()
-            if backend not in self._outage_since:
-                self._outage_since[backend] = now
+            if group not in self._outage_since:
+                self._outage_since[group] = now
                 self._event("poll_failed", rank=st.rank, error=shorten(str(exc)))
-            since = self._outage_since[backend]
+            since = self._outage_since[group]
             if now - since > POLL_OUTAGE_LIMIT:
                 raise BackendError(f"{exc} (the backend has not answered for {now - since:.0f}s; the "
                                    f"replicas keep running: `diloco resume {self.record.run_id}` reattaches)") from None
             return None
-        since = self._outage_since.pop(backend, None)
+        since = self._outage_since.pop(group, None)
         if since is not None:
             self._event("poll_recovered", after_seconds=round(self.clock() - since, 1),
-                        **({"group": backend} if backend else {}))
+                        **({"group": group} if group else {}))
         return status
 
     def tick(self) -> GroupState:
