@@ -90,7 +90,7 @@ def wrong_types(kind: str) -> list[Bad]:
 
 def spec_fields() -> list[tuple[str, str, str]]:
     """(table, key, kind) for every field of the spec."""
-    from diloco import spec
+    from diloco import schema as spec
 
     out = []
     for table, schema in (("", spec.TOP_LEVEL), ("restart", spec.RESTART), ("diloco", spec.DILOCO)):
@@ -104,10 +104,9 @@ def spec_fields() -> list[tuple[str, str, str]]:
 
 
 def backend_fields(backend: str) -> list[BackendOption]:
-    from diloco.legacy import describe_backend_options
-    from diloco.plugins import get_backend
+    from diloco.plugins import backend_options, get_backend
 
-    return describe_backend_options(get_backend(backend).cls)
+    return backend_options(get_backend(backend).cls)
 
 
 def write(project: Path, backend: str, table: str, key: str, value: str) -> Path:
@@ -248,7 +247,7 @@ def write_group(project: Path, backend: str, key: str, value: str) -> Path:
 @pytest.mark.parametrize("backend", ["local", "eks", "modal", "sagemaker"])
 def test_every_group_field_refuses_hostile_values_in_one_line(runner, backend):
     """The same cases inside a [[group]] table: each field a group may set, and its [group.env]."""
-    from diloco import spec
+    from diloco import schema as spec
 
     cli, project, state = runner
     fields = [(k, {"entrypoint": "str"}.get(f.kind, f.kind)) for k, f in spec.GROUP.items() if k not in ("backend", "env")]

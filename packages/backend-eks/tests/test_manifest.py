@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from diloco.errors import SpecError, UserError
-from diloco.legacy import make_executor
+from diloco.plugins import make_executor
 from diloco.testing import plan_for
 from diloco_eks import EksExecutor, EksOptions
 from diloco_eks.manifest import dns_label, job_name, resolve_gpu

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROLE, needs_replica
 from diloco.errors import SpecError, UserError
-from diloco.legacy import make_executor
+from diloco.plugins import make_executor
 from diloco.protocol import ReplicaStatus
 from diloco.testing import plan_for
 from diloco_sagemaker import status as st

@@ -31,7 +31,7 @@ GOOD = 'backend = "local"\nreplicas = 2\nentrypoint = "job:main"\n'
     (GOOD + "[args]\npath = 'x'\n", "`args.path` (exported as PATH) sets PATH"),
     (GOOD + "[args]\nAWS_REGION = 'x'\n", "`args.AWS_REGION` is a cloud credential or store variable; list AWS_REGION in `secrets"),
     (GOOD + "[args]\napi_key = 'sk-123'\n", "`args.api_key` looks like a secret"),
-    (GOOD + "[diloco]\nmin_replicas = 2\n", "`diloco.min_replicas` was renamed to `diloco.min_members`"),
+    (GOOD + "[diloco]\nmin_replicas = 2\n", "unknown key `diloco.min_replicas` (allowed: checkpoint_every"),
     (GOOD + "secrets = ['NOT_SET_ANYWHERE_X']\n", "secret NOT_SET_ANYWHERE_X is listed"),
     (GOOD + "[env]\nHF_TOKEN = 'hf_abc'\n", "`env.HF_TOKEN` looks like a secret; list its variable in `secrets"),
     ('replicas = 2\nentrypoint = "job:main"\n[backend]\nname = "local"\nnope = 1\n', "unknown key `backend.nope`"),

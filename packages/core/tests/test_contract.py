@@ -21,7 +21,6 @@ from diloco.errors import BackendError, UserError
 from diloco.replicaenv import REDACTED
 from diloco.request import LaunchPlan, LaunchRequest, Secrets
 from diloco.testing import ExecutorConformance
-from diloco.testing.firstcontract import FirstContractExecutor
 
 ROOT = Path(__file__).resolve().parents[3]
 DOC = ROOT / "docs" / "writing-a-backend.md"
@@ -69,13 +68,6 @@ class TestExampleBackendConformance(ExecutorConformance):
 
     def make_executor(self):
         return box.BoxExecutor(root=str(self.root))
-
-
-class TestFirstContractConformance(ExecutorConformance):
-    """A plugin written against diloco-core 0.1 passes the same kit through `diloco.legacy`."""
-
-    def make_executor(self):
-        return FirstContractExecutor(grace_period=2.0)
 
 
 def test_example_backend_installs_and_runs_the_hello_job(cli, tmp_path):

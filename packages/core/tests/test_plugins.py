@@ -133,7 +133,7 @@ def test_backends_name_lists_options_from_the_executor(cli, tmp_path):
 ])
 def test_backend_table_is_checked_against_the_declared_options(table, expected):
     from diloco.errors import SpecError
-    from diloco.legacy import make_executor
+    from diloco.plugins import make_executor
     from diloco.local import LocalProcessExecutor
 
     with pytest.raises(SpecError) as err:
@@ -150,16 +150,30 @@ def test_backend_table_errors_reach_the_cli_as_one_line(cli, project):
         assert "`backend.devices` must be list[int | str]" in proc.stderr
 
 
-def test_first_contract_options_are_still_listed_and_checked(cli, tmp_path):
-    from diloco.errors import SpecError
-    from diloco.legacy import FirstContractExecutor as Adapter, describe_backend_options, make_executor
-    from diloco.testing.firstcontract import FirstContractExecutor
+OLD_CONTRACT = '''
+from diloco import hookimpl
 
-    listed = {o.name: o for o in describe_backend_options(FirstContractExecutor)}
-    assert listed["grace_period"].default == 2.0 and "SIGTERM" in listed["grace_period"].help
-    executor = make_executor(FirstContractExecutor, {"grace_period": 1.0}, workdir=str(tmp_path))
-    assert isinstance(executor, Adapter) and executor.inner.workdir == str(tmp_path)  # workdir passed as before
-    assert executor.capabilities.relaunches_one_rank and not executor.capabilities.process_groups
-    assert executor.capabilities.log_files  # it has log_path: `diloco logs --follow` tails the file
-    with pytest.raises(SpecError, match="unknown key `backend.nope`"):
-        make_executor(FirstContractExecutor, {"nope": 1})
+class KeywordExecutor:
+    """Options as `__init__` keywords, no `plan` / `submit`: diloco-core 0.1's unpublished draft."""
+    backend_name = "kw"
+
+    def __init__(self, *, workdir=None):
+        self.workdir = workdir
+
+@hookimpl
+def diloco_register_executors():
+    return [KeywordExecutor]
+'''
+
+
+def test_a_backend_without_the_contract_is_refused_in_one_line(cli, tmp_path, project):
+    site = tmp_path / "site"
+    make_plugin(site, "diloco-backend-kw", "kw_plugin", "kw", body=OLD_CONTRACT)
+    spec = write_spec(project, 'backend = "kw"\nreplicas = 1\nentrypoint = "job:main"\n')
+    for cmd in (("run", str(spec)), ("dryrun", str(spec)), ("backends", "kw")):
+        proc = cli(*cmd, env={"PYTHONPATH": str(site)})
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert "backend 'kw' from diloco-backend-kw failed to load: KeywordExecutor has no Options, " \
+               "capabilities, plan, submit" in proc.stderr
+    listing = cli("backends", env={"PYTHONPATH": str(site)}, check_rc=0).stdout  # the others stay usable
+    assert "local" in listing and "KeywordExecutor has no Options" in listing

@@ -19,11 +19,13 @@ from diloco.spec import parse_spec
 
 OLD_PLUGIN = '''
 from diloco import hookimpl
-from diloco.testing.firstcontract import FirstContractExecutor
+from diloco.local import LocalProcessExecutor
+from diloco.protocol import Capabilities
 
-class OldExecutor(FirstContractExecutor):
-    """A third-party executor written before processes_per_replica existed (its launch_replicas has no such keyword)."""
+class OldExecutor(LocalProcessExecutor):
+    """A third-party executor that starts one process per replica (declares no process_groups)."""
     backend_name = "old"
+    capabilities = Capabilities(relaunches_one_rank=True, shares_launcher_filesystem=True)
 
 @hookimpl
 def diloco_register_executors():

@@ -18,29 +18,18 @@ REMOTE_PLUGIN = '''
 from diloco import hookimpl
 from diloco.local import LocalProcessExecutor
 from diloco.protocol import Capabilities
-from diloco.testing.firstcontract import FirstContractExecutor
 
-class FarAwayExecutor(FirstContractExecutor):
+class FarAwayExecutor(LocalProcessExecutor):
     backend_name = "faraway"
-    shares_launcher_filesystem = None  # says nothing
+    capabilities = Capabilities()  # declares nothing: remote, no relaunch of one rank
 
 class DeclaredRemoteExecutor(LocalProcessExecutor):
     backend_name = "declared-remote"
     capabilities = Capabilities(relaunches_one_rank=True, process_groups=True)  # no shared disk declared
 
-class KwargsExecutor(FirstContractExecutor):
-    backend_name = "kwargs"
-    def __init__(self, **options):
-        self.seen_workdir = options.get("workdir")
-        super().__init__(**options)
-    def dryrun(self, *a, **kw):
-        plan = super().dryrun(*a, **kw)
-        plan.request["seen_workdir"] = self.seen_workdir
-        return plan
-
 @hookimpl
 def diloco_register_executors():
-    return [FarAwayExecutor, DeclaredRemoteExecutor, KwargsExecutor]
+    return [FarAwayExecutor, DeclaredRemoteExecutor]
 '''
 
 
@@ -90,12 +79,6 @@ def test_local_backend_keeps_its_default_store_in_the_records(cli, project, stat
     spec = write_spec(project, 'backend = "local"\nreplicas = 2\nentrypoint = "job:main"\n')
     plan = json.loads(cli("dryrun", str(spec), env={"DILOCO_CONFIG": str(project / "none.toml")}, check_rc=0).stdout)
     assert plan["processes"][0]["env"]["DILOCO_RENDEZVOUS"].startswith((state_dir / "runs").as_uri())
-
-
-def test_workdir_reaches_an_executor_that_takes_kwargs(cli, project, remote_env):
-    spec = write_spec(project, 'backend = "kwargs"\nreplicas = 1\nentrypoint = "job:main"\n')
-    plan = json.loads(cli("dryrun", str(spec), env=remote_env, check_rc=0).stdout)
-    assert plan["seen_workdir"] == str(project)
 
 
 def test_secret_looking_args_never_reach_a_plan():

@@ -8,7 +8,7 @@ import pytest
 
 from diloco.errors import SpecError
 from diloco.settings import DilocoSettings
-from diloco.spec import DILOCO
+from diloco.schema import DILOCO
 
 
 def test_defaults_are_the_schema_defaults_and_survive_the_trip_to_a_replica():

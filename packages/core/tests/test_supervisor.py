@@ -129,18 +129,13 @@ def test_backend_without_rank_relaunch_is_supervised_as_a_gang(tmp_path):
     from diloco.protocol import Capabilities
     from diloco.request import LaunchRequest
     from diloco.supervisor import Supervisor
-    from diloco.testing.firstcontract import FirstContractExecutor
 
     class NoRelaunch(LocalProcessExecutor):
         capabilities = Capabilities(shares_launcher_filesystem=True)
 
-    class FirstContractNoRelaunch(FirstContractExecutor):
-        supports_rank_relaunch = False
-
     request = LaunchRequest(run_id="gang-fallback", n_replicas=2, entrypoint="x:y", timeout=60)
-    for n, executor in enumerate((NoRelaunch(), FirstContractNoRelaunch())):
-        sup = Supervisor(executor, RunRecord.create(f"gang-fallback-{n}", {}), request, {"policy": "per-rank"})
-        assert sup.policy == "gang"
+    sup = Supervisor(NoRelaunch(), RunRecord.create("gang-fallback", {}), request, {"policy": "per-rank"})
+    assert sup.policy == "gang"
 
 
 @pytest.mark.parametrize("choice", ["detach", "cancel"])

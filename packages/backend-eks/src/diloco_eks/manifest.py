@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from diloco.errors import UserError
 from diloco.replicaenv import Entrypoint
 from diloco.procgroup import replica_command
-from diloco.protocol import ENV_RANK
+from diloco.envvars import ENV_RANK
 
 if TYPE_CHECKING:
     from diloco.request import LaunchRequest

@@ -18,7 +18,7 @@ _EXPORTS = {
     "BackendError": "errors", "DilocoError": "errors", "SpecError": "errors", "UserError": "errors",
     "hookimpl": "hookspecs",
     "Capabilities": "protocol", "Executor": "protocol", "ReplicaHandle": "protocol", "ReplicaResult": "protocol",
-    "ReplicaStatus": "protocol", "ServerlessExecutor": "protocol",
+    "ReplicaStatus": "protocol",
     "LaunchPlan": "request", "LaunchRequest": "request", "Secrets": "request",
     "option": "options",
 }

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .state import RunRecord, private_file
+from .state import RunRecord
+from .statedir import private_file
 
 
 def collect_artifacts(record: RunRecord) -> list[Path]:

@@ -45,10 +45,10 @@ def backends(name: str | None, as_json: bool) -> None:
 
     console = Console(width=140, highlight=False)
     if name:
-        from .legacy import describe_backend_options
+        from .plugins import backend_options
 
         info = get_backend(name)
-        options = describe_backend_options(info.cls)
+        options = backend_options(info.cls)
         if as_json:
             click.echo(json.dumps({"backend": info.name, "distribution": info.distribution, "version": info.version,
                                    "options": [o.to_dict() for o in options]}, indent=2, default=str))
@@ -223,7 +223,7 @@ def status(run_id: str, as_json: bool, n_events: int, timeline: bool, n_rounds: 
     if view["live_error"]:
         click.echo(f"warning: cannot poll replicas live ({view['live_error']}); showing recorded statuses", err=True)
     if as_json:
-        from .state import to_json
+        from .statedir import to_json
 
         view.pop("rounds_objects")
         click.echo(to_json(view, indent=2, default=str))  # valid JSON always: no NaN for scripts to choke on
@@ -342,9 +342,7 @@ def _follow(executor, handle, n_lines: int) -> None:
     """Print the tail, then new lines as they come, until the replica ends."""
     seen = executor.stream_logs(handle, n_lines=n_lines)
     click.echo(seen, nl=False)
-    from .legacy import capabilities_of
-
-    if not capabilities_of(executor).log_files:  # remote backends: re-read the tail and print what is new
+    if not executor.capabilities.log_files:  # remote backends: re-read the tail and print what is new
         while not executor.poll(handle).is_terminal:
             time.sleep(1.0)
             text = executor.stream_logs(handle, n_lines=n_lines)

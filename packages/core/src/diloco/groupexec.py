@@ -22,7 +22,6 @@ from typing import Any
 from .envvars import ENV_GROUP
 from .errors import BackendError, UserError
 from .groups import ReplicaGroup, group_of
-from .legacy import as_executor, capabilities_of
 from .protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
 from .request import LaunchPlan, LaunchRequest
 
@@ -42,7 +41,7 @@ class GroupedExecutor:
 
     def executor_for_group(self, name: str) -> Any:
         if name not in self._built:
-            self._built[name] = as_executor(self._build[name]())
+            self._built[name] = self._build[name]()
         return self._built[name]
 
     @property
@@ -54,7 +53,7 @@ class GroupedExecutor:
     def capabilities(self) -> Capabilities:
         """What the run can count on: what every group can do. A group that cannot relaunch one
         rank alone makes the whole run restart as a gang (the supervisor's rule, unchanged)."""
-        caps = [capabilities_of(e) for e in self.executors.values()]
+        caps = [e.capabilities for e in self.executors.values()]
         return Capabilities(
             shares_launcher_filesystem=all(c.shares_launcher_filesystem for c in caps),
             relaunches_one_rank=all(c.relaunches_one_rank for c in caps),
@@ -138,7 +137,7 @@ class GroupedExecutor:
 
     def status_detail(self, handle: ReplicaHandle) -> str | None:
         executor = self.executor_of(handle.rank)
-        return executor.status_detail(handle) if capabilities_of(executor).status_detail else None
+        return executor.status_detail(handle) if executor.capabilities.status_detail else None
 
     def log_path(self, handle: ReplicaHandle) -> Any:
         return self.executor_of(handle.rank).log_path(handle)

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import SpecError
+from .schema import GROUP, check_table
 
 MAX_GROUPS = 64
 GROUP_NAME = re.compile(r"[a-z][a-z0-9-]{0,30}")  # fullmatch: no trailing newline slips through
@@ -107,9 +108,8 @@ def rank_groups(spec_data: Mapping[str, Any] | None) -> dict[int, str]:
 
 
 def check_groups(where: str, tables: Any, defaults: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The `[[group]]` tables, each checked against `diloco.spec.GROUP` with the top-level keys in
+    """The `[[group]]` tables, each checked against `diloco.schema.GROUP` with the top-level keys in
     `defaults` filled in for what it leaves out; names given or g0, g1, …, each once."""
-    from .spec import GROUP, check_table  # spec imports this module: its schema is read when called
 
     if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
         raise SpecError(f"{where}: `group` must be [[group]] tables, each with `replicas` and a [group.backend]")

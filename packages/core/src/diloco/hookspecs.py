@@ -28,10 +28,12 @@ hookimpl = pluggy.HookimplMarker("diloco")
 def diloco_register_executors() -> list[type]:
     """Return executor classes this plugin provides.
 
-    Each class implements :class:`diloco.protocol.ServerlessExecutor` and is selected by its
-    ``backend_name`` class attribute. Two plugins returning the same name is an error naming
-    both distributions. Classes are instantiated with a spec's ``[backend]`` table as keyword
-    arguments, so their ``__init__`` keyword parameters are the backend's options.
+    Each class implements :class:`diloco.protocol.Executor` (``plan`` / ``submit`` and the four
+    verbs), declares ``capabilities`` and its ``[backend]`` options as ``Options`` (a dataclass of
+    :func:`diloco.options.option` fields), and is selected by its ``backend_name`` class attribute.
+    A class missing any of them, or two plugins returning the same name, is an error naming the
+    distribution. Core builds it as ``cls(options)``, ``options`` an ``Options`` instance checked
+    against the spec's ``[backend]`` table (``diloco.plugins.make_executor``).
 
     Keep this hook cheap: return classes, do not import cloud SDKs or contact any API.
     """

@@ -11,29 +11,29 @@ import os
 from typing import Any
 
 from .errors import BackendNotFound, SpecError, UserError
-from .legacy import capabilities_of, make_executor as build_executor
-from .plugins import get_backend
-from .protocol import ENV_SETTINGS, Executor
+from .plugins import get_backend, make_executor as build_executor
+from .envvars import ENV_SETTINGS
+from .protocol import Executor
 from .rendezvous import resolve_rendezvous
 from .request import LaunchPlan, LaunchRequest, Secrets
 from .settings import DilocoSettings
 from .sinks import check_sinks_installed
 from .spec import RunSpec
-from .state import RunRecord, new_run_id, state_dir
+from .state import RunRecord, new_run_id
+from .statedir import state_dir
 from .supervisor import Supervisor
 from .wheelhouse import run_versions
 
 
-def make_executor(backend: str, options: dict[str, Any], *, workdir: str | None = None,
-                  source: str = "<spec>") -> Executor:
+def make_executor(backend: str, options: dict[str, Any], *, source: str = "<spec>") -> Executor:
     """The backend's executor, built from the spec's `[backend]` options, validated first."""
-    return build_executor(get_backend(backend).cls, dict(options), workdir=workdir, source=source)
+    return build_executor(get_backend(backend).cls, dict(options), source=source)
 
 
 def executor_of_spec(spec: RunSpec) -> Executor:
     """The run's executor: its backend's, or one over each group's backend (`diloco.groupexec`)."""
     if not spec.groups:
-        return make_executor(spec.backend, spec.backend_options, workdir=spec.workdir, source=spec.source)
+        return make_executor(spec.backend, spec.backend_options, source=spec.source)
     from .groupexec import GroupedExecutor
 
     def builder(g: Any) -> Any:
@@ -43,7 +43,7 @@ def executor_of_spec(spec: RunSpec) -> Executor:
                 cls = get_backend(g.backend).cls
             except BackendNotFound as exc:
                 raise BackendNotFound(f"{where}: {exc}") from None
-            return build_executor(cls, dict(g.backend_options), workdir=spec.workdir, source=where)
+            return build_executor(cls, dict(g.backend_options), source=where)
         return build
 
     # Each group's executor is built when the group is first needed: a shell without one group's
@@ -67,17 +67,17 @@ def launch_request(spec: RunSpec, run_id: str, executor: Executor, secrets: Secr
     if spec.diloco:
         env[ENV_SETTINGS] = DilocoSettings.from_table(spec.diloco, where=spec.source).to_env()
     parts = _group_executors(spec, executor)
-    remote = [(g, e) for g, e in parts if not capabilities_of(e).shares_launcher_filesystem]
+    remote = [(g, e) for g, e in parts if not e.capabilities.shares_launcher_filesystem]
     group, reach = (remote or parts)[0]
     try:
-        rendezvous = resolve_rendezvous(spec.rendezvous, backend=group.backend, capabilities=capabilities_of(reach),
+        rendezvous = resolve_rendezvous(spec.rendezvous, backend=group.backend, capabilities=reach.capabilities,
                                         run_dir=state_dir() / "runs" / run_id, source=spec.source)
     except UserError as exc:
         if not spec.groups:
             raise
         raise type(exc)(f"{exc} (group {group.name!r} runs on {group.backend})") from None
     for g, e in parts:
-        if g.processes_per_replica > 1 and not capabilities_of(e).process_groups:
+        if g.processes_per_replica > 1 and not e.capabilities.process_groups:
             raise SpecError(f"{spec.source}: backend {g.backend!r} cannot start several processes per replica "
                             f"(processes_per_replica = {g.processes_per_replica}); use processes_per_replica = 1 "
                             f"or a backend that supports it (local, eks, modal, sagemaker)")
@@ -133,8 +133,7 @@ def resume_run(record: RunRecord, **supervisor_kwargs: Any) -> Supervisor:
     spec = record.spec
     executor = executor_for(record)
     secrets = secret_values(spec.secrets, spec.source)
-    recorded = {"workdir": spec.workdir, **record.launch}  # records before 0.2 kept no workdir
-    request = LaunchRequest.from_dict(recorded, secrets.reveal())
+    request = LaunchRequest.from_dict(record.launch, secrets.reveal())
     here = run_versions()
     if request.diloco_version and request.diloco_version != here:
         raise UserError(f"run {record.run_id} was launched with {request.diloco_version} but this shell has "

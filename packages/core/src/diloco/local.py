@@ -23,13 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import protocol as p
+from . import envvars
 from .errors import UserError
 from .options import option, options_from
 from .procgroup import replica_command
 from .protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
 from .request import LaunchPlan, LaunchRequest
-from .state import private_dir, private_file, process_start_ticks, state_dir
+from .state import process_start_ticks
+from .statedir import private_dir, private_file, state_dir
 from .waiting import poll_until_terminal
 
 
@@ -154,7 +155,7 @@ class LocalProcessExecutor:
         for rank in request.ranks:
             stem = run_dir / f"rank-{rank}.attempt-{request.attempt}"
             env = request.replica_env(rank)
-            env.update({p.ENV_RESULT_PATH: f"{stem}.result.json", p.ENV_STARTED_PATH: f"{stem}.started.json",
+            env.update({envvars.ENV_RESULT_PATH: f"{stem}.result.json", envvars.ENV_STARTED_PATH: f"{stem}.started.json",
                         "PYTHONPATH": pythonpath})
             if self.devices:  # a replica of L processes gets L devices: rank r takes the r-th block of L
                 picked = [self.devices[(rank * processes + k) % len(self.devices)] for k in range(processes)]

@@ -310,7 +310,7 @@ class RoundCache:
     def append(self, summaries: list[RoundSummary]) -> None:
         if not summaries:
             return
-        from .state import private_file
+        from .statedir import private_file
 
         with private_file(self.path, "a") as f:
             f.write("".join(s.to_json().decode() + "\n" for s in summaries))

@@ -14,9 +14,6 @@ float where an integer goes), numbers that are not finite or out of bounds, and 
 `choices` each fail with one line naming `backend.KEY`, the expected type and the value; so does
 a secret-looking key inside an option's tables (options are recorded with the run).
 `diloco backends NAME` and the conformance kit read the same declaration (`describe_options`).
-
-Executors written against the first contract (options as `__init__` keyword parameters, help in
-the `Args:` docstring) are described from their signature instead: `diloco.legacy` adapts them.
 """
 
 from __future__ import annotations

@@ -15,8 +15,11 @@ from dataclasses import dataclass
 
 import pluggy
 
+from typing import Any
+
 from . import hookspecs
-from .errors import BackendNotFound, UserError
+from .errors import BackendNotFound, SpecError, UserError
+from .options import BackendOption, describe_options, parse_options
 
 ENTRY_POINT_GROUP = "diloco"
 ENV_DISABLE_AUTOLOAD = "DILOCO_DISABLE_PLUGIN_AUTOLOAD"
@@ -90,12 +93,33 @@ class _Registry:
                     name = getattr(cls, "backend_name", None)
                     if not isinstance(name, str) or not name:
                         raise UserError(f"plugin {dist} registered {cls!r} without a backend_name")
+                    missing = [a for a in ("Options", "capabilities", "plan", "submit") if not hasattr(cls, a)]
+                    if missing:  # reported like a plugin that fails to import, not fatal to the others
+                        self.broken.append(BrokenPlugin(name, dist, f"{cls.__name__} has no {', '.join(missing)} "
+                                                                    f"(docs/writing-a-backend.md)"))
+                        continue
                     if name in found and found[name].cls is not cls:
                         raise UserError(f"backend {name!r} is registered by both {found[name].distribution} "
                                         f"and {dist}; uninstall one of them")
                     found[name] = BackendInfo(name, cls, dist, version)
             self._backends = dict(sorted(found.items()))
         return self._backends
+
+
+def backend_options(cls: type) -> list[BackendOption]:
+    """The `[backend]` options a backend declares, for `diloco backends NAME` and the kit."""
+    return describe_options(cls.Options)
+
+
+def make_executor(cls: type, table: dict[str, Any], *, source: str = "<spec>") -> Any:
+    """The one place an executor is built: from the spec's `[backend]` table (without `name`),
+    checked against the backend's `Options` first, so a bad option is one `SpecError` line."""
+    name = getattr(cls, "backend_name", "?")
+    options = parse_options(cls.Options, table, source=source, backend=name)
+    try:
+        return cls(options)
+    except (TypeError, ValueError) as exc:
+        raise SpecError(f"{source}: [backend] options for {name!r}: {exc}") from None
 
 
 def _installed(dist: str) -> bool:

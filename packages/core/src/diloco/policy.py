@@ -26,7 +26,7 @@ from .failures import code_failure_signature, is_config_error, is_preemption
 
 @dataclass(frozen=True)
 class RestartSettings:
-    """The `[restart]` table, typed; defaults come from the spec's schema (`diloco.spec.RESTART`)."""
+    """The `[restart]` table, typed; defaults come from the spec's schema (`diloco.schema.RESTART`)."""
 
     policy: str
     max_restarts: int
@@ -40,7 +40,7 @@ class RestartSettings:
 
     @classmethod
     def from_table(cls, table: Mapping[str, Any], n_replicas: int, *, relaunches_one_rank: bool = True) -> RestartSettings:
-        from .spec import RESTART, check_table
+        from .schema import RESTART, check_table
 
         values = check_table("[restart]", {k: v for k, v in table.items() if v is not None}, RESTART, "restart.")
         values["min_replicas"] = values["min_replicas"] or n_replicas

@@ -18,9 +18,7 @@ The rules:
   can poll, stream, cancel a handle made by another process;
 - what a backend can do is declared once, in `capabilities` (`Capabilities`), never sniffed.
 
-The request and plan types live in `diloco.request`; executors written against the first
-contract (`launch_replicas` / `dryrun`, options as `__init__` keywords) run through the one
-adapter in `diloco.legacy`.
+The request and plan types live in `diloco.request`; the variables' names in `diloco.envvars`.
 """
 
 from __future__ import annotations
@@ -115,7 +113,7 @@ class ReplicaResult:
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend can do, declared once as its executor's `capabilities`; core reads it in one
-    place (`diloco.legacy.capabilities_of`) to choose policies and refuse what cannot work.
+    place (`executor.capabilities`) to choose policies and refuse what cannot work.
 
     shares_launcher_filesystem: every replica sees the launcher's files (only the local backend).
         False: `diloco run` refuses a file:// rendezvous, which each replica would see on its own disk.
@@ -186,22 +184,3 @@ class Executor(Protocol):
                 timeout: float | None = None) -> list[ReplicaResult]:
         """Wait for every handle to end (up to `timeout`) and return their results."""
         ...
-
-
-ServerlessExecutor = Executor  # the name the first contract used
-
-
-from .envvars import (  # noqa: E402,F401  (re-exported: part of the protocol)
-    ENV_ATTEMPT, ENV_ENTRYPOINT, ENV_ENTRYPOINT_ARGS, ENV_RANK, ENV_RENDEZVOUS, ENV_RESULT_PATH, ENV_RUN_ID,
-    ENV_REPLICAS, ENV_SETTINGS, ENV_STARTED_PATH, ENV_TIMEOUT, ENV_WORLD_SIZE,
-)
-
-
-def __getattr__(name: str):
-    """`diloco.protocol.LaunchPlan`, what first-contract executors return from `dryrun`
-    (`diloco.legacy.LegacyPlan`); the current plan type is `diloco.request.LaunchPlan`."""
-    if name == "LaunchPlan":
-        from .legacy import LegacyPlan
-
-        return LegacyPlan
-    raise AttributeError(f"module 'diloco.protocol' has no attribute {name!r}")

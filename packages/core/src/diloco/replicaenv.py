@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import protocol as p
+from . import envvars as p
 from .envvars import ENV_VERSION
 from .errors import SpecError, UserError
 from .variables import NAME, check_variable, is_secret_name  # noqa: F401 - is_secret_name re-exported

@@ -192,7 +192,7 @@ class LaunchRequest:
     def from_dict(cls, data: Mapping[str, Any], secrets: Mapping[str, str] | None = None) -> LaunchRequest:
         """Back from a record; `secrets` come from the shell that resumes, never from the record."""
         return cls(run_id=data["run_id"], n_replicas=int(data["n_replicas"]), entrypoint=data["entrypoint"],
-                   args=data.get("args", data.get("entrypoint_args")) or {}, env=data.get("env") or {},
+                   args=data.get("args") or {}, env=data.get("env") or {},
                    secrets=Secrets(secrets), rendezvous=data.get("rendezvous"),
                    timeout=float(data.get("timeout", 3600.0)),
                    processes_per_replica=int(data.get("processes_per_replica", 1)), gpu=data.get("gpu"),

@@ -30,7 +30,7 @@ from .context import ReplicaContext
 def write_text_atomic(path: str, text: str) -> None:
     """Write-then-rename, so the launcher never reads half a result; 0600 from the first byte, as
     the state dir's files are (a result holds the entrypoint's return value and traceback). Not
-    `diloco.state.private_file`: importing the state module would slow every replica's start."""
+    `diloco.statedir.private_file`: importing the state module would slow every replica's start."""
     tmp = f"{path}.{os.getpid()}.tmp"
     with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         f.write(text)

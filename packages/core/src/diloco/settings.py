@@ -1,6 +1,6 @@
 """The `[diloco]` settings as one frozen type, validated once from the spec's schema.
 
-The schema (`diloco.spec.DILOCO`: types, bounds, choices, defaults) is the one place each
+The schema (`diloco.schema.DILOCO`: types, bounds, choices, defaults) is the one place each
 setting is defined. The launcher validates the spec's table into `DilocoSettings`, hands it to
 every replica as one environment variable (`to_env`, DILOCO_SETTINGS), and the replica reads it
 back with `from_env`, which runs the same checks: a replica trusts no setting that arrives.
@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .errors import SpecError
+from .schema import DILOCO, check_table
 
 
 def check_time_based(values: Mapping[str, Any], where: str) -> None:
@@ -54,7 +55,6 @@ class DilocoSettings:
     @classmethod
     def from_table(cls, table: Mapping[str, Any], *, where: str = "<spec>") -> DilocoSettings:
         """Checked against the schema (unknown keys, types, bounds, choices), defaults filled in."""
-        from .spec import DILOCO, check_table
 
         values = check_table(where, {k: v for k, v in table.items() if v is not None}, DILOCO, "diloco.")
         if values["sync_every"] % values["fragments"]:

@@ -70,7 +70,7 @@ class TensorBoardSink:
             if hidden:
                 del sys.modules["torch"]
         if not logdir:  # in the run's records: private like them (a directory the user named is theirs)
-            from .state import private_dir
+            from .statedir import private_dir
 
             private_dir(self.logdir)
         self.writer = SummaryWriter(str(self.logdir), flush_secs=5)

@@ -47,7 +47,6 @@ from typing import Any
 
 from .errors import BackendError
 from .failures import shorten
-from .legacy import as_executor, capabilities_of
 from .policy import Failure, Peer, RestartSettings, decide
 from .protocol import Executor, ReplicaResult, ReplicaStatus
 from .rankstate import RankState, RankStatus
@@ -97,8 +96,8 @@ class Supervisor:
                  restart: dict[str, Any], *, first_plan: LaunchPlan | None = None,
                  on_tick: Callable[[Supervisor], None] | None = None,
                  clock: Callable[[], float] = time.time):
-        self.executor = as_executor(executor)
-        self.capabilities = capabilities_of(self.executor)
+        self.executor = executor
+        self.capabilities = executor.capabilities
         self.record = record
         self.request = request
         self.first_plan = first_plan

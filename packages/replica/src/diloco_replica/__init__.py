@@ -4,9 +4,9 @@ from diloco.context import ReplicaContext
 from diloco.metrics import RoundMetrics
 
 from .allreduce import StoreAllReduce
-from .diloco import DEFAULTS, DiLoCo, RoundInfo, inner_optimizer
+from .diloco import DEFAULTS, DiLoCo, inner_optimizer
 from .membership import FellBehind, RoundFailed
 from .wire import CorruptObject
 
-__all__ = ["DEFAULTS", "CorruptObject", "DiLoCo", "FellBehind", "ReplicaContext", "RoundFailed", "RoundInfo",
+__all__ = ["DEFAULTS", "CorruptObject", "DiLoCo", "FellBehind", "ReplicaContext", "RoundFailed",
            "RoundMetrics", "StoreAllReduce", "inner_optimizer"]

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from diloco.spec import DILOCO
+from diloco.schema import DILOCO
 from diloco.store import Store
 
 from .codecs import sparsify

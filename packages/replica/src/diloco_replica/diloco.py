@@ -56,7 +56,7 @@ from diloco.errors import UserError
 from diloco.metrics import RoundMetrics
 from diloco.envvars import ENV_SETTINGS
 from diloco.settings import DilocoSettings
-from diloco.spec import DILOCO
+from diloco.schema import DILOCO
 from diloco.store import poll_defaults, verify_store
 
 from .allreduce import RoundResult, StoreAllReduce
@@ -68,10 +68,9 @@ from .recorder import Recorder
 from .roundclock import RoundClock
 from .streaming import LiveDelta
 
-# One place for the defaults: the spec's [diloco] table (diloco.spec.DILOCO), typed as DilocoSettings.
+# One place for the defaults: the spec's [diloco] table (diloco.schema.DILOCO), typed as DilocoSettings.
 DEFAULTS: dict[str, Any] = {key: f.default for key, f in DILOCO.items()}
 
-RoundInfo = RoundMetrics  # what `DiLoCo.step` returns: the round's metrics row (one type, in diloco.metrics)
 
 
 @dataclass

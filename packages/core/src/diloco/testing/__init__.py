@@ -10,10 +10,7 @@ own test suite and saying how to build an executor::
             return FooExecutor(namespace="test")
 
 `make_executor` is called more than once per test: a second instance stands for another
-process, so durable handles are checked for real. It may return an executor of either contract:
-the current one (`plan` / `submit`, `Options`, `capabilities`) or the first one (`launch_replicas`
-/ `dryrun`, options as `__init__` keywords), which the kit runs through `diloco.legacy`, as
-`diloco run` does. Override `wait_timeout` for slow backends, and `setup_method`/fixtures for
+process, so durable handles are checked for real. Override `wait_timeout` for slow backends, and `setup_method`/fixtures for
 whatever stand-ins the backend's tests need (a Kubernetes API emulator, an S3 server).
 
 `launch` and `plan_for` are also the shortest way to start replicas from a backend's own tests.
@@ -27,7 +24,7 @@ import time
 import uuid
 from typing import Any
 
-from diloco.legacy import as_executor, capabilities_of, describe_backend_options, is_first_contract
+from diloco.plugins import backend_options
 from diloco.protocol import Capabilities, Executor, ReplicaHandle, ReplicaStatus
 from diloco.request import LaunchPlan, LaunchRequest, Secrets
 
@@ -57,14 +54,13 @@ def request_for(n_replicas: int, entrypoint: Any, args: dict[str, Any] | None = 
 
 def plan_for(executor: Any, n_replicas: int, entrypoint: Any, args: dict[str, Any] | None = None,
              **fields: Any) -> LaunchPlan:
-    """What `diloco dryrun` would print for such a launch on `executor` (either contract)."""
-    return as_executor(executor).plan(request_for(n_replicas, entrypoint, args, **fields))
+    """What `diloco dryrun` would print for such a launch on `executor`."""
+    return executor.plan(request_for(n_replicas, entrypoint, args, **fields))
 
 
 def launch(executor: Any, n_replicas: int, entrypoint: Any, args: dict[str, Any] | None = None,
            **fields: Any) -> list[ReplicaHandle]:
     """Plan and submit, as `diloco run` does; the handles in rank order."""
-    executor = as_executor(executor)
     return executor.submit(executor.plan(request_for(n_replicas, entrypoint, args, **fields)))
 
 
@@ -92,8 +88,7 @@ class ExecutorConformance(abc.ABC):
         return f"conf-{uuid.uuid4().hex[:8]}"
 
     def executor(self) -> Executor:
-        """`make_executor()` as the current contract sees it."""
-        return as_executor(self.make_executor())
+        return self.make_executor()
 
     def launch(self, executor: Executor, entrypoint: str, args: dict[str, Any] | None = None,
                **kwargs: Any) -> list[ReplicaHandle]:
@@ -107,30 +102,22 @@ class ExecutorConformance(abc.ABC):
     # the contract -------------------------------------------------------------------------
 
     def test_satisfies_protocol(self):
-        raw = self.make_executor()
-        executor = as_executor(raw)
+        executor = self.make_executor()
         assert isinstance(executor, Executor)
         assert isinstance(executor.backend_name, str) and executor.backend_name
-        assert isinstance(capabilities_of(executor), Capabilities)
-        if not is_first_contract(type(raw)):  # the current contract declares; nothing is sniffed
-            assert isinstance(type(raw).__dict__.get("capabilities", raw.capabilities), Capabilities)
-            assert getattr(type(raw), "Options", None) is not None, "declare the [backend] options as `Options`"
+        assert isinstance(executor.capabilities, Capabilities), "declare `capabilities = Capabilities(...)`"
+        assert getattr(type(executor), "Options", None) is not None, "declare the [backend] options as `Options`"
 
     def test_every_option_is_documented(self):
-        """`diloco backends NAME` shows each [backend] option's help (`option(help=...)`, or a
-        first-contract executor's `Args:` docstring): an option without one leaves its users guessing."""
-        missing = [o.name for o in describe_backend_options(type(self.make_executor())) if not o.help]
+        """`diloco backends NAME` shows each [backend] option's help (`option(help=...)`): an option
+        without one leaves its users guessing."""
+        missing = [o.name for o in backend_options(type(self.make_executor())) if not o.help]
         assert not missing, f"options without help: {missing}"
 
     def test_every_number_option_is_bounded(self):
         """A spec is untrusted input: a number with no upper bound (10**23 seconds, GB, retries)
         passes the dry run and fails at the platform, late and in its own words."""
-        executor = self.make_executor()
-        if is_first_contract(type(executor)):
-            import pytest
-
-            pytest.skip("first-contract executors declare no bounds (keyword options); `Options` can")
-        options = describe_backend_options(type(executor))
+        options = backend_options(type(self.make_executor()))
         unbounded = [o.name for o in options if ("int" in o.type.split(" | ") or "float" in o.type.split(" | "))
                      and (o.min is None or o.max is None)]
         assert not unbounded, f"declare min= and max= on the number options {unbounded} (diloco.options.option)"
@@ -201,7 +188,7 @@ class ExecutorConformance(abc.ABC):
 
     def test_relaunch_one_rank_as_new_attempt(self):
         executor = self.executor()
-        if not capabilities_of(executor).relaunches_one_rank:
+        if not executor.capabilities.relaunches_one_rank:
             return
         run_id = self.run_id()
         handles = self.launch(executor, REPORT, run_id=run_id, ranks=[1], attempt=1)
