@@ -150,7 +150,8 @@ def test_a_signal_is_infrastructure_and_is_relaunched(cli, project, state_dir):
 def test_a_paused_launcher_still_counts_as_alive(state_dir):
     """A launcher stopped past its heartbeat (SIGSTOP, laptop asleep) must not get a twin via resume."""
     from diloco.api import launcher_alive as _launcher_alive
-    from diloco.state import RunRecord, process_start_ticks
+    from diloco.procinfo import started_at
+    from diloco.state import RunRecord
     import socket
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -158,12 +159,12 @@ def test_a_paused_launcher_still_counts_as_alive(state_dir):
         os.kill(child.pid, signal.SIGSTOP)
         record = RunRecord.create("r-paused", {"launcher": {
             "pid": child.pid, "host": socket.gethostname(), "heartbeat": time.time() - 3600,
-            "start_ticks": process_start_ticks(child.pid)}})
+            "started": started_at(child.pid)}})
         assert _launcher_alive(record)
-        record.data["launcher"]["start_ticks"] = 12345  # the pid was recycled by another process
+        record.data["launcher"]["started"] = 12345.0  # the pid was recycled by another process
         assert not _launcher_alive(record)
     finally:
         child.kill()
         child.wait()
-    record.data["launcher"]["start_ticks"] = None
+    record.data["launcher"]["started"] = None
     assert not _launcher_alive(record)

@@ -181,7 +181,7 @@ def dead_holders_lease(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     path = run_dir / lease_mod.LEASE_FILE
-    path.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "start_ticks": 1, "token": "old",
+    path.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": 1.0, "token": "old",
                                 "taken_at": time.time()}))
     return run_dir, path
 
@@ -198,7 +198,7 @@ def test_a_dead_holders_lease_is_taken_over_and_a_live_one_is_not(tmp_path, monk
         SupervisorLease.acquire(run_dir)
     # another host's lease is live while it is renewed, and expired TTL seconds after
     held.release()
-    other = {"pid": 1, "host": "some-other-host", "start_ticks": None, "token": "remote", "taken_at": time.time()}
+    other = {"pid": 1, "host": "some-other-host", "started": None, "token": "remote", "taken_at": time.time()}
     path.write_text(json.dumps(other))
     with pytest.raises(LeaseHeld, match="some-other-host"):
         SupervisorLease.acquire(run_dir)
@@ -234,7 +234,7 @@ def test_a_racer_that_finds_a_takeover_under_way_waits_and_names_the_new_holder(
 
     def finish_the_other_takeover() -> None:
         time.sleep(0.3)
-        path.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "start_ticks": None,
+        path.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": None,
                                     "token": "winner", "taken_at": time.time()}))
         guard.unlink()
 

@@ -351,7 +351,7 @@ def launcher_alive(record: RunRecord) -> bool:
     launcher paused past its heartbeat is still alive. On another host only the heartbeat can.
     """
     from .lease import LEASE_FILE, current_holder
-    from .state import process_start_ticks
+    from .procinfo import is_running
     from .supervisor import HEARTBEAT_STALE
 
     if (record.dir / LEASE_FILE).exists():  # the lease decides (records before it: the heartbeat below)
@@ -361,10 +361,7 @@ def launcher_alive(record: RunRecord) -> bool:
     if not launcher.pid or (launcher.pid == os.getpid() and launcher.host == socket.gethostname()):
         return False
     if launcher.host == socket.gethostname():
-        ticks = process_start_ticks(int(launcher.pid))
-        if ticks is None:
-            return False
-        return launcher.start_ticks in (None, -1) or ticks in (-1, launcher.start_ticks)
+        return is_running(int(launcher.pid), launcher.started)
     interval = float((record.data.get("spec") or {}).get("restart", {}).get("monitor_interval") or 1.0)
     return time.time() - launcher.heartbeat <= max(HEARTBEAT_STALE, 10 * interval)
 

@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from .errors import BackendNotFound, SpecError, UserError
-from .plugins import get_backend, make_executor as build_executor
+from .plugins import get_backend, make_executor
 from .envvars import ENV_SETTINGS
 from .protocol import Executor
 from .rendezvous import resolve_rendezvous
@@ -25,15 +25,10 @@ from .supervisor import Supervisor
 from .wheelhouse import run_versions
 
 
-def make_executor(backend: str, options: dict[str, Any], *, source: str = "<spec>") -> Executor:
-    """The backend's executor, built from the spec's `[backend]` options, validated first."""
-    return build_executor(get_backend(backend).cls, dict(options), source=source)
-
-
 def executor_of_spec(spec: RunSpec) -> Executor:
     """The run's executor: its backend's, or one over each group's backend (`diloco.groupexec`)."""
     if not spec.groups:
-        return make_executor(spec.backend, spec.backend_options, source=spec.source)
+        return make_executor(get_backend(spec.backend).cls, dict(spec.backend_options), source=spec.source)
     from .groupexec import GroupedExecutor
 
     def builder(g: Any) -> Any:
@@ -43,7 +38,7 @@ def executor_of_spec(spec: RunSpec) -> Executor:
                 cls = get_backend(g.backend).cls
             except BackendNotFound as exc:
                 raise BackendNotFound(f"{where}: {exc}") from None
-            return build_executor(cls, dict(g.backend_options), source=where)
+            return make_executor(cls, dict(g.backend_options), source=where)
         return build
 
     # Each group's executor is built when the group is first needed: a shell without one group's

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import UserError
-from .state import process_start_ticks
+from .procinfo import is_running, started_at
 
 TTL = 30.0          # a lease untouched this long, held from another host, is expired
 RENEW_EVERY = 5.0   # how often the holder touches it
@@ -49,13 +49,13 @@ class LeaseHolder:
 
     pid: int
     host: str
-    start_ticks: int | None
+    started: float | None
     token: str
     taken_at: float
 
     @classmethod
     def here(cls) -> LeaseHolder:
-        return cls(os.getpid(), socket.gethostname(), process_start_ticks(os.getpid()), secrets.token_hex(16),
+        return cls(os.getpid(), socket.gethostname(), started_at(os.getpid()), secrets.token_hex(16),
                    time.time())
 
     @classmethod
@@ -65,7 +65,7 @@ class LeaseHolder:
         try:
             mtime = path.stat().st_mtime
             data = json.loads(path.read_text())
-            holder = cls(int(data["pid"]), str(data["host"]), data.get("start_ticks"), str(data["token"]),
+            holder = cls(int(data["pid"]), str(data["host"]), data.get("started"), str(data["token"]),
                          float(data["taken_at"]))
         except FileNotFoundError:
             return None, None
@@ -80,8 +80,7 @@ class LeaseHolder:
         """Whether this holder still supervises: on this host its process decides; elsewhere the
         heartbeat (the file's mtime) must be younger than `TTL`."""
         if self.host == socket.gethostname():
-            ticks = process_start_ticks(self.pid)
-            return ticks is not None and (self.start_ticks in (None, -1) or ticks in (-1, self.start_ticks))
+            return is_running(self.pid, self.started)
         return now - mtime <= TTL
 
     def describe(self, mtime: float | None) -> str:

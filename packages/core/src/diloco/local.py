@@ -29,7 +29,7 @@ from .options import option, options_from
 from .procgroup import replica_command
 from .protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
 from .request import LaunchPlan, LaunchRequest
-from .state import process_start_ticks
+from .procinfo import is_running, started_at
 from .statedir import private_dir, private_file, state_dir
 from .waiting import poll_until_terminal
 
@@ -181,7 +181,7 @@ class LocalProcessExecutor:
             self._procs[(request.run_id, row["rank"], request.attempt)] = proc
             handles.append(ReplicaHandle(row["rank"], self.backend_name, {
                 "run_id": request.run_id, "attempt": request.attempt, "pid": proc.pid,
-                "start_ticks": process_start_ticks(proc.pid), "stem": stem, "launched_at": time.time()}))
+                "started": started_at(proc.pid), "stem": stem, "launched_at": time.time()}))
         return handles
 
     # -- observing -------------------------------------------------------------------------
@@ -196,10 +196,7 @@ class LocalProcessExecutor:
         proc = self._procs.get((md["run_id"], handle.rank, handle.attempt))
         if proc is not None and proc.poll() is not None:
             return False
-        ticks = process_start_ticks(int(md["pid"]))
-        if ticks is None:
-            return False
-        return md.get("start_ticks") in (None, -1) or ticks in (-1, md["start_ticks"])
+        return is_running(int(md["pid"]), md.get("started"))
 
     def _read_result(self, path: Path) -> dict[str, Any] | None:
         try:

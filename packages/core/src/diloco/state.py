@@ -15,7 +15,6 @@ is written as the string "nan"/"inf"/"-inf".
 from __future__ import annotations
 
 import json
-import os
 import re
 import secrets
 import time
@@ -30,25 +29,6 @@ from .statedir import private_dir, private_file, state_dir, to_json, write_json_
 
 # A run in one of these states has ended: nothing will change its record again.
 FINAL_STATES = ("SUCCEEDED", "FAILED", "STOPPED")
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot (Linux), or None if it is not alive."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return None
-    except OSError:  # not Linux: fall back to a signal-0 probe
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        return -1
-    fields = stat.rsplit(")", 1)[1].split()
-    if fields[0] in ("Z", "X"):  # zombie or dead: exited, waiting to be reaped
-        return None
-    return int(fields[19])
 
 
 RUN_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -81,13 +61,13 @@ class LauncherBeat:
     pid: int | None = None
     host: str | None = None
     heartbeat: float = 0.0
-    start_ticks: int | None = None
+    started: float | None = None  # the process's creation time (diloco.procinfo)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> LauncherBeat:
         data = data or {}
         return cls(pid=data.get("pid"), host=data.get("host"), heartbeat=float(data.get("heartbeat") or 0),
-                   start_ticks=data.get("start_ticks"))
+                   started=data.get("started"))
 
 
 class RunRecord:

@@ -52,7 +52,8 @@ from .protocol import Executor, ReplicaResult, ReplicaStatus
 from .rankstate import RankState, RankStatus
 from .request import LaunchPlan, LaunchRequest
 from .roundwatch import RoundWatcher
-from .state import FINAL_STATES, RunRecord, process_start_ticks
+from .procinfo import started_at
+from .state import FINAL_STATES, RunRecord
 
 
 HEARTBEAT_EVERY = 5.0  # seconds between record saves while nothing changes
@@ -127,7 +128,7 @@ class Supervisor:
             "restarts_used": self.restarts_used, "preemptions_used": self.preemptions_used, "policy": self.settings.policy,
             **self.rounds.state(),
             "launcher": {"pid": os.getpid(), "host": socket.gethostname(), "heartbeat": self.clock(),
-                         "start_ticks": process_start_ticks(os.getpid())},
+                         "started": started_at(os.getpid())},
         })
         self.record.save()
 
