@@ -188,29 +188,39 @@ class SageMakerExecutor:
         the job yet), again while it is not found within the grace period or throttled, for at
         most STOP_PATIENCE seconds: a job left running would train and bill on its own.
         """
-        from botocore.exceptions import ClientError
+        import tenacity
 
         md = dict(handle.metadata)
         sm = self.aws.client("sagemaker", md.get("region"))
         self._stopped.add(md["job"])
-        deadline = time.monotonic() + STOP_PATIENCE
-        pause = 0.5
-        while True:
-            try:
-                sm.stop_training_job(TrainingJobName=md["job"])
-                return
-            except ClientError as exc:
-                err = exc.response.get("Error", {})
-                if err.get("Code") == "ValidationException" and ("already" in err.get("Message", "").lower()
-                                                                 or "status" in err.get("Message", "").lower()):
-                    return  # it has ended (or is stopping)
-                retry = is_transient(exc) or (is_not_found(exc) and self._may_still_appear(md))
-                if is_not_found(exc) and not retry:
-                    return  # gone: nothing left to stop
-                if not retry or time.monotonic() > deadline:
+
+        def again(exc: BaseException) -> bool:  # throttled or unreachable, or not visible yet
+            return is_transient(exc) or (is_not_found(exc) and self._may_still_appear(md))
+
+        try:
+            for attempt in tenacity.Retrying(retry=tenacity.retry_if_exception(again), reraise=True,
+                                             stop=tenacity.stop_after_delay(STOP_PATIENCE),
+                                             wait=tenacity.wait_exponential(multiplier=0.5, max=10.0)):
+                with attempt:
+                    sm.stop_training_job(TrainingJobName=md["job"])
+        except Exception as exc:  # noqa: BLE001 - sorted below: ended, gone, or an error to surface
+            gone = is_not_found(exc) and not self._may_still_appear(md)
+            if not (gone or _has_ended(exc)):
+                if is_aws_error(exc):
                     raise self.aws.client_error(f"stop {md['job']}", exc) from None
-            except Exception as exc:  # noqa: BLE001 - a network error is retried like a throttle
-                if not is_transient(exc) or time.monotonic() > deadline:
-                    raise
-            time.sleep(pause)
-            pause = min(pause * 2, 10.0)
+                raise
+
+
+def is_aws_error(exc: BaseException) -> bool:
+    from botocore.exceptions import ClientError
+
+    return isinstance(exc, ClientError)
+
+
+def _has_ended(exc: BaseException) -> bool:
+    """StopTrainingJob's answer for a job that has ended (or is stopping): nothing left to stop."""
+    if not is_aws_error(exc):
+        return False
+    err = exc.response.get("Error", {})  # type: ignore[attr-defined]
+    message = err.get("Message", "").lower()
+    return err.get("Code") == "ValidationException" and ("already" in message or "status" in message)
