@@ -343,3 +343,19 @@ def test_a_retried_index_gets_a_new_pod(cluster):
     assert result.status == "succeeded", result.error
     status = json.loads(cluster.batch.read_namespaced_job(job, "lifecycle", _preload_content=False).data)["status"]
     assert (status["failed"], status["succeeded"], status["completedIndexes"]) == (1, 1, "0")
+
+
+def test_the_stand_in_uses_kmocks_public_api_only():
+    """kmock's `_internal` modules may change in any release; the stand-in imports what kmock exports."""
+    import ast
+    from pathlib import Path
+
+    import diloco_eks
+
+    private = []
+    for source in Path(diloco_eks.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom) else
+                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            private += [f"{source.name}: {n}" for n in names if n.startswith("kmock._")]
+    assert private == []

@@ -27,9 +27,9 @@ needs_replica = pytest.mark.skipif(not installed("diloco-replica"),
 
 def pytest_report_header(config):
     """Which model the stand-in held every request to (the installed botocore's, read now)."""
-    from diloco_sagemaker import servicemodel
+    from diloco_sagemaker.testing import validation
 
-    return f"sagemaker stand-in: requests validated against botocore {servicemodel.botocore_version()}'s model"
+    return f"sagemaker stand-in: requests validated against botocore {validation.botocore_version()}'s model"
 
 
 @pytest.fixture

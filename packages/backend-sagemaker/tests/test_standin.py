@@ -12,7 +12,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError
 
 from conftest import ROLE, installed
-from diloco_sagemaker import servicemodel
+from diloco_sagemaker.testing import validation
 
 IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/diloco:test"
 BASE = {
@@ -103,15 +103,17 @@ def test_each_request_sagemaker_refuses_is_refused(sagemaker, what):
 def test_a_valid_request_is_accepted_and_the_message_format_is_sagemakers(sagemaker):
     sm().create_training_job(**request("standin-ok"))
     assert wait_status("standin-ok", "Completed")["SecondaryStatus"] == "Completed"
-    problems = servicemodel.check("CreateTrainingJob", request("x_y", **{"Tags": [{"Key": "k", "Value": "v!"}]}))
-    assert problems.message().startswith("2 validation errors detected: Value 'x_y' at 'trainingJobName' failed to "
-                                         "satisfy constraint: Member must satisfy regular expression pattern: ")
+    with pytest.raises(ClientError) as err:
+        sm().create_training_job(**request("x_y", **{"Tags": [{"Key": "k", "Value": "v!"}]}))
+    assert err.value.response["Error"]["Message"].startswith(
+        "2 validation errors detected: Value 'x_y' at 'trainingJobName' failed to satisfy constraint: Member must "
+        "satisfy regular expression pattern: ")
 
 
 def test_h100_1_is_an_instance_sagemaker_knows(sagemaker):
-    enum = servicemodel.service_model().shape_for("TrainingInstanceType").enum
+    enum = validation.model().shape_for("TrainingInstanceType").enum
     if "ml.p5.4xlarge" not in enum:
-        pytest.skip(f"botocore {servicemodel.botocore_version()}'s model predates ml.p5.4xlarge")
+        pytest.skip(f"botocore {validation.botocore_version()}'s model predates ml.p5.4xlarge")
     sm().create_training_job(**request("standin-p5", **{"ResourceConfig.InstanceType": "ml.p5.4xlarge"}))
     wait_status("standin-p5", "Completed")
 

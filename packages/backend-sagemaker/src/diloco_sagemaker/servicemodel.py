@@ -5,8 +5,10 @@ service checks everything its model declares — maximum lengths, patterns, enum
 ranges — and answers `ValidationException: 1 validation error detected: Value 'x' at
 'trainingJobName' failed to satisfy constraint: Member must satisfy regular expression pattern:
 …`. This module walks an operation's input shape the same way and returns those messages, so
-that the test control plane refuses what SageMaker refuses and `plan` can refuse it before
-anything is uploaded. The model is the installed botocore's (`botocore.session`), never a copy.
+that `plan` can refuse such a request before anything is uploaded. The model is the installed
+botocore's (`botocore.session`), never a copy. The test control plane does not use this module:
+it reads the model on its own (`diloco_sagemaker.testing.validation`), so that a mistake here is
+refused there, as SageMaker would refuse it.
 
 Two kinds of problem, as the JSON protocol reports them: `serialization` (a value of the wrong
 JSON type, a member the shape does not have: the request cannot be read) and `validation` (a

@@ -11,9 +11,10 @@ together or bound them where the model does not, as AWS's documentation states t
 - a job with a training image needs `ResourceConfig` (type, count, volume) and a `StoppingCondition`;
 - tag keys are unique and never start with `aws:`; channel names are unique.
 
-Each rule answers one ValidationException message, worded like the service's. The messages are
-the stand-in's: AWS does not publish them verbatim, the conditions are what the documentation
-states.
+Each rule answers one ValidationException message, worded like the service's (AWS does not
+publish them verbatim; the conditions are what the documentation states). `plan` checks these;
+the test control plane keeps its own copy (`diloco_sagemaker.testing.rules`), so that a wrong
+rule here is refused there rather than agreed with.
 """
 
 from __future__ import annotations

@@ -37,7 +37,6 @@ from typing import Any
 
 import aiohttp.web
 import kmock
-from kmock._internal import k8s, rendering
 
 from . import defaults, rules
 from .model import KUBERNETES_VERSION, ApiModel, DecodeError, FieldError
@@ -45,7 +44,7 @@ from .patch import MERGE_PATCH, STRATEGIC_MERGE_PATCH, UnsupportedPatch, apply_p
 from .protocol import (NAME_ALPHABET, PARAMS, RESOURCES, Kind, Unimplemented, content_type, json_body,
                        label_selector, refused)
 
-class StrictApiServer(k8s.KubernetesEmulator):
+class StrictApiServer(kmock.KubernetesEmulator):
     """The emulator with an API server's admission in front (see the module doc)."""
 
     def __init__(self, *, can_run: Callable[[str, dict[str, Any]], str | None],
@@ -67,7 +66,7 @@ class StrictApiServer(k8s.KubernetesEmulator):
 
     # -- entry ---------------------------------------------------------------------------------
 
-    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         try:
             if request.resource is None:
                 return await self._discovery(request)
@@ -99,7 +98,7 @@ class StrictApiServer(k8s.KubernetesEmulator):
             message = f"not implemented by the Kubernetes stand-in: {request.method.value} {request.url.path_qs}: {exc}"
             self.unimplemented.append(message)
             raise refused(501, "NotImplemented", message, {"causes": [{"message": str(exc)}]}) from None
-        except k8s.KubernetesError:
+        except kmock.KubernetesError:
             raise
         except Exception as exc:  # a bug of the stand-in: answered 500 by kmock, and fails the test
             self.unimplemented.append(f"the Kubernetes stand-in failed on {request.method.value} "
@@ -110,7 +109,7 @@ class StrictApiServer(k8s.KubernetesEmulator):
             response.set_status(201)  # Created, as the API server answers (kmock says 200)
         return response
 
-    def _verb(self, request: rendering.Request, kind: Kind) -> str:
+    def _verb(self, request: kmock.Request, kind: Kind) -> str:
         sub, method = request.subresource, request.method.value.upper()
         if not request.namespace:
             if method == "GET" and request.name is None and not request.params.get("watch"):
@@ -128,7 +127,7 @@ class StrictApiServer(k8s.KubernetesEmulator):
             raise Unimplemented(f"{method} on {'an object' if request.name else 'a collection'}")
         return verb
 
-    def _authorize(self, verb: str, kind: Kind, request: rendering.Request) -> None:
+    def _authorize(self, verb: str, kind: Kind, request: kmock.Request) -> None:
         if (verb, kind.plural, request.namespace) in self.denied:
             group = f' in API group "{kind.group}"' if kind.group else ' in API group ""'
             raise refused(403, "Forbidden", f'{kind.resource} is forbidden: User "system:serviceaccount:diloco:'
@@ -142,14 +141,14 @@ class StrictApiServer(k8s.KubernetesEmulator):
 
     # -- reads ---------------------------------------------------------------------------------
 
-    async def _discovery(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _discovery(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         path = request.url.path.rstrip("/") or "/"
         if request.method.value.upper() != "GET" or path not in (
                 "/", "/version", "/api", "/apis", "/api/v1", "/apis/batch", "/apis/batch/v1"):
             raise Unimplemented("only discovery (GET /version, /api, /apis, ...) is served outside the resources")
         return await super()._handle(request)
 
-    async def _serve_server_version(self, request: rendering.Request) -> dict[str, str]:
+    async def _serve_server_version(self, request: kmock.Request) -> dict[str, str]:
         major, minor = KUBERNETES_VERSION.split(".")
         return {"major": major, "minor": minor, "gitVersion": f"v{KUBERNETES_VERSION}.0", "platform": "linux/amd64"}
 
@@ -158,14 +157,14 @@ class StrictApiServer(k8s.KubernetesEmulator):
         obj = self.objects[key] if key in self.objects else None
         return None if obj is None or obj.deleted else obj.raw
 
-    def _existing(self, request: rendering.Request, kind: Kind) -> dict[str, Any]:
+    def _existing(self, request: kmock.Request, kind: Kind) -> dict[str, Any]:
         obj = self._stored(kind, request.namespace, request.name)
         if obj is None:
             raise refused(404, "NotFound", f'{kind.resource} "{request.name}" not found',
                           {"name": request.name, "group": kind.group, "kind": kind.plural})
         return obj
 
-    def _list(self, request: rendering.Request, kind: Kind) -> dict[str, Any]:
+    def _list(self, request: kmock.Request, kind: Kind) -> dict[str, Any]:
         match = label_selector(request.params.get("labelSelector") or "")
         resource = kmock.resource(kind.group, kind.version, kind.plural)
         items = [obj.raw for (res, ns, _), obj in self.objects.items()
@@ -175,7 +174,7 @@ class StrictApiServer(k8s.KubernetesEmulator):
         return {"kind": f"{kind.name}List", "apiVersion": kind.api_version,
                 "metadata": {"resourceVersion": str(self._version)}, "items": items}
 
-    def _log(self, request: rendering.Request, kind: Kind) -> aiohttp.web.StreamResponse:
+    def _log(self, request: kmock.Request, kind: Kind) -> aiohttp.web.StreamResponse:
         pod = self._existing(request, kind)
         container = request.params.get("container")
         names = [c["name"] for c in pod["spec"]["containers"]]
@@ -190,7 +189,7 @@ class StrictApiServer(k8s.KubernetesEmulator):
 
     # -- writes --------------------------------------------------------------------------------
 
-    def _admit_create(self, request: rendering.Request, kind: Kind) -> dict[str, Any]:
+    def _admit_create(self, request: kmock.Request, kind: Kind) -> dict[str, Any]:
         body = self._body(request, kind)
         decoded = self._decode(body, kind)  # metadata, if given, is an object from here on
         meta = body["metadata"] = body.get("metadata") or {}
@@ -219,7 +218,7 @@ class StrictApiServer(k8s.KubernetesEmulator):
             raise Unimplemented(problem)
         return obj
 
-    def _admit_patch(self, request: rendering.Request, kind: Kind) -> dict[str, Any]:
+    def _admit_patch(self, request: kmock.Request, kind: Kind) -> dict[str, Any]:
         current = copy.deepcopy(self._existing(request, kind))  # the store's own dict: never edited here
         patch_type = content_type(request)
         if patch_type not in (MERGE_PATCH, STRATEGIC_MERGE_PATCH):
@@ -262,7 +261,7 @@ class StrictApiServer(k8s.KubernetesEmulator):
             raise Unimplemented(f"changes to a {kind.name}'s spec after creation ({', '.join(changed)})")
         return errs
 
-    def _admit_delete(self, request: rendering.Request, kind: Kind) -> None:
+    def _admit_delete(self, request: kmock.Request, kind: Kind) -> None:
         obj = self._existing(request, kind)
         options = json_body(request) if request.body else {}
         if options:
@@ -281,7 +280,7 @@ class StrictApiServer(k8s.KubernetesEmulator):
 
     # -- admission steps -----------------------------------------------------------------------
 
-    def _body(self, request: rendering.Request, kind: Kind) -> dict[str, Any]:
+    def _body(self, request: kmock.Request, kind: Kind) -> dict[str, Any]:
         if request.params.get("dryRun") not in (None, "All"):
             raise refused(400, "BadRequest", f'Invalid dryRun parameter value "{request.params["dryRun"]}"')
         body_type = content_type(request)
@@ -298,7 +297,7 @@ class StrictApiServer(k8s.KubernetesEmulator):
         return body
 
     @staticmethod
-    def _field_validation(request: rendering.Request) -> None:
+    def _field_validation(request: kmock.Request) -> None:
         if request.params.get("fieldValidation") not in (None, "Strict"):
             raise Unimplemented(f"fieldValidation={request.params['fieldValidation']} (the stand-in is always "
                                 "Strict)")
@@ -337,7 +336,7 @@ class StrictApiServer(k8s.KubernetesEmulator):
             return str(self._version)
 
 
-def _store_instead(request: rendering.Request, data: dict[str, Any]) -> None:
+def _store_instead(request: kmock.Request, data: dict[str, Any]) -> None:
     """Have kmock store `data` (the admitted object; for a patch, the merge patch that yields it)
     instead of the body as sent. kmock routes a request by its identity, so the request itself
     is updated rather than copied; its raw `body` still holds what the client sent."""

@@ -25,6 +25,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import kmock
+
 from .apiserver import StrictApiServer
 from .protocol import HttpServer
 from .jobcontroller import JobController, unsupported_job
@@ -92,12 +94,10 @@ class SimulatedCluster:
         server.join(timeout=10)
 
     def _serve(self) -> None:
-        from kmock._internal import apps
-
         async def main() -> None:
             api = StrictApiServer(can_run=_unsupported, on_delete=self._deleted, pod_log=self._pod_log,
                                   namespaces=self.namespaces)
-            async with api, apps.Server(api, server_cls=HttpServer) as srv:
+            async with api, kmock.Server(api, server_cls=HttpServer) as srv:
                 self.emulator = api
                 self.url = f"http://127.0.0.1:{srv.port}"
                 self._ready.set()

@@ -14,7 +14,7 @@ import aiohttp.test_utils
 import aiohttp.web
 import aiohttp.web_runner
 import aiohttp.web_server
-from kmock._internal import k8s, rendering
+import kmock
 
 
 @dataclass(frozen=True)
@@ -76,17 +76,17 @@ class Unimplemented(Exception):
     """A valid request the stand-in does not implement: answered 501 and recorded."""
 
 
-def refused(code: int, reason: str, message: str, details: dict[str, Any] | None = None) -> k8s.KubernetesError:
+def refused(code: int, reason: str, message: str, details: dict[str, Any] | None = None) -> kmock.KubernetesError:
     """The error kmock answers as a `Status` body with this code, reason and message."""
-    return k8s.KubernetesError(status=code, reason=reason, message=message, details=details or {})
+    return kmock.KubernetesError(status=code, reason=reason, message=message, details=details or {})
 
 
-def content_type(request: rendering.Request) -> str:
+def content_type(request: kmock.Request) -> str:
     value = next((v for k, v in request.headers.items() if k.lower() == "content-type"), "")
     return value.split(";")[0].strip().lower()
 
 
-def json_body(request: rendering.Request) -> dict[str, Any]:
+def json_body(request: kmock.Request) -> dict[str, Any]:
     try:
         body = json.loads(request.body or b"null")
     except ValueError as exc:

@@ -7,9 +7,11 @@ IAM, STS and Secrets Manager are a real moto server. What it follows, each from 
 service model or AWS's documentation (the backend's README, "Checked against the real
 service", lists them with the botocore version):
 
-- every request validated against botocore's own SageMaker model (`diloco_sagemaker.servicemodel`)
-  and the documented cross-field rules (`diloco_sagemaker.servicerules`), refused with
-  SageMaker's error codes and words (`api`);
+- every request validated against botocore's own SageMaker model (`validation`, `patterns`) and
+  the documented cross-field rules (`rules`), refused with SageMaker's error codes and words
+  (`api`); these are the stand-in's own, sharing no code with the launcher's plan-time checks
+  (`diloco_sagemaker.servicemodel`, `servicerules`, `javaregex`), so a wrong launcher rule is
+  refused here as SageMaker would refuse it, not agreed with;
 - the caller's IAM permissions for every call the launcher makes, SageMaker's and the other
   services' (`iam`, `gateway`): a missing action is AccessDeniedException naming it;
 - the documented lifecycles (`instance`): Stopping → Stopped, MaxRuntimeExceeded and

@@ -1,10 +1,12 @@
 """The training-job operations of the test control plane, answering as SageMaker answers.
 
 Every request is checked in SageMaker's order: the caller's IAM permissions (`iam`), then the
-request against botocore's service model (`diloco_sagemaker.servicemodel`: SerializationException
-for what cannot be read, ValidationException "N validation errors detected: …" for broken
-constraints), then the documented cross-field rules (`diloco_sagemaker.servicerules`), then the
-state of the account (the execution role, unique names, quotas). Reads are eventually
+request against botocore's service model (`validation`: SerializationException for what cannot
+be read, ValidationException "N validation errors detected: …" for broken constraints), then
+the documented cross-field rules (`rules`), then the state of the account (the execution role,
+unique names, quotas). `validation` and `rules` are the stand-in's own, independent of the
+launcher's plan-time checks (`diloco_sagemaker.servicemodel`, `servicerules`): the stand-in must
+refuse what SageMaker refuses even where the launcher's checks are wrong. Reads are eventually
 consistent: a job is not found for `not_found_seconds` after its creation. Throttling comes in
 bursts a test asks for (`throttle`).
 """
@@ -20,10 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import servicemodel, servicerules
+from . import patterns, rules, validation
 from .jobfiles import ACCOUNT, STOP_REQUEST, describe, job_dir, read_json, summary, visible_after, write_json
 
 ACTIVE = ("InProgress", "Stopping")
+OPERATIONS = ("CreateTrainingJob", "DescribeTrainingJob", "StopTrainingJob", "ListTrainingJobs")  # served
 
 
 class ApiError(Exception):
@@ -44,27 +47,27 @@ class TrainingJobs:
         self._lock = threading.Lock()
 
     def validate(self, operation: str, req: dict[str, Any]) -> None:
-        problems = servicemodel.check(operation, req)
-        if problems.serialization:
-            raise ApiError("SerializationException", problems.serialization[0])
-        if problems.validation:
-            raise ApiError("ValidationException", problems.message())
-        if operation == "CreateTrainingJob":
-            broken = servicerules.create_training_job(req)
-            if broken:
-                raise ApiError("ValidationException", broken[0])
+        try:
+            found = validation.violations(operation, req)
+        except validation.Unreadable as exc:
+            raise ApiError("SerializationException", str(exc)) from None
+        except patterns.Unreadable as exc:  # the stand-in's gap, never a pass: the test sees a 500
+            raise ApiError("InternalFailure", f"the test control plane cannot read the pattern {exc}", 500) from None
+        if found:
+            raise ApiError("ValidationException", validation.summary(found))
+        broken = rules.broken(operation, req)
+        if broken:
+            raise ApiError("ValidationException", broken[0])
 
     def handle(self, operation: str, req: dict[str, Any]) -> dict[str, Any]:
+        if operation not in OPERATIONS:
+            raise ApiError("UnknownOperationException", f"{operation} is not implemented by the test control plane")
         self.validate(operation, req)
         if operation == "CreateTrainingJob":
             return self.create(req)
-        if operation == "DescribeTrainingJob":
-            return self.describe(req["TrainingJobName"])
-        if operation == "StopTrainingJob":
-            return self.stop(req["TrainingJobName"])
         if operation == "ListTrainingJobs":
             return self.list(req)
-        raise ApiError("UnknownOperationException", f"{operation} is not implemented by the test control plane")
+        return (self.describe if operation == "DescribeTrainingJob" else self.stop)(req["TrainingJobName"])
 
     def visible(self, name: str) -> dict[str, Any]:
         """The job as the API shows it now; not found before it exists and while reads lag."""
