@@ -241,7 +241,8 @@ def test_a_replica_the_platform_retries_itself_is_pending_not_failed(tmp_path):
     from diloco.state import RunRecord
     from diloco.protocol import Capabilities
     from diloco.request import LaunchRequest
-    from diloco.supervisor import GroupState, Supervisor
+    from diloco.policy import RunState
+    from diloco.supervisor import Supervisor
 
     class SpotLike(LocalProcessExecutor):
         capabilities = Capabilities(shares_launcher_filesystem=True, relaunches_one_rank=True, status_detail=True)
@@ -263,7 +264,7 @@ def test_a_replica_the_platform_retries_itself_is_pending_not_failed(tmp_path):
                          args={"seconds": 2.0}, timeout=60)
     record = RunRecord.create("spot-like", {})
     sup = Supervisor(SpotLike(), record, args, {"policy": "per-rank", "monitor_interval": 0.05, "max_restarts": 0})
-    assert sup.run() is GroupState.SUCCEEDED
+    assert sup.run() is RunState.SUCCEEDED
     events = [json.loads(x) for x in (record.dir / "events.jsonl").read_text().splitlines()]
     pending = [e for e in events if e["event"] == "pending"]
     assert [(e["rank"], e["reason"]) for e in pending] == [

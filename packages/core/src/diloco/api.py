@@ -245,7 +245,7 @@ class Run:
         """Launch (if not yet launched) and supervise the run in this thread until it ends; take
         over a run whose launcher died. Returns the final state; raises RunFailed on failure."""
         from .launcher import resume_run
-        from .supervisor import GroupState
+        from .policy import RunState
 
         if self.supervisor is None:
             record = self.record
@@ -264,7 +264,7 @@ class Run:
             record.event("resumed", pid=os.getpid())
         if on_tick is not None:
             self.supervisor.on_tick = on_tick
-        return self.supervisor.run(start=self.supervisor.state is GroupState.INIT).value
+        return self.supervisor.run(start=self.supervisor.state is RunState.INIT).value
 
     def _supervise_quietly(self) -> None:
         try:

@@ -1,7 +1,9 @@
-"""The restart policy as a pure function: what to do about one failed replica attempt.
+"""The restart policy as pure functions: what to do about a failed attempt, what it spends, and
+where the run stands after.
 
-No processes, no clock, no I/O: the supervisor observes a failure, asks `decide`, and carries
-out the answer (events, cancels, launches). So every rule below is tested as a table of cases
+No processes, no clock, no I/O: the supervisor observes a failure, asks `decide`, pays
+`spent_on_decision` / `spent_on_relaunch`, asks `outcome`, and carries out the answers (events,
+cancels, launches). So every rule below is tested as a table of cases
 (`packages/core/tests/test_policy.py`), and the supervisor's own tests only check the wiring.
 
 The rules (the `[restart]` table, `RestartSettings`):
@@ -9,19 +11,57 @@ The rules (the `[restart]` table, `RestartSettings`):
 - a replica that stopped on a spec or store mistake (exit 78) fails the run: a relaunch repeats it;
 - the same exception at the same global step on every rank, each within `fail_fast_seconds` of
   its launch, fails the run: it is a bug in the code, and each relaunch costs minutes and money;
-- a preemption (exit 75) is relaunched after `backoff` without spending `max_restarts` or
-  `max_restarts_per_rank`, up to `max_preemptions` for the whole run;
+- a preemption (exit 75) is relaunched per the policy (one rank: after `backoff`) without spending
+  `max_restarts` or `max_restarts_per_rank`, up to `max_preemptions` for the whole run;
 - otherwise `per-rank` relaunches the rank after `backoff * 2^restarts` (at most `backoff_max`)
   while its budgets last, `gang` restarts every rank (one restart of the run), `never` gives up.
+  `per-rank` is the default because DiLoCo replicas meet only at round boundaries, through the
+  store: one dead replica rejoins at the next round while the others keep training.
+
+Budgets: `max_restarts_per_rank` caps each rank's relaunches (`per-rank`), `max_restarts` the
+run's (a gang restart counts once); both are paid when the relaunch is launched, except a gang
+restart's, which is paid when decided. `max_preemptions` is paid when a preemption's relaunch is
+decided.
+
+`min_replicas` (default: all) ranks must stay alive or have succeeded: a rank given up leaves the
+run going with fewer while enough remain; below that the run fails.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from enum import Enum
 from typing import Any
 
 from .failures import code_failure_signature, is_config_error, is_preemption
+from .state import FINAL_STATES
+
+
+class Action(Enum):
+    """What to do about a failed attempt."""
+
+    RELAUNCH = "relaunch"          # this rank, after the decision's delay
+    GANG_RESTART = "gang_restart"  # every rank, after the delay
+    GIVE_UP = "give_up"            # this rank; the run goes on while min_replicas remain
+    GIVE_UP_ALL = "give_up_all"    # every failed rank, and stop the others
+    FAIL_RUN = "fail_run"          # the run, at once
+
+
+class RunState(str, Enum):
+    """The run's state in its record: torch elastic's worker-group states, for the whole run."""
+
+    INIT = "INIT"
+    HEALTHY = "HEALTHY"
+    UNHEALTHY = "UNHEALTHY"
+    STOPPED = "STOPPED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    UNKNOWN = "UNKNOWN"
+
+    @property
+    def is_final(self) -> bool:
+        return self.value in FINAL_STATES
 
 
 @dataclass(frozen=True)
@@ -77,9 +117,9 @@ class Peer:
 
 @dataclass(frozen=True)
 class Decision:
-    """What to do. `action`: relaunch | gang_restart | give_up | give_up_all | fail_run."""
+    """What to do about one failed attempt, and what `decide` learned of it."""
 
-    action: str
+    action: Action
     delay: float = 0.0
     preempted: bool = False
     reason: str = ""
@@ -92,30 +132,86 @@ def decide(s: RestartSettings, failure: Failure, *, rank: int, restarts: int, re
     """The answer to one failed attempt of `rank` (which has been relaunched `restarts` times)."""
     if is_preemption(failure.exit_code):
         if s.policy == "never":
-            return Decision("give_up", preempted=True, reason="restart policy is never")
+            return Decision(Action.GIVE_UP, preempted=True, reason="restart policy is never")
         if preemptions_used >= s.max_preemptions:
-            return Decision("give_up", preempted=True, reason=f"max_preemptions ({s.max_preemptions}) reached")
+            return Decision(Action.GIVE_UP, preempted=True, reason=f"max_preemptions ({s.max_preemptions}) reached")
         if s.policy == "gang":
-            return Decision("gang_restart", delay=s.backoff_after(restarts_used), preempted=True)
-        return Decision("relaunch", delay=min(s.backoff, s.backoff_max), preempted=True)
+            return Decision(Action.GANG_RESTART, delay=s.backoff_after(restarts_used), preempted=True)
+        return Decision(Action.RELAUNCH, delay=min(s.backoff, s.backoff_max), preempted=True)
     signature = failure.signature
     soon = failure.launched_at is None or failure.now - failure.launched_at <= s.fail_fast_seconds
     keep = {"signature": signature, "failed_soon": soon}
     if is_config_error(failure.exit_code):
-        return Decision("fail_run", reason=f"rank {rank} stopped on a configuration error, which a relaunch would "
-                                           f"repeat: {failure.error}", **keep)
+        return Decision(Action.FAIL_RUN, reason=f"rank {rank} stopped on a configuration error, which a relaunch "
+                                                  f"would repeat: {failure.error}", **keep)
     everyone = [Peer(signature, soon), *peers]
     sigs = {p.signature if p.failed_soon else None for p in everyone}
     if len(sigs) == 1 and None not in sigs:
-        return Decision("fail_run", reason=f"every rank failed with the same error at the same step: {sigs.pop()}; "
-                                           f"not relaunching (it would fail again): fix the code and start a new run",
-                        **keep)
+        return Decision(Action.FAIL_RUN, reason=f"every rank failed with the same error at the same step: "
+                                                  f"{sigs.pop()}; not relaunching (it would fail again): fix the "
+                                                  f"code and start a new run", **keep)
     if s.policy == "gang":
         if restarts_used >= s.max_restarts:
-            return Decision("give_up_all", reason="gang restart budget spent", **keep)
-        return Decision("gang_restart", delay=s.backoff_after(restarts_used), **keep)
+            return Decision(Action.GIVE_UP_ALL, reason="gang restart budget spent", **keep)
+        return Decision(Action.GANG_RESTART, delay=s.backoff_after(restarts_used), **keep)
     if s.policy == "never":
-        return Decision("give_up", reason="restart policy is never", **keep)
+        return Decision(Action.GIVE_UP, reason="restart policy is never", **keep)
     if restarts >= s.max_restarts_per_rank or restarts_used >= s.max_restarts:
-        return Decision("give_up", reason="restart budget spent", **keep)
-    return Decision("relaunch", delay=s.backoff_after(restarts), **keep)
+        return Decision(Action.GIVE_UP, reason="restart budget spent", **keep)
+    return Decision(Action.RELAUNCH, delay=s.backoff_after(restarts), **keep)
+
+
+@dataclass(frozen=True)
+class Spend:
+    """What a step costs: `restarts` of the rank (against `max_restarts_per_rank`), `run_restarts`
+    of the run (`max_restarts`), and `preemptions` of the rank and of the run (`max_preemptions`)."""
+
+    restarts: int = 0
+    run_restarts: int = 0
+    preemptions: int = 0
+
+
+def spent_on_decision(d: Decision) -> Spend:
+    """What a decision costs at once, so that the next failure's `decide` sees it spent: a preempted
+    rank's relaunch (or the gang restart it causes) one preemption; a gang restart after a failure
+    one restart of the run, however many ranks it relaunches. A rank's relaunch after a failure is
+    paid when launched (`spent_on_relaunch`); giving up or failing the run costs nothing."""
+    if d.action not in (Action.RELAUNCH, Action.GANG_RESTART):
+        return Spend()
+    if d.preempted:
+        return Spend(preemptions=1)
+    return Spend(run_restarts=1) if d.action is Action.GANG_RESTART else Spend()
+
+
+def spent_on_relaunch(policy: str, *, preempted: bool) -> Spend:
+    """What one rank's relaunch costs when it is launched: one of the rank's restarts and, unless
+    it is part of a gang restart (paid once, when decided), one of the run's; nothing when it
+    replaces a preempted attempt (paid from `max_preemptions` when decided)."""
+    if preempted:
+        return Spend()
+    return Spend(restarts=1, run_restarts=0 if policy == "gang" else 1)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The run's state after a monitor pass; `reason` says why when it failed."""
+
+    state: RunState
+    reason: str = ""
+
+
+def outcome(min_replicas: int, *, n_replicas: int, live: int, succeeded: int, waiting: int, given_up: int,
+            alone: bool) -> Outcome:
+    """Where the run stands once every failure of the pass is answered. `live` ranks are running,
+    pending or (`waiting` of them) waiting for a scheduled relaunch; `succeeded` are done;
+    `given_up` were given up; `alone`: the replicas train without meeting (`RoundWatcher.alone`).
+
+    Fewer than `min_replicas` alive or done fails the run. None alive is success: enough succeeded,
+    or the rule above would have failed it. Otherwise the run goes on, UNHEALTHY while it waits for
+    a relaunch, goes on with fewer, or trains alone."""
+    if live + succeeded < min_replicas:
+        return Outcome(RunState.FAILED, f"only {live + succeeded} of {n_replicas} replicas are alive or done, "
+                                        f"below min_replicas={min_replicas}")
+    if live == 0:
+        return Outcome(RunState.SUCCEEDED)
+    return Outcome(RunState.UNHEALTHY if waiting or given_up or alone else RunState.HEALTHY)

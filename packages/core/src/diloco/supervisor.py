@@ -1,36 +1,10 @@
 """The supervisor: keeps a run's replicas alive through the executor protocol alone.
 
-A DiLoCo replica meets the others only at round boundaries, through the object store, so one
-dead replica can be replaced while the rest keep training (torchft/prime style), unlike torch
-elastic, which restarts the whole group. Policies ([restart] table):
-
-- ``per-rank`` (default): relaunch only the failed rank, same rank, attempt + 1; it rejoins
-  the training at the next round from the global state in the store.
-- ``gang``: cancel every rank and relaunch all of them as the next attempt (torch elastic's
-  behaviour); also used for backends whose executor cannot relaunch one rank alone.
-- ``never``: no relaunches.
-
-Budgets: ``max_restarts`` counts relaunches across the whole run (a gang restart counts once);
-``max_restarts_per_rank`` caps each rank. Relaunches back off exponentially per rank
-(``backoff`` * 2^n, at most ``backoff_max``) without blocking the monitoring of other ranks.
-``min_replicas`` (default: all) is how many ranks must stay alive and, at the end, have
-succeeded; a rank whose budget is spent is given up, and the run goes on while enough remain.
-Below that, every rank is cancelled and the run fails with each rank's last error.
-
-Failures that relaunching cannot fix end the run at once instead of spending the budget (each
-relaunch on a cloud backend costs minutes and money): a replica that stopped on a spec or
-store mistake (exit 78, `diloco.errors.EXIT_CONFIG`), and the same exception at the same global
-step on every rank, each within ``fail_fast_seconds`` of its start. Signals, OOM kills,
-preemptions and lost nodes are always relaunched.
-
-A preempted replica (exit 75, `diloco.errors.EXIT_PREEMPTED`: the platform took its machine
-away) is not a failure of the run's code: it becomes a ``preempted`` event and is relaunched
-per the policy without spending ``max_restarts`` or ``max_restarts_per_rank``; preemptions have
-their own run-wide budget, ``max_preemptions``, so a platform that keeps taking machines away
-cannot bill forever.
-
-Rounds are watched by `diloco.roundwatch.RoundWatcher` (events, metric sinks, `training_alone`,
-which makes the run UNHEALTHY).
+It observes (polls every rank, collects each failure), asks `diloco.policy` (every rule: what a
+failure gets, what it spends, `min_replicas`) and carries out the answers: events, cancels,
+launches. A relaunch is scheduled, not slept on, so one rank's backoff never holds up watching the
+others. Rounds are watched by `diloco.roundwatch.RoundWatcher` (events, metric sinks,
+`training_alone`).
 
 All state is in the run record (handles of every attempt, budgets, status), written on every
 change, so a new launcher can reattach (`diloco resume`) and continue where this one stopped.
@@ -42,18 +16,18 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from enum import Enum
 from typing import Any
 
 from .errors import BackendError
 from .failures import shorten
-from .policy import Failure, Peer, RestartSettings, decide
+from .policy import (Action, Failure, Peer, RestartSettings, RunState, Spend, decide, outcome, spent_on_decision,
+                     spent_on_relaunch)
 from .protocol import Executor, ReplicaResult, ReplicaStatus
 from .rankstate import RankState, RankStatus
 from .request import LaunchPlan, LaunchRequest
 from .roundwatch import RoundWatcher
 from .procinfo import started_at
-from .state import FINAL_STATES, RunRecord
+from .state import RunRecord
 
 
 HEARTBEAT_EVERY = 5.0  # seconds between record saves while nothing changes
@@ -62,22 +36,6 @@ HEARTBEAT_STALE = 30.0  # a launcher silent this long is presumed dead (`diloco 
 # every rank's last known status standing; only an outage this long stops the launcher (the
 # replicas keep running, and `diloco resume` reattaches).
 POLL_OUTAGE_LIMIT = 900.0
-
-
-class GroupState(str, Enum):
-    """torch elastic's worker-group states, for the run as a whole."""
-
-    INIT = "INIT"
-    HEALTHY = "HEALTHY"
-    UNHEALTHY = "UNHEALTHY"
-    STOPPED = "STOPPED"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    UNKNOWN = "UNKNOWN"
-
-    @property
-    def is_final(self) -> bool:
-        return self.value in FINAL_STATES
 
 
 class RunFailed(Exception):
@@ -114,7 +72,7 @@ class Supervisor:
             st.group = self.group_names.get(st.rank)
         self.restarts_used = int(record.data.get("restarts_used", 0))
         self.preemptions_used = int(record.data.get("preemptions_used", 0))
-        self.state = GroupState(record.data.get("state", GroupState.INIT.value))
+        self.state = RunState(record.data.get("state", RunState.INIT.value))
         self.rounds = RoundWatcher(record, rendezvous=request.rendezvous, run_id=request.run_id,
                                    n_replicas=request.n_replicas, clock=clock)
         self._outage_since: dict[str, float] = {}  # by group: one backend's outage is timed on its own
@@ -167,7 +125,7 @@ class Supervisor:
     def start(self) -> None:
         """First launch of every rank, attempt 0."""
         self._launch([r.rank for r in self.ranks], {r.rank: 0 for r in self.ranks})
-        self.state = GroupState.HEALTHY
+        self.state = RunState.HEALTHY
         self.save()
 
     # -- monitoring ------------------------------------------------------------------------
@@ -205,7 +163,7 @@ class Supervisor:
                         **({"group": group} if group else {}))
         return status
 
-    def tick(self) -> GroupState:
+    def tick(self) -> RunState:
         """One monitor pass: poll every rank, react to changes, relaunch what is due."""
         now = self.clock()
         changed = self.rounds.poll()
@@ -228,7 +186,7 @@ class Supervisor:
                 self._event("cancelled", rank=st.rank, attempt=st.handle.attempt)
             elif status is ReplicaStatus.FAILED:
                 stop = self._failed(st, now)
-                if self.state is GroupState.FAILED:
+                if self.state is RunState.FAILED:
                     return self.state
                 if stop:
                     break  # every rank restarts or gives up: the other ranks' statuses are moot
@@ -238,30 +196,22 @@ class Supervisor:
         due = [st for st in self.ranks if st.relaunch_at is not None and st.relaunch_at <= now]
         if due:
             for st in due:
-                if st.preempted:  # a preemption's relaunch is paid from max_preemptions, already counted
-                    st.preempted = False
-                    continue
-                st.restarts += 1
-                if self.settings.policy != "gang":
-                    self.restarts_used += 1
+                self._spend(st, spent_on_relaunch(self.settings.policy, preempted=st.preempted))
+                st.preempted = False
             self._launch([st.rank for st in due], {st.rank: st.handle.attempt + 1 for st in due})
             changed = True
-        live = len(self.alive())
         succeeded = sum(r.status is RankStatus.SUCCEEDED for r in self.ranks)
-        if live + succeeded < self.settings.min_replicas:
-            return self._fail(f"only {live + succeeded} of {self.request.n_replicas} replicas are alive or done, "
-                              f"below min_replicas={self.settings.min_replicas}")
-        if live == 0:
+        o = outcome(self.settings.min_replicas, n_replicas=self.request.n_replicas, live=len(self.alive()),
+                    succeeded=succeeded, waiting=sum(r.relaunch_at is not None for r in self.ranks),
+                    given_up=sum(r.given_up for r in self.ranks), alone=self.rounds.alone)
+        if o.state is RunState.FAILED:
+            return self._fail(o.reason)
+        if o.state is RunState.SUCCEEDED:
             self.rounds.poll(final=True)  # the last rounds, before the run is declared over
-            # enough succeeded: fewer would have failed the run just above
-            self.state = GroupState.SUCCEEDED
             self._event("run_succeeded", succeeded=succeeded, given_up=[r.rank for r in self.ranks if r.given_up])
             changed = True
-        else:
-            unhealthy = any(r.relaunch_at is not None or r.given_up for r in self.ranks) or self.rounds.alone
-            new_state = GroupState.UNHEALTHY if unhealthy else GroupState.HEALTHY
-            changed = changed or new_state != self.state
-            self.state = new_state
+        changed = changed or o.state != self.state
+        self.state = o.state
         if changed:
             self.save()
         return self.state
@@ -291,23 +241,22 @@ class Supervisor:
         else:
             st.failure_signature, st.failed_soon = d.signature, d.failed_soon
             self._event("failed", rank=st.rank, attempt=attempt, error=shorten(st.last_error))
-        if d.action == "fail_run":
+        if d.action is Action.FAIL_RUN:
             self._fail(d.reason)
             return True
-        if d.action == "give_up":
+        if d.action is Action.GIVE_UP:
             st.given_up = True
             self._event("give_up", rank=st.rank, restarts=st.restarts, reason=d.reason)
             return False
-        if d.preempted:  # paid from max_preemptions, not from the failure budgets
-            self.preemptions_used += 1
-            st.preemptions += 1
-            st.preempted = True
-        if d.action == "relaunch":
+        self._spend(st, spent_on_decision(d))
+        if d.preempted:
+            st.preempted = True  # its relaunch replaces a preempted attempt: paid already
+        if d.action is Action.RELAUNCH:
             st.relaunch_at = now + d.delay
             self._event("relaunch_scheduled", rank=st.rank, delay=round(d.delay, 3), attempt=attempt + 1,
                         **({"reason": "preempted"} if d.preempted else {}))
             return False
-        if d.action == "give_up_all":
+        if d.action is Action.GIVE_UP_ALL:
             for r in self.ranks:
                 r.given_up = r.given_up or r.status is RankStatus.FAILED
             self._event("give_up", rank=st.rank, restarts=self.restarts_used, reason=d.reason)
@@ -321,8 +270,13 @@ class Supervisor:
         self._stop_all()
         for st in self.ranks:
             st.status, st.relaunch_at, st.preempted = RankStatus.FAILED, now + delay, preempted
-        if not preempted:
-            self.restarts_used += 1  # a gang restart costs the run one restart, not one per rank
+
+    def _spend(self, st: RankState, spent: Spend) -> None:
+        """Pay what the policy priced (`spent_on_decision`, `spent_on_relaunch`) from `st`'s and the run's budgets."""
+        st.restarts += spent.restarts
+        st.preemptions += spent.preemptions
+        self.restarts_used += spent.run_restarts
+        self.preemptions_used += spent.preemptions
 
     def _stop_all(self) -> None:
         for st in self.ranks:
@@ -330,21 +284,21 @@ class Supervisor:
                 self.executor.cancel(st.handle)
                 st.status = RankStatus.CANCELLED_BY_SUPERVISOR
 
-    def _fail(self, reason: str) -> GroupState:
+    def _fail(self, reason: str) -> RunState:
         self._stop_all()
         for st in self.ranks:
             st.relaunch_at = None
-        self.state = GroupState.FAILED
+        self.state = RunState.FAILED
         self.record.data["failure"] = reason
         self._event("run_failed", reason=shorten(reason), errors={str(r.rank): shorten(r.last_error) for r in self.ranks})
         self.save()
         return self.state
 
-    def _finish_cancelled(self) -> GroupState:
+    def _finish_cancelled(self) -> RunState:
         self._stop_all()
         for st in self.ranks:
             st.relaunch_at = None
-        self.state = GroupState.STOPPED
+        self.state = RunState.STOPPED
         self._event("run_cancelled")
         self.save()
         return self.state
@@ -360,7 +314,7 @@ class Supervisor:
 
             self.lease = SupervisorLease.acquire(self.record.dir, run_id=self.record.run_id)
 
-    def run(self, *, start: bool = True) -> GroupState:
+    def run(self, *, start: bool = True) -> RunState:
         """Launch (unless resuming) and supervise until the run ends, holding the run's lease."""
         self.take_lease()
         try:
@@ -369,8 +323,8 @@ class Supervisor:
             self.lease.release()
             self.lease = None
 
-    def _run(self, *, start: bool) -> GroupState:
-        if start and self.state is GroupState.INIT:
+    def _run(self, *, start: bool) -> RunState:
+        if start and self.state is RunState.INIT:
             self.start()
         last_beat = self.clock()
         while True:
@@ -389,7 +343,7 @@ class Supervisor:
                 self.save()  # the heartbeat: other shells tell a live launcher from a dead one by it
                 last_beat = self.clock()
             time.sleep(self.settings.monitor_interval)
-        if state is GroupState.FAILED:
+        if state is RunState.FAILED:
             raise RunFailed(self.record.failure or "run failed", self.errors())
         return state
 
