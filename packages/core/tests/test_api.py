@@ -85,3 +85,36 @@ def test_attach_takes_a_unique_prefix_and_bad_input_is_a_clear_error(project, st
         diloco.launch(spec_dict(project, replicas="three"))
     with pytest.raises(diloco.UserError, match="nothing to resume"):
         diloco.attach(run.id).supervise()
+
+
+def test_follow_yields_snapshots_until_the_run_ends(project, state_dir):
+    run = diloco.launch(spec_dict(project, args={"steps": 40, "delay": 0.05}))
+    snapshots = list(diloco.attach(run.id).follow(interval=0.1))  # returns: the run ended
+    assert len(snapshots) > 1 and len({id(s) for s in snapshots}) == len(snapshots)  # each read afresh
+    assert [s.ended for s in snapshots] == [False] * (len(snapshots) - 1) + [True]
+    assert snapshots[-1].state == "SUCCEEDED" and run.wait(timeout=60) == "SUCCEEDED"
+    _, offset = snapshots[-1].events_after(0)
+    assert offset > 0 and {e["event"] for e in snapshots[-1].events()} >= {"launch", "run_succeeded"}
+
+
+def test_follow_stops_on_a_run_that_no_launcher_supervises(project, state_dir):
+    run = diloco.launch(spec_dict(project), background=False)  # recorded, never supervised
+    path = run.record.path
+    data = json.loads(path.read_text())
+    data["updated_at"] -= 60  # silent for longer than a live launcher's heartbeat allows
+    path.write_text(json.dumps(data))
+    follow = diloco.attach(run.id).follow(interval=0.01)
+    assert not next(follow).ended
+    with pytest.raises(diloco.UserError, match=f"no launcher is supervising run {run.id}.*diloco resume"):
+        next(follow)
+
+
+def test_follow_logs_prints_one_replicas_output_until_it_ends(project, state_dir):
+    run = diloco.launch(spec_dict(project, replicas=1, args={"steps": 8, "delay": 0.1}))
+    text = "".join(diloco.attach(run.id).follow_logs(lines=50))  # one replica: no rank to name
+    assert [line for line in text.splitlines() if " step " in line] == [f"rank 0/1 step {i}" for i in range(8)]
+    assert run.wait(timeout=60) == "SUCCEEDED"
+    two = diloco.launch(spec_dict(project, replicas=2))
+    with pytest.raises(diloco.UserError, match="2 replicas match; follow_logs follows one"):
+        two.follow_logs()
+    two.wait(timeout=60)

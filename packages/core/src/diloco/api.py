@@ -10,6 +10,8 @@ For notebooks and sweep scripts, with the CLI's powers; the CLI is built on this
 
     same = diloco.attach(run.id)                               # from another process or machine's shell
     same.progress().step, same.logs(rank=0), same.cancel()
+    for record in same.follow(): print(record.state)           # until it ends, as `diloco status --follow`
+    for text in same.follow_logs(rank=0): print(text, end="")  # as `diloco logs --rank 0 --follow`
 
 A `Run` holds no state of its own: every method reads the run's record (run.json, events.jsonl
 under the state dir), its object store (round metrics), or its backend (live statuses, logs), so
@@ -27,7 +29,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -215,6 +217,17 @@ class Run:
         executor = self.executor()
         return {h.rank: executor.stream_logs(h, n_lines=lines) for h in self.log_handles(rank, attempt)}
 
+    def follow_logs(self, rank: int | None = None, *, attempt: int | None = None, lines: int = 200) -> Iterator[str]:
+        """One rank's last `lines` of output (latest attempt by default; `rank` may be left out
+        in a run of one replica), then what it prints, chunk by chunk, until the replica ends:
+        what `diloco logs --follow` prints."""
+        from .follow import follow_output
+
+        handles = self.log_handles(rank, attempt)
+        if len(handles) != 1:
+            raise UserError(f"run {self.id}: {len(handles)} replicas match; follow_logs follows one (name its rank)")
+        return follow_output(self.executor(), handles[0], lines=lines)
+
     def cancel(self) -> int:
         """Stop every replica (idempotent, from any process); returns how many were told to stop.
 
@@ -272,6 +285,17 @@ class Run:
         except BaseException as exc:  # RunFailed and anything else: `wait` re-raises it in the caller
             self._error = exc
 
+    def follow(self, interval: float = 0.5) -> Iterator[RunRecord]:
+        """Snapshots of the run until it ends, as `diloco status --follow` shows them from any
+        process: its record re-read from disk every `interval` seconds, each a `RunRecord` of its
+        own (`state`, `ranks`, `events_after(offset)` for what is new), the last one final.
+        Raises UserError when no launcher supervises the run and its record has stopped changing:
+        it would never end by itself (`diloco resume RUN` takes over). See `diloco.follow`."""
+        from .follow import follow_record
+
+        # from disk, not self.record: a supervisor in this process changes that one in place
+        return follow_record(lambda: RunRecord.load(self.id, self._root), launcher_alive, interval=interval)
+
     def wait(self, timeout: float | None = None, *, poll: float = 1.0) -> str:
         """Block until the run ends; return its final state. Raises RunFailed if it failed,
         TimeoutError after `timeout` seconds. Works on attached runs too (it follows the record)."""
@@ -305,6 +329,7 @@ class Run:
 
     def view(self) -> dict[str, Any]:
         """`status()` plus the rounds as `RoundSummary` objects (`rounds_objects`), for renderers."""
+        from .estimate import estimate_view
         from .progress import progress_of, timeline_rows
 
         record = self.record  # read once: every part below describes the same moment
@@ -364,33 +389,3 @@ def launcher_alive(record: RunRecord) -> bool:
         return is_running(int(launcher.pid), launcher.started)
     interval = float((record.data.get("spec") or {}).get("restart", {}).get("monitor_interval") or 1.0)
     return time.time() - launcher.heartbeat <= max(HEARTBEAT_STALE, 10 * interval)
-
-
-def estimate_view(record: RunRecord, rounds: list[Any]) -> dict[str, Any]:
-    """The spec's estimate (with the measured model size if the spec gave none), and the traffic
-    the replicas counted, over the same rounds, for comparison."""
-    from .estimate import estimate
-
-    counted = {"rounds": len(rounds), "bytes_up": 0, "bytes_down": 0}
-    for s in rounds:
-        for row in s.rows:
-            counted["bytes_up"] += row.bytes_up
-            counted["bytes_down"] += row.bytes_down
-            for k, v in row.requests.items():
-                counted[k] = counted.get(k, 0) + v
-    try:
-        spec = record.spec
-        measured = next((s.parameters for s in reversed(rounds) if s.parameters), None)
-        if spec.diloco.get("parameters") or not measured:
-            est = estimate(spec, rendezvous=record.rendezvous)
-        else:
-            est = estimate(spec, parameters=measured, parameters_from="measured at round 1", rendezvous=record.rendezvous)
-    except (KeyError, TypeError, UserError):
-        return {"estimate": None, "counted": counted}
-    out = est.to_dict()
-    if est.round is not None and rounds:
-        n = len(rounds)
-        same = est.first_round.plus(est.round.times(n - 1)).times(est.replicas)
-        out["for_counted_rounds"] = {"bytes_up": same.bytes_up, "bytes_down": same.bytes_down, "puts": same.puts,
-                                     "gets": same.gets, "lists": same.lists, "requests": same.request_count}
-    return {"estimate": out, "counted": counted}

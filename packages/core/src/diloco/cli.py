@@ -1,4 +1,5 @@
-"""The `diloco` command line. Thin: each command parses, calls the library, renders.
+"""The `diloco` command line. Thin: each command parses, calls the Python API (`diloco.api`),
+and prints what `diloco.display` renders.
 
 A `UserError` anywhere becomes one line on stderr and exit code 2; a failed run exits 1.
 """
@@ -8,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 import click
 
@@ -39,8 +39,8 @@ def main() -> None:
 def backends(name: str | None, as_json: bool) -> None:
     """List installed backends; with NAME, that backend's [backend] options (name, type, default, help)."""
     from rich.console import Console
-    from rich.table import Table
 
+    from .display import backends_table, options_table
     from .plugins import backends as found, broken_plugins, get_backend
 
     console = Console(width=140, highlight=False)
@@ -55,25 +55,14 @@ def backends(name: str | None, as_json: bool) -> None:
             return
         console.print(f"{info.name} ({info.distribution} {info.version}): options for the spec's [backend] table",
                       markup=False)
-        from rich.text import Text
-
-        table = Table("option", "type", "default", "help")
-        for o in options:  # Text: a type like list[str] or a help's [r] is not rich markup
-            default = "(required)" if o.required else "-" if o.default is None else json.dumps(o.default, default=str)
-            table.add_row(*(Text(x) for x in (o.name, o.type, default, o.help)))
-        console.print(table)
+        console.print(options_table(options))
         return
     infos = list(found().values())
     if as_json:
         click.echo(json.dumps([{"backend": i.name, "distribution": i.distribution, "version": i.version}
                                for i in infos], indent=2))
         return
-    from rich.text import Text
-
-    table = Table("backend", "distribution", "version")
-    for info in infos:  # Text: what a plugin's metadata says is shown, never read as markup
-        table.add_row(Text(info.name), Text(info.distribution), Text(str(info.version)))
-    console.print(table)
+    console.print(backends_table(infos))
     for b in broken_plugins():
         console.print(f"plugin {b.name} from {b.distribution} failed to load: {b.error}", style="red", markup=False)
     console.print("options of one backend: diloco backends NAME", markup=False)
@@ -101,7 +90,7 @@ def _supervise(handle, on_interrupt: str, printer) -> None:
     the run's outcome."""
     from rich.console import Console
 
-    from .failures import cause
+    from .display import print_failed, print_succeeded
     from .supervisor import RunFailed
 
     console = Console(highlight=False, soft_wrap=True)
@@ -112,13 +101,7 @@ def _supervise(handle, on_interrupt: str, printer) -> None:
         finally:
             printer.close()  # the live progress display, if any, before the outcome lines
     except RunFailed as exc:
-        console.print(f"run {run_id} FAILED: {exc}", style="bold red", markup=False)
-        groups = handle.record.rank_groups
-        for rank, err in sorted(exc.errors.items()):
-            if err:
-                where = f" ({groups[rank]})" if rank in groups else ""
-                console.print(f"  rank {rank}{where}: {cause(err)}", style="red", markup=False)
-        console.print(f"  full errors: diloco status {run_id}", markup=False)
+        print_failed(console, handle.record, exc)
         sys.exit(1)
     except KeyboardInterrupt:
         record, sup = handle.record, handle.supervisor
@@ -143,24 +126,7 @@ def _supervise(handle, on_interrupt: str, printer) -> None:
     if state == "STOPPED":
         console.print(f"run {run_id} was cancelled", style="yellow", markup=False)
         sys.exit(1)
-    console.print(f"run {run_id} SUCCEEDED", style="bold green", markup=False)
-    _show_artifacts(handle.record, console)
-
-
-def _show_artifacts(record, console) -> None:
-    """Copy the run's artifacts next to its records; print its summary if it wrote one."""
-    from .artifacts import collect_artifacts
-
-    try:
-        files = collect_artifacts(record)
-    except Exception as exc:  # the run succeeded; a report we cannot fetch must not turn that into a failure
-        console.print(f"(could not copy the run's artifacts: {exc})", style="yellow", markup=False)
-        return
-    for f in files:
-        if f.name == "summary.txt":
-            console.print(f.read_text(), markup=False, end="")
-    if files:
-        console.print(f"artifacts: {files[0].parent}", markup=False)
+    print_succeeded(console, handle.record)
 
 
 _INTERRUPT = click.option("--on-interrupt", type=click.Choice(["ask", "cancel", "detach"]), default="ask",
@@ -212,14 +178,13 @@ def status(run_id: str, as_json: bool, n_events: int, timeline: bool, n_rounds: 
     from rich.console import Console
 
     from . import api
-    from .display import status_table
+    from .display import print_status, print_timeline
 
     handle = api.attach(run_id)
-    record = handle.record
     if follow:
         return _follow_run(handle)
+    record = handle.record
     view = handle.view()
-    live = view["live"]
     if view["live_error"]:
         click.echo(f"warning: cannot poll replicas live ({view['live_error']}); showing recorded statuses", err=True)
     if as_json:
@@ -230,83 +195,22 @@ def status(run_id: str, as_json: bool, n_events: int, timeline: bool, n_rounds: 
         return
     console = Console(width=140, highlight=False)
     if timeline:
-        _print_timeline(console, view["rounds_objects"][-n_rounds:], view["rounds_objects"], record.rank_groups)
+        print_timeline(console, view["rounds_objects"][-n_rounds:], view["rounds_objects"], record.rank_groups)
         return
-    console.print(status_table(record, live))
-    _print_status_body(console, record, view, n_events)
-
-
-def _print_status_body(console, record, view: dict, n_events: int) -> None:
-    from .display import format_any, format_round, health_warnings
-    from .progress import Progress, progress_line
-
-    rounds = view["rounds_objects"]
-    ended = record.ended
-    from .api import launcher_alive
-
-    if not ended and not launcher_alive(record):
-        console.print(f"no launcher is supervising this run: diloco resume {record.run_id}", style="yellow",
-                      markup=False)
-    if record.failure:
-        console.print(f"failure: {record.failure}", style="red", markup=False)
-    for warning in health_warnings(record, rounds):
-        console.print(f"WARNING: {warning}", style="bold red", markup=False)
-    console.print("progress: " + progress_line(Progress(**view["progress"])), markup=False)
-    if rounds:
-        from dataclasses import asdict
-
-        console.print(f"rounds: {len(rounds)}; latest:", markup=False)
-        for rnd in rounds[-3:]:
-            console.print("  " + format_round({**asdict(rnd), "waited_s": rnd.waited_s}), markup=False)
-        c, est = view["counted"], (view.get("estimate") or {}).get("for_counted_rounds")
-        line = (f"traffic: {c['bytes_up'] / 1e6:,.1f} MB up, {c['bytes_down'] / 1e6:,.1f} MB down, "
-                f"{c.get('puts', 0) + c.get('gets', 0) + c.get('lists', 0) - c.get('polls', 0):,} requests "
-                f"+ {c.get('polls', 0):,} polls over {c['rounds']} rounds")
-        if est:
-            line += (f" (estimated {est['bytes_up'] / 1e6:,.1f} MB up, {est['bytes_down'] / 1e6:,.1f} MB down, "
-                     f"{est['requests']:,.0f} requests)")
-        console.print(line, markup=False)
-    events = view["events"][-n_events:]
-    if events:
-        console.print("events:", markup=False)
-        for e in events:
-            console.print("  " + format_any(e), markup=False)
-    artifacts = record.dir / "artifacts"
-    if (artifacts / "summary.txt").exists():
-        console.print((artifacts / "summary.txt").read_text(), markup=False, end="")
-    if artifacts.is_dir():
-        console.print(f"artifacts: {artifacts}", markup=False)
-
-
-def _print_timeline(console, shown: list, rounds: list, groups: dict[int, str] | None = None) -> None:
-    from .progress import straggler_lines, timeline_table
-
-    if not shown:
-        console.print("no rounds recorded yet", markup=False)
-        return
-    console.print(timeline_table(shown, groups))
-    for line in straggler_lines(rounds, groups):
-        console.print(line, markup=False)
+    print_status(console, record, view, n_events, supervised=record.ended or api.launcher_alive(record))
 
 
 def _follow_run(handle) -> None:
-    """`status --follow`: the run's events and live progress until it ends, from any shell."""
+    """`status --follow`: the run's events and live progress (`diloco.api.Run.follow`) until it ends."""
     from .display import ProgressPrinter
 
     record = handle.record
     printer = ProgressPrinter(record)
     try:
-        while True:
-            record.data = handle.record.data
+        for record in handle.follow():
+            printer.record = record
             printer()
-            if record.ended:
-                printer()
-                break
-            if not handle.supervised() and time.time() - record.updated_at > 30:
-                printer.close()
-                raise UserError(f"no launcher is supervising run {record.run_id}; progress stopped at its last "
-                                f"event (diloco resume {record.run_id})")
-            time.sleep(0.5)
+        printer()  # events logged as the run ended, after its final record
     except KeyboardInterrupt:
         pass
     finally:
@@ -326,44 +230,17 @@ def logs(run_id: str, rank: int | None, attempt: int | None, n_lines: int, follo
 
     handle = api.attach(run_id)
     handles = handle.log_handles(rank, attempt)
-    executor = handle.executor()
     if follow:
         if len(handles) != 1:
             raise UserError("--follow needs one replica: add --rank R")
-        _follow(executor, handles[0], n_lines)
+        for text in handle.follow_logs(handles[0].rank, attempt=attempt, lines=n_lines):
+            click.echo(text, nl=False)
         return
+    executor = handle.executor()
     for h in handles:
         if len(handles) > 1:
             click.echo(f"==> rank {h.rank} attempt {h.attempt} <==")
         click.echo(executor.stream_logs(h, n_lines=n_lines), nl=False)
-
-
-def _follow(executor, handle, n_lines: int) -> None:
-    """Print the tail, then new lines as they come, until the replica ends."""
-    seen = executor.stream_logs(handle, n_lines=n_lines)
-    click.echo(seen, nl=False)
-    if not executor.capabilities.log_files:  # remote backends: re-read the tail and print what is new
-        while not executor.poll(handle).is_terminal:
-            time.sleep(1.0)
-            text = executor.stream_logs(handle, n_lines=n_lines)
-            new = text[len(seen):] if text.startswith(seen) else text.splitlines(keepends=True)[-1:]
-            click.echo("".join(new), nl=False)
-            seen = text
-        return
-    log_path = executor.log_path(handle)
-    pos = log_path.stat().st_size if log_path.exists() else 0
-    while True:
-        done = executor.poll(handle).is_terminal
-        if log_path.exists():
-            with open(log_path, "rb") as f:
-                f.seek(pos)
-                chunk = f.read()
-                pos += len(chunk)
-            if chunk:
-                click.echo(chunk.decode("utf-8", "replace"), nl=False)
-        if done:
-            return
-        time.sleep(0.2)
 
 
 @main.command()
@@ -381,24 +258,12 @@ def cancel(run_id: str) -> None:
 @click.option("--limit", default=20, show_default=True)
 def list_runs(limit: int) -> None:
     """List recorded runs, newest first."""
-    from datetime import datetime
-
     from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
 
     from . import api
+    from .display import runs_table
 
-    table = Table("run", "backend", "replicas", "state", "created")
-    for run in api.runs(limit):
-        data = run.record.data
-        spec = data.get("spec", {})
-        created = datetime.fromtimestamp(data.get("created_at", 0)).strftime("%Y-%m-%d %H:%M:%S")
-        groups = ", ".join(f"{g.get('name')} {g.get('replicas')}" for g in spec.get("groups") or [])
-        replicas = f"{spec.get('replicas', '?')}" + (f" ({groups})" if groups else "")
-        table.add_row(*(Text(str(x)) for x in (run.id, spec.get("backend", "?"), replicas,
-                                                   data.get("state", "?"), created)))  # records are shown, never read as markup
-    Console(width=140, highlight=False).print(table)
+    Console(width=140, highlight=False).print(runs_table(api.runs(limit)))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""What the CLI shows: run progress while supervising, and a run's status from its records.
+"""What the CLI shows: run progress while supervising, a run's status and timeline from its
+records, and the tables of `diloco backends` and `diloco list`.
 
 Rendering is kept out of the supervisor so the supervisor stays testable and backend-agnostic.
 Metrics come from the run's object store (`diloco.metrics`), so they look the same on every
@@ -7,6 +8,7 @@ backend.
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import datetime
 from typing import Any
@@ -50,7 +52,8 @@ class ProgressPrinter:
     members, restarts). Not on a terminal (CI, a log file) it prints the lines only.
 
     `spec`: print the run's estimate (`diloco.estimate`) once the replicas have measured the
-    model, if the spec did not give its size.
+    model, if the spec did not give its size. `record` may be swapped for a newer snapshot of the
+    same run (`diloco.api.Run.follow`): what was printed is counted in bytes of its event log.
     """
 
     def __init__(self, record: RunRecord, console: Console | None = None, *, live: bool | None = None,
@@ -163,3 +166,139 @@ def health_warnings(record: RunRecord, rounds: list[Any]) -> list[str]:
                    f"{last.diverged['majority']} at round {last.round} ({len(diverged)} round(s) diverged; the "
                    f"minority reloads from a checkpoint)")
     return out
+
+
+# -- how `diloco run` and `diloco resume` end ----------------------------------------------------
+
+
+def print_failed(console: Console, record: RunRecord, exc: Any) -> None:
+    """A failed run (`exc`, the supervisor's `RunFailed`): each rank's cause, with its group, and
+    where the full errors are."""
+    console.print(f"run {record.run_id} FAILED: {exc}", style="bold red", markup=False)
+    groups = record.rank_groups
+    for rank, err in sorted(exc.errors.items()):
+        if err:
+            where = f" ({groups[rank]})" if rank in groups else ""
+            console.print(f"  rank {rank}{where}: {cause(err)}", style="red", markup=False)
+    console.print(f"  full errors: diloco status {record.run_id}", markup=False)
+
+
+def print_succeeded(console: Console, record: RunRecord) -> None:
+    """A succeeded run: its artifacts copied next to its records (`diloco.artifacts`) and its
+    summary printed, if it wrote one."""
+    from .artifacts import collect_artifacts
+
+    console.print(f"run {record.run_id} SUCCEEDED", style="bold green", markup=False)
+    try:
+        files = collect_artifacts(record)
+    except Exception as exc:  # the run succeeded; a report we cannot fetch must not turn that into a failure
+        console.print(f"(could not copy the run's artifacts: {exc})", style="yellow", markup=False)
+        return
+    for f in files:
+        if f.name == "summary.txt":
+            console.print(f.read_text(), markup=False, end="")
+    if files:
+        console.print(f"artifacts: {files[0].parent}", markup=False)
+
+
+# -- what `diloco status` prints ----------------------------------------------------------------
+
+
+def print_status(console: Console, record: RunRecord, view: dict[str, Any], n_events: int, *,
+                 supervised: bool) -> None:
+    """`diloco status RUN`: each rank's row, then what needs a person (no launcher, the failure,
+    health warnings), progress, the latest rounds with the traffic counted against the estimate,
+    recent events and the run's summary. `view` is `diloco.api.Run.view()`; `supervised`,
+    whether a launcher still supervises it (`diloco.api.launcher_alive`)."""
+    from dataclasses import asdict
+
+    from .progress import Progress, progress_line
+
+    console.print(status_table(record, view["live"]))
+    rounds = view["rounds_objects"]
+    if not record.ended and not supervised:
+        console.print(f"no launcher is supervising this run: diloco resume {record.run_id}", style="yellow",
+                      markup=False)
+    if record.failure:
+        console.print(f"failure: {record.failure}", style="red", markup=False)
+    for warning in health_warnings(record, rounds):
+        console.print(f"WARNING: {warning}", style="bold red", markup=False)
+    console.print("progress: " + progress_line(Progress(**view["progress"])), markup=False)
+    if rounds:
+        console.print(f"rounds: {len(rounds)}; latest:", markup=False)
+        for rnd in rounds[-3:]:
+            console.print("  " + format_round({**asdict(rnd), "waited_s": rnd.waited_s}), markup=False)
+        console.print(traffic_line(view["counted"], (view.get("estimate") or {}).get("for_counted_rounds")),
+                      markup=False)
+    events = view["events"][-n_events:]
+    if events:
+        console.print("events:", markup=False)
+        for e in events:
+            console.print("  " + format_any(e), markup=False)
+    artifacts = record.dir / "artifacts"
+    if (artifacts / "summary.txt").exists():
+        console.print((artifacts / "summary.txt").read_text(), markup=False, end="")
+    if artifacts.is_dir():
+        console.print(f"artifacts: {artifacts}", markup=False)
+
+
+def traffic_line(c: dict[str, Any], est: dict[str, Any] | None) -> str:
+    """The traffic the replicas counted (`diloco.estimate.estimate_view`), protocol requests and
+    waiting polls apart, and the estimate for the same rounds if there is one."""
+    line = (f"traffic: {c['bytes_up'] / 1e6:,.1f} MB up, {c['bytes_down'] / 1e6:,.1f} MB down, "
+            f"{c.get('puts', 0) + c.get('gets', 0) + c.get('lists', 0) - c.get('polls', 0):,} requests "
+            f"+ {c.get('polls', 0):,} polls over {c['rounds']} rounds")
+    if est:
+        line += (f" (estimated {est['bytes_up'] / 1e6:,.1f} MB up, {est['bytes_down'] / 1e6:,.1f} MB down, "
+                 f"{est['requests']:,.0f} requests)")
+    return line
+
+
+def print_timeline(console: Console, shown: list[Any], rounds: list[Any],
+                   groups: dict[int, str] | None = None) -> None:
+    """`diloco status RUN --timeline`: the `shown` rounds phase by phase, then the stragglers over
+    all `rounds`."""
+    from .progress import straggler_lines, timeline_table
+
+    if not shown:
+        console.print("no rounds recorded yet", markup=False)
+        return
+    console.print(timeline_table(shown, groups))
+    for line in straggler_lines(rounds, groups):
+        console.print(line, markup=False)
+
+
+# -- what `diloco backends` and `diloco list` print ---------------------------------------------
+# Text cells throughout: what a plugin's metadata or a record says is shown, never read as markup
+# (a type like list[str], a help's [r]).
+
+
+def backends_table(infos: list[Any]) -> Table:
+    """Installed backends (`diloco.plugins.BackendInfo`): name, distribution, version."""
+    table = Table("backend", "distribution", "version")
+    for info in infos:
+        table.add_row(Text(info.name), Text(info.distribution), Text(str(info.version)))
+    return table
+
+
+def options_table(options: list[Any]) -> Table:
+    """One backend's `[backend]` options (`diloco.options.BackendOption`)."""
+    table = Table("option", "type", "default", "help")
+    for o in options:
+        default = "(required)" if o.required else "-" if o.default is None else json.dumps(o.default, default=str)
+        table.add_row(*(Text(x) for x in (o.name, o.type, default, o.help)))
+    return table
+
+
+def runs_table(runs: list[Any]) -> Table:
+    """Recorded runs (`diloco.api.Run`), in the order given: id, backend, replicas (per group), state, created."""
+    table = Table("run", "backend", "replicas", "state", "created")
+    for run in runs:
+        data = run.record.data
+        spec = data.get("spec", {})
+        created = datetime.fromtimestamp(data.get("created_at", 0)).strftime("%Y-%m-%d %H:%M:%S")
+        groups = ", ".join(f"{g.get('name')} {g.get('replicas')}" for g in spec.get("groups") or [])
+        replicas = f"{spec.get('replicas', '?')}" + (f" ({groups})" if groups else "")
+        table.add_row(*(Text(str(x)) for x in (run.id, spec.get("backend", "?"), replicas, data.get("state", "?"),
+                                               created)))
+    return table

@@ -302,3 +302,32 @@ def format_estimate(e: Estimate) -> str:
     lines.append(f"  prices                 {e.prices.get('cloud', '?')}, {e.prices.get('as_of', '?')}: "
                  f"{e.prices.get('source', '?')}")
     return "\n".join(lines) + "\n"
+
+
+def estimate_view(record: Any, rounds: list[Any]) -> dict[str, Any]:
+    """A recorded run's (`diloco.state.RunRecord`) estimate, with the measured model size if the
+    spec gave none, and the traffic its replicas counted over the same `rounds`: `diloco status`
+    (`diloco.api.Run.view`) shows both so the estimate can be checked against the run."""
+    counted = {"rounds": len(rounds), "bytes_up": 0, "bytes_down": 0}
+    for s in rounds:
+        for row in s.rows:
+            counted["bytes_up"] += row.bytes_up
+            counted["bytes_down"] += row.bytes_down
+            for k, v in row.requests.items():
+                counted[k] = counted.get(k, 0) + v
+    try:
+        spec = record.spec
+        measured = next((s.parameters for s in reversed(rounds) if s.parameters), None)
+        if spec.diloco.get("parameters") or not measured:
+            est = estimate(spec, rendezvous=record.rendezvous)
+        else:
+            est = estimate(spec, parameters=measured, parameters_from="measured at round 1", rendezvous=record.rendezvous)
+    except (KeyError, TypeError, UserError):
+        return {"estimate": None, "counted": counted}
+    out = est.to_dict()
+    if est.round is not None and rounds:
+        n = len(rounds)
+        same = est.first_round.plus(est.round.times(n - 1)).times(est.replicas)
+        out["for_counted_rounds"] = {"bytes_up": same.bytes_up, "bytes_down": same.bytes_down, "puts": same.puts,
+                                     "gets": same.gets, "lists": same.lists, "requests": same.request_count}
+    return {"estimate": out, "counted": counted}
