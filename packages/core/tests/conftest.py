@@ -28,6 +28,8 @@ def cli(state_dir):
     def run(*args: str, env: dict[str, str] | None = None, timeout: float = 120, cwd=None,
             check_rc: int | None = None) -> subprocess.CompletedProcess:
         full_env = {**os.environ, "DILOCO_STATE_DIR": str(state_dir), **(env or {})}
+        if env and "PYTHONPATH" in env and os.environ.get("PYTHONPATH"):  # a plugin's site, plus the caller's
+            full_env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], os.environ["PYTHONPATH"]])  # tree under test
         proc = subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True,
                               env=full_env, timeout=timeout, cwd=cwd)
         if check_rc is not None:

@@ -2,24 +2,32 @@
 
 The example backend of docs/writing-a-backend.md is taken from the doc itself, installed as a
 package (a module plus its dist-info with the `diloco` entry point, the layout pip leaves), and
-run through the conformance kit, `diloco backends`, `diloco dryrun` and the hello job. The
-first-contract executor (`diloco.testing.firstcontract`) runs through the same kit via the adapter.
+run through the conformance kit, `diloco backends`, `diloco dryrun` and the hello job. The kit
+itself is run on the example broken one rule at a time: it must fail, naming the rule and the
+guide's section that states it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from conftest import write_spec
+from diloco import testing
 from diloco.errors import BackendError, UserError
+from diloco.options import option
+from diloco.protocol import Capabilities, ReplicaHandle, ReplicaStatus
 from diloco.replicaenv import REDACTED
 from diloco.request import LaunchPlan, LaunchRequest, Secrets
+from diloco.submitting import start_each
 from diloco.testing import ExecutorConformance
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -54,9 +62,11 @@ def _load_example():
 box = _load_example()
 
 
-def test_the_example_stays_small():
-    lines = [x for x in example_backend_source().splitlines() if x.strip()]
-    assert len(lines) <= 80, len(lines)  # about 60 lines of executor, plus imports and the hook
+def test_the_example_is_the_size_the_guide_says():
+    """The guide claims an exact size for its backend, so the claim cannot drift from the code."""
+    code, total = map(int, re.search(r"in (\d+) lines of code \((\d+) with\s+blank lines\)", DOC.read_text()).groups())
+    lines = example_backend_source().splitlines()
+    assert (len([x for x in lines if x.strip()]), len(lines)) == (code, total)
 
 
 class TestExampleBackendConformance(ExecutorConformance):
@@ -168,3 +178,148 @@ def test_a_request_survives_the_record_without_its_secrets():
     again = LaunchRequest.from_dict(data, {"HF_TOKEN": "v" * 10})
     assert again == request and again.for_ranks([1], 2).ranks == (1,)
     assert LaunchRequest.from_dict(data).secrets.names == []  # values come only from the resuming shell
+
+
+# The kit on a broken backend: each rule broken alone must fail the kit's check, naming the rule
+# and where the guide states it (a bare AssertionError told a backend's author nothing).
+
+def kit_for(executor_type: type, root: Path) -> ExecutorConformance:
+    """The kit over `executor_type`, to call one of its checks directly."""
+
+    class Kit(ExecutorConformance):
+        def make_executor(self):
+            return executor_type(root=str(root))
+
+    return Kit()
+
+
+def fails(kit_check, *words: str, section: str) -> None:
+    with pytest.raises(AssertionError) as caught:
+        kit_check()
+    message = str(caught.value)
+    assert all(w in message for w in words) and message.endswith(f"(see docs/writing-a-backend.md#{section})"), message
+
+
+class StrLogPath(box.BoxExecutor):
+    def log_path(self, handle):
+        return str(super().log_path(handle))  # `diloco logs --follow` calls .stat() on it
+
+
+class RenamedAttempt(box.BoxExecutor):
+    def submit(self, plan):
+        return [ReplicaHandle(h.rank, h.backend_name, {("try" if k == "attempt" else k): v for k, v in h.metadata.items()})
+                for h in super().submit(plan)]
+
+
+class ForgetsItCancelled(box.BoxExecutor):
+    """Cancels without a marker: the runner writes no result on SIGTERM, so the replica reads failed."""
+    started: list[ReplicaHandle] = []
+
+    def submit(self, plan):
+        handles = super().submit(plan)
+        self.started.extend(handles)
+        return handles
+
+    def cancel(self, handle):
+        if self.poll(handle) is ReplicaStatus.RUNNING:
+            os.killpg(handle.metadata["pid"], signal.SIGTERM)
+
+
+def test_the_kit_wants_log_path_a_path(tmp_path):
+    fails(kit_for(StrLogPath, tmp_path).test_log_path_is_a_local_file_the_output_grows_in,
+          "log_path returned str", "pathlib.Path", section="capabilities")
+
+
+def test_the_kit_wants_the_handles_attempt(tmp_path):
+    kit = kit_for(RenamedAttempt, tmp_path)
+    fails(kit.test_handles_in_rank_order_and_results_shape, "has no `attempt` 0", section="handles")
+    fails(kit.test_relaunch_one_rank_as_new_attempt, "has no `attempt` 1", "diloco logs --attempt", section="handles")
+
+
+def test_the_kit_wants_a_cancelled_replica_to_read_cancelled(tmp_path):
+    kit = kit_for(ForgetsItCancelled, tmp_path)
+    kit.wait_timeout = 10.0  # how long it waits for "cancelled", which never comes
+    try:
+        fails(kit.test_cancel_is_idempotent, "writes no result on SIGTERM", section="variables-and-the-result-file")
+    finally:
+        for h in ForgetsItCancelled.started:  # the kit stopped before cancelling the other rank
+            box.BoxExecutor(root=str(tmp_path)).cancel(h)
+
+
+@pytest.mark.parametrize("capabilities, words", [
+    ({"preemption_signal": "SIGFOO"}, "'SIGFOO' is not a signal name"),
+    ({"cloud": "aws-east-1"}, "cloud 'aws-east-1' is not one of"),
+    ({"status_detail": True}, "capabilities.status_detail is true but the executor has no `status_detail(handle)`"),
+])
+def test_the_kit_wants_what_capabilities_declare(tmp_path, capabilities, words):
+    broken = type("Broken", (box.BoxExecutor,), {"capabilities": Capabilities(**capabilities)})
+    fails(kit_for(broken, tmp_path).test_capabilities_hold, words, section="capabilities")
+
+
+def test_the_kit_wants_capabilities_on_the_class(tmp_path):
+    class OnlyOnInstances(box.BoxExecutor):
+        capabilities = None
+
+        def __init__(self, options=None, /, **overrides):
+            super().__init__(options, **overrides)
+            self.capabilities = box.BoxExecutor.capabilities
+
+    fails(kit_for(OnlyOnInstances, tmp_path).test_satisfies_protocol, "on the class", section="capabilities")
+
+
+def test_the_kit_wants_statuses_not_strings(tmp_path):
+    class PlainStrings(box.BoxExecutor):
+        def poll(self, handle):
+            return super().poll(handle).value  # `diloco logs --follow` asks it `.is_terminal`
+
+    fails(kit_for(PlainStrings, tmp_path).test_statuses_are_protocol_values, "returns a ReplicaStatus",
+          section="the-contract")
+
+
+def test_the_kit_wants_number_options_bounded(tmp_path):
+    @dataclass(frozen=True)
+    class Unbounded:
+        root: str = option("/tmp", help="where")
+        retries: int = option(3, help="retries", min=0)
+
+    broken = type("Broken", (box.BoxExecutor,), {"Options": Unbounded})
+    fails(kit_for(broken, tmp_path).test_every_number_option_is_bounded, "['retries']", "min=, max=",
+          section="options")
+
+
+def test_every_section_the_kit_names_is_in_the_guide():
+    anchors = set(re.findall(r'"#([a-z-]+)"', Path(testing.__file__).read_text()))
+    headings = {re.sub(r"[^a-z0-9 _-]", "", h.lower()).replace(" ", "-")
+                for h in re.findall(r"^## (.+)$", DOC.read_text(), re.M)}
+    assert anchors and anchors <= headings, anchors - headings
+
+
+def test_option_errors_name_the_executors_backend():
+    with pytest.raises(UserError, match=r"unknown key `backend.nope` for backend 'box'"):
+        box.BoxExecutor(nope=1)
+
+
+@pytest.mark.parametrize("error, kept", [
+    (BackendError("quota exceeded"), "launching rank 2 on Box failed: quota exceeded; the 2 replica(s) already "
+                                     "started were cancelled"),
+    (KeyError("JobArn"), None),
+    (KeyboardInterrupt(), None),
+])
+def test_a_failed_submit_undoes_the_started_ranks_whatever_the_error(error, kept):
+    """An SDK error the backend never wrapped, or a Ctrl-C, leaves no rank training and billing."""
+    cancelled = []
+
+    def start(rank):
+        if rank == 2:
+            raise error
+        return ReplicaHandle(rank, "box", {"attempt": 0})
+
+    with pytest.raises(type(error)) as caught:
+        start_each(range(4), start, lambda h: cancelled.append(h.rank), platform="Box")
+    assert cancelled == [0, 1]
+    if kept:  # diloco's own errors: one line of the same type
+        assert str(caught.value) == kept
+    else:  # anything else: unchanged, traceback and all, with what was undone as a note
+        assert caught.value is error
+        assert error.__notes__ == ["diloco: launching rank 2 on Box failed; the 2 replica(s) already started were "
+                                   "cancelled"]

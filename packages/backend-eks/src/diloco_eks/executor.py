@@ -45,7 +45,7 @@ class EksExecutor:
                                 inter_replica_network=True, cloud="aws")
 
     def __init__(self, options: EksOptions | None = None, /, **overrides: Any):
-        self.options = options_from(EksOptions, options, overrides, backend=self.backend_name)
+        self.options = options_from(type(self), options, overrides)
         self.options.check()
         self.capabilities = replace(EksExecutor.capabilities, relaunches_one_rank=self.options.per_index)
         self.api = KubeApi(self.options)

@@ -79,7 +79,7 @@ class ModalExecutor:
                 overrides = {**overrides, "function": ref}
             else:
                 options = dataclasses.replace(options, function=ref)
-        self.options = options_from(ModalOptions, options, overrides, backend=self.backend_name)
+        self.options = options_from(type(self), options, overrides)
         if self._function_obj is None:
             check_ref(self.options.function)
         self._objects: dict[str, Any] = {}

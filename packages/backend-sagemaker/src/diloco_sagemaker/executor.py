@@ -67,7 +67,7 @@ class SageMakerExecutor:
                                 inter_replica_network=False, status_detail=True, cloud="aws")
 
     def __init__(self, options: SageMakerOptions | None = None, /, **overrides: Any):
-        self.options = options_from(SageMakerOptions, options, overrides, backend=self.backend_name)
+        self.options = options_from(type(self), options, overrides)
         self.options.check()
         self.aws = Aws(self.options)
         self._stopped: set[str] = set()  # jobs this executor called StopTrainingJob on

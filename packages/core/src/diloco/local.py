@@ -126,7 +126,7 @@ class LocalProcessExecutor:
                                 inter_replica_network=True, log_files=True)
 
     def __init__(self, options: LocalOptions | None = None, /, **overrides: Any):
-        self.options = options_from(LocalOptions, options, overrides, backend=self.backend_name)
+        self.options = options_from(type(self), options, overrides)
         self.grace_period = float(self.options.grace_period)
         self.devices = [str(d) for d in self.options.devices]
         self._state_dir = Path(self.options.state_dir) if self.options.state_dir else None

@@ -154,10 +154,9 @@ def check_secret_keys(where: str, name: str, f: dataclasses.Field, value: Any) -
                         f"environment variable exported in your shell)")
 
 
-def parse_options(options_type: type, table: dict[str, Any], *, source: str = "<spec>",
-                  backend: str = "?") -> Any:
+def parse_options(options_type: type, table: dict[str, Any], *, source: str = "<spec>", backend: str) -> Any:
     """The spec's `[backend]` table (without `name`) as an instance of `options_type`, or one
-    `SpecError` line naming the first thing wrong."""
+    `SpecError` line naming the first thing wrong; the line names `backend`, so it is required."""
     from .specvalues import check_values
 
     check_values(source, table, root="backend")  # sizes, depth, NUL, non-finite, credentials in URIs
@@ -176,10 +175,13 @@ def parse_options(options_type: type, table: dict[str, Any], *, source: str = "<
     return options_type(**values)
 
 
-def options_from(options_type: type, options: Any = None, overrides: dict[str, Any] | None = None, *,
-                 backend: str = "?") -> Any:
-    """What an executor's `__init__(options=None, **overrides)` keeps: `options` as given, or built
-    from keyword overrides (from Python), checked by the same rules as a spec's table."""
+def options_from(executor_type: type, options: Any = None, overrides: dict[str, Any] | None = None) -> Any:
+    """What an executor's `__init__(options=None, /, **overrides)` keeps: `options` as given, or
+    built from keyword overrides (from Python), checked by the same rules as a spec's table.
+
+    Takes the executor class (`type(self)`), not its `Options`: the options type and the backend
+    name every error line names are read from the one place a backend declares them."""
+    options_type, backend = executor_type.Options, executor_type.backend_name
     if options is not None and not isinstance(options, options_type):
         raise TypeError(f"options must be a {options_type.__name__}, got {type(options).__name__}")
     if options is None:

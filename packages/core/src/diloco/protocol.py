@@ -56,7 +56,8 @@ class ReplicaHandle:
 
     `metadata` holds whatever the backend needs to find the replica again from another
     process (a pid and log path, a Job name and namespace) and must be JSON-serializable.
-    It never holds secrets: handles are written to the run's records.
+    It never holds secrets: handles are written to the run's records. Two keys are core's: the
+    request's `attempt` (relaunches are numbered `attempt + 1` from it) and its `run_id`.
     """
 
     rank: int
@@ -125,8 +126,8 @@ class Capabilities:
         backend exports it to replicas as DILOCO_PREEMPTION_SIGNAL and the runner turns it into exit 75.
     status_detail: the executor has `status_detail(handle) -> str | None`, the platform's words
         for why a replica is pending again (recorded in `pending` events).
-    log_files: the executor has `log_path(handle) -> Path`, a file on this machine the replica's
-        output grows in; `diloco logs --follow` tails it instead of re-reading `stream_logs`.
+    log_files: the executor has `log_path(handle) -> Path`, an absolute path on this machine of a
+        file the replica's output grows in; `diloco logs --follow` tails it instead of re-reading `stream_logs`.
     cloud: the cloud whose network the replicas run in ("aws", "gcp", "azure"), so the estimate
         prices their reads of a store there by region; None (Modal, your own machines): the internet.
     """

@@ -14,14 +14,22 @@ process, so durable handles are checked for real. Override `wait_timeout` for sl
 whatever stand-ins the backend's tests need (a Kubernetes API emulator, an S3 server).
 
 `launch` and `plan_for` are also the shortest way to start replicas from a backend's own tests.
+
+Every check fails with the rule that was broken and the section of docs/writing-a-backend.md
+that states it (`require`), never a bare AssertionError: a backend's authors read the kit's
+failures, not its source. Plain `assert` would say nothing here, since pytest rewrites only the
+asserts of test modules, not of an installed package's.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import json
+import signal
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from diloco.plugins import backend_options
@@ -32,6 +40,14 @@ REPORT = "diloco.testing.entrypoints:report"
 FAIL_ON = "diloco.testing.entrypoints:fail_on"
 SLEEP = "diloco.testing.entrypoints:sleep"
 SECRET_VALUE = "conformance-secret-value-7f3a"
+GUIDE = "docs/writing-a-backend.md"
+CLOUDS = ("aws", "gcp", "azure")  # the clouds `diloco.estimate` has prices for
+
+
+def require(ok: object, broken: str, section: str) -> None:
+    """Fail the check with what was broken and where the guide states the rule (`section`: an anchor)."""
+    if not ok:
+        raise AssertionError(f"{broken} (see {GUIDE}{section})")
 
 
 def process_alive(pid: int) -> bool:
@@ -99,20 +115,40 @@ class ExecutorConformance(abc.ABC):
     def wait_until(self, executor: Executor, handle: ReplicaHandle, wanted: set[str]) -> str:
         return wait_for_status(executor, handle, wanted, timeout=self.wait_timeout)
 
+    def check_handles(self, handles: list[ReplicaHandle], run_id: str, ranks: list[int], attempt: int) -> None:
+        """Handles in rank order, carrying the keys core reads (`run_id`, `attempt`), as plain JSON."""
+        require([h.rank for h in handles] == ranks,
+                f"submit returned ranks {[h.rank for h in handles]}; it returns one handle per rank in "
+                f"request.ranks order, {ranks}", "#submitting")
+        for h in handles:
+            where = f"rank {h.rank}'s handle metadata {dict(h.metadata)!r}"
+            require(h.run_id == run_id, f"{where} has no `run_id` {run_id!r}", "#handles")
+            require("attempt" in h.metadata and h.attempt == attempt,
+                    f"{where} has no `attempt` {attempt}: core numbers relaunches and `diloco logs --attempt` "
+                    f"from it", "#handles")
+            require(ReplicaHandle.from_json(h.to_json()) == h, f"{where} is not plain JSON", "#handles")
+
     # the contract -------------------------------------------------------------------------
 
     def test_satisfies_protocol(self):
         executor = self.make_executor()
-        assert isinstance(executor, Executor)
-        assert isinstance(executor.backend_name, str) and executor.backend_name
-        assert isinstance(executor.capabilities, Capabilities), "declare `capabilities = Capabilities(...)`"
-        assert getattr(type(executor), "Options", None) is not None, "declare the [backend] options as `Options`"
+        cls = type(executor)
+        require(isinstance(executor, Executor), f"{cls.__name__} lacks one of the methods plan, submit, poll, "
+                f"stream_logs, cancel, collect, or `backend_name`/`capabilities`", "#the-contract")
+        require(isinstance(getattr(cls, "backend_name", None), str) and cls.backend_name,
+                "declare `backend_name = \"...\"` on the class: a spec's `backend =` selects it by that", "#the-contract")
+        require(isinstance(getattr(cls, "capabilities", None), Capabilities)
+                and isinstance(executor.capabilities, Capabilities),
+                "declare `capabilities = Capabilities(...)` on the class: `diloco backends` and the estimate read "
+                "it without building an executor", "#capabilities")
+        require(dataclasses.is_dataclass(getattr(cls, "Options", None)),
+                "declare the [backend] options as `Options`, a frozen dataclass", "#options")
 
     def test_every_option_is_documented(self):
         """`diloco backends NAME` shows each [backend] option's help (`option(help=...)`): an option
         without one leaves its users guessing."""
         missing = [o.name for o in backend_options(type(self.make_executor())) if not o.help]
-        assert not missing, f"options without help: {missing}"
+        require(not missing, f"options without help: {missing}; give each `option(help=...)`", "#options")
 
     def test_every_number_option_is_bounded(self):
         """A spec is untrusted input: a number with no upper bound (10**23 seconds, GB, retries)
@@ -120,57 +156,108 @@ class ExecutorConformance(abc.ABC):
         options = backend_options(type(self.make_executor()))
         unbounded = [o.name for o in options if ("int" in o.type.split(" | ") or "float" in o.type.split(" | "))
                      and (o.min is None or o.max is None)]
-        assert not unbounded, f"declare min= and max= on the number options {unbounded} (diloco.options.option)"
+        require(not unbounded, f"number options without both bounds: {unbounded}; declare `option(..., min=, max=)`",
+                "#options")
+
+    def test_capabilities_hold(self):
+        """What `capabilities` declares is what core relies on: a preemption signal the runner can
+        install, a cloud the estimate prices, the methods `status_detail` and `log_files` promise."""
+        executor = self.executor()
+        caps = executor.capabilities
+        require(caps.preemption_signal is None or caps.preemption_signal in signal.Signals.__members__,
+                f"preemption_signal {caps.preemption_signal!r} is not a signal name such as 'SIGINT'", "#capabilities")
+        require(caps.cloud is None or caps.cloud in CLOUDS, f"cloud {caps.cloud!r} is not one of {CLOUDS} or None",
+                "#capabilities")
+        for flag, method in (("status_detail", "status_detail"), ("log_files", "log_path")):
+            require(not getattr(caps, flag) or callable(getattr(executor, method, None)),
+                    f"capabilities.{flag} is true but the executor has no `{method}(handle)`", "#capabilities")
+        if caps.status_detail:
+            handles = self.launch(executor, REPORT, n=1)
+            detail = executor.status_detail(handles[0])
+            executor.collect(handles, timeout=self.wait_timeout)
+            require(detail is None or isinstance(detail, str),
+                    f"status_detail returned {type(detail).__name__}, not str or None", "#capabilities")
+
+    def test_log_path_is_a_local_file_the_output_grows_in(self):
+        """`diloco logs --follow` tails `log_path(handle)` from another process when `log_files` is declared."""
+        executor = self.executor()
+        if not executor.capabilities.log_files:
+            return
+        handles = self.launch(executor, REPORT, {"marker": "tailed-by-follow"}, n=1)
+        path = self.executor().log_path(handles[0])  # another instance: `diloco logs` runs in another shell
+        require(isinstance(path, Path), f"log_path returned {type(path).__name__} {path!r}; capabilities.log_files "
+                                        f"needs a pathlib.Path", "#capabilities")
+        require(path.is_absolute(), f"log_path returned {path}, relative to where the executor ran", "#capabilities")
+        executor.collect(handles, timeout=self.wait_timeout)
+        require(path.is_file() and "tailed-by-follow" in path.read_text(errors="replace"),
+                f"log_path {path} does not hold the replica's output", "#capabilities")
 
     def test_handles_in_rank_order_and_results_shape(self):
         executor = self.executor()
-        handles = self.launch(executor, REPORT)
-        assert [h.rank for h in handles] == list(range(self.n_replicas))
-        assert all(h.backend_name == executor.backend_name for h in handles)
+        run_id = self.run_id()
+        handles = self.launch(executor, REPORT, run_id=run_id)
+        self.check_handles(handles, run_id, list(range(self.n_replicas)), 0)
+        require(all(h.backend_name == executor.backend_name for h in handles),
+                "a handle's backend_name is not the executor's", "#handles")
         results = executor.collect(handles, timeout=self.wait_timeout)
-        assert [r.rank for r in results] == list(range(self.n_replicas))
+        require([r.rank for r in results] == list(range(self.n_replicas)),
+                f"collect returned ranks {[r.rank for r in results]}, not one result per handle in order", "#the-contract")
         for r in results:
-            assert r.status == ReplicaStatus.SUCCEEDED == "succeeded", r.error
-            assert r.exit_code == 0 and r.error is None
-            if r.result is not None:  # backends that can carry return values must carry the right ones
-                assert r.result["rank"] == r.rank and r.result["world_size"] == self.n_replicas
+            require(isinstance(r.status, ReplicaStatus), f"collect gave rank {r.rank} the status {r.status!r}, "
+                                                         f"not a ReplicaStatus", "#the-contract")
+            require(r.status == ReplicaStatus.SUCCEEDED and r.exit_code == 0 and r.error is None,
+                    f"rank {r.rank} of an entrypoint that returns reads {r.status} exit {r.exit_code}: {r.error}",
+                    "#variables-and-the-result-file")
+            require(r.result is None or (r.result["rank"] == r.rank and r.result["world_size"] == self.n_replicas),
+                    f"rank {r.rank}'s result {r.result!r} is not its entrypoint's return value",
+                    "#variables-and-the-result-file")
 
     def test_failed_rank_reports_its_error(self):
         executor = self.executor()
         handles = self.launch(executor, FAIL_ON, {"fail_rank": 1})
         results = executor.collect(handles, timeout=self.wait_timeout)
-        assert [r.status for r in results] == ["succeeded", "failed", "succeeded"][: self.n_replicas]
-        assert results[1].exit_code not in (0, None)
-        assert "deliberate failure on rank 1" in (results[1].error or executor.stream_logs(handles[1]))
+        statuses = [str(r.status) for r in results]
+        require(statuses == ["succeeded", "failed", "succeeded"][: self.n_replicas],
+                f"ranks read {statuses} where only rank 1 raised", "#the-contract")
+        require(results[1].exit_code not in (0, None), f"a failed rank's exit code is {results[1].exit_code}",
+                "#the-contract")
+        require("deliberate failure on rank 1" in (results[1].error or executor.stream_logs(handles[1])),
+                f"neither the failed rank's error {results[1].error!r} nor its logs say why it failed", "#the-contract")
 
     def test_statuses_are_protocol_values(self):
         executor = self.executor()
         handles = self.launch(executor, REPORT, n=1)
-        seen = {executor.poll(handles[0])}
+        first = executor.poll(handles[0])  # checked before collect, which polls too
+        require(isinstance(first, ReplicaStatus), f"poll returned {first!r}; it returns a ReplicaStatus", "#the-contract")
         executor.collect(handles, timeout=self.wait_timeout)
-        seen.add(executor.poll(handles[0]))
-        assert seen <= set(ReplicaStatus) and ReplicaStatus.SUCCEEDED in seen
+        last = executor.poll(handles[0])
+        require(last is ReplicaStatus.SUCCEEDED, f"poll returned {last!r} after the replica succeeded", "#the-contract")
 
     def test_logs_hold_replica_output(self):
         executor = self.executor()
         handles = self.launch(executor, REPORT, {"marker": "hello-from-conformance"}, n=2)
         executor.collect(handles, timeout=self.wait_timeout)
         text = executor.stream_logs(handles[1], n_lines=50)
-        assert "hello-from-conformance" in text and "rank=1" in text
+        require(isinstance(text, str) and "hello-from-conformance" in text and "rank=1" in text,
+                f"stream_logs of rank 1 does not hold what it printed: {text!r}", "#the-contract")
 
     def test_cancel_is_idempotent(self):
         executor = self.executor()
         handles = self.launch(executor, SLEEP, {"seconds": 120}, n=2)
-        assert self.wait_until(executor, handles[0], {"running"}) == "running"
+        require(self.wait_until(executor, handles[0], {"running"}) == "running",
+                "a sleeping replica never read running", "#the-contract")
         executor.cancel(handles[0])
         executor.cancel(handles[0])  # again: no error
-        assert self.wait_until(executor, handles[0], {"cancelled"}) == "cancelled"
+        require(self.wait_until(executor, handles[0], {"cancelled"}) == "cancelled",
+                "a cancelled replica does not read cancelled; the runner writes no result on SIGTERM, so the "
+                "backend remembers that it cancelled", "#variables-and-the-result-file")
         for h in handles:
             executor.cancel(h)
         done = self.launch(executor, REPORT, n=1)
         executor.collect(done, timeout=self.wait_timeout)
         executor.cancel(done[0])  # already ended: still no error, status kept
-        assert executor.poll(done[0]) == "succeeded"
+        require(executor.poll(done[0]) == "succeeded", "cancelling a replica that had succeeded changed its status",
+                "#the-contract")
 
     def test_durable_handle_round_trip(self):
         first = self.executor()
@@ -178,13 +265,16 @@ class ExecutorConformance(abc.ABC):
         text = handles[0].to_json()
         json.loads(text)  # plain JSON, no pickle
         again = ReplicaHandle.from_json(text)
-        assert again == handles[0]
+        require(again == handles[0], "a handle does not survive to_json/from_json", "#handles")
         other = self.executor()  # stands for another process
-        assert self.wait_until(other, again, {"running"}) == "running"
-        assert isinstance(other.stream_logs(again, n_lines=10), str)
+        require(self.wait_until(other, again, {"running"}) == "running",
+                "another executor instance cannot poll a handle from its JSON", "#handles")
+        require(isinstance(other.stream_logs(again, n_lines=10), str),
+                "another executor instance cannot read a handle's logs", "#handles")
         other.cancel(again)
-        assert self.wait_until(first, handles[0], {"cancelled"}) == "cancelled"
-        assert SECRET_VALUE not in text
+        require(self.wait_until(first, handles[0], {"cancelled"}) == "cancelled",
+                "another executor instance cannot cancel a handle from its JSON", "#handles")
+        require(SECRET_VALUE not in text, "a handle holds a secret value", "#handles")
 
     def test_relaunch_one_rank_as_new_attempt(self):
         executor = self.executor()
@@ -192,11 +282,12 @@ class ExecutorConformance(abc.ABC):
             return
         run_id = self.run_id()
         handles = self.launch(executor, REPORT, run_id=run_id, ranks=[1], attempt=1)
-        assert [(h.rank, h.attempt) for h in handles] == [(1, 1)]
+        self.check_handles(handles, run_id, [1], 1)
         (result,) = executor.collect(handles, timeout=self.wait_timeout)
-        assert result.status == "succeeded" and result.attempt == 1
-        if result.result is not None:
-            assert result.result["rank"] == 1 and result.result["attempt"] == 1
+        require(result.status == "succeeded" and result.attempt == 1,
+                f"rank 1 relaunched as attempt 1 reads {result.status}, attempt {result.attempt}", "#handles")
+        require(result.result is None or (result.result["rank"] == 1 and result.result["attempt"] == 1),
+                f"rank 1 attempt 1 ran as {result.result!r}: plan the request's ranks and attempt", "#submitting")
 
     def test_plan_shows_request_without_secrets(self):
         executor = self.executor()
@@ -204,10 +295,13 @@ class ExecutorConformance(abc.ABC):
                         env={"AWS_SECRET_ACCESS_KEY": SECRET_VALUE, "PLAIN": "visible-value"},
                         secret_env={"HF_TOKEN": SECRET_VALUE})
         rendered = plan.render("json")
-        assert plan.backend_name == executor.backend_name
-        assert SECRET_VALUE not in rendered and SECRET_VALUE not in repr(plan)
-        assert "visible-value" in rendered
-        assert set(plan.request.secrets) == {"AWS_SECRET_ACCESS_KEY", "HF_TOKEN"}
+        require(plan.backend_name == executor.backend_name, "the plan's backend_name is not the executor's",
+                "#the-contract")
+        require(SECRET_VALUE not in rendered and SECRET_VALUE not in repr(plan),
+                "the plan shows a secret value; put request.secrets.redacted() where secrets go", "#the-contract")
+        require("visible-value" in rendered, "the plan hides the request's plain environment", "#the-contract")
+        require(set(plan.request.secrets) == {"AWS_SECRET_ACCESS_KEY", "HF_TOKEN"},
+                "the plan's request lost its secrets", "#the-contract")
 
     def test_plan_is_a_pure_function_of_the_request(self):
         """A dry run and the run plan the same request the same way (nothing random, nothing
@@ -216,4 +310,5 @@ class ExecutorConformance(abc.ABC):
         run_id = self.run_id()
         first = plan_for(executor, self.n_replicas, REPORT, {"lr": 0.1}, run_id=run_id, env={"PLAIN": "x"})
         again = plan_for(self.executor(), self.n_replicas, REPORT, {"lr": 0.1}, run_id=run_id, env={"PLAIN": "x"})
-        assert first.render("json") == again.render("json")
+        require(first.render("json") == again.render("json"),
+                "planning the same request twice gave two plans (a clock, a random name)", "#the-contract")
