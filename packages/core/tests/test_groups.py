@@ -269,7 +269,7 @@ def test_a_group_that_cannot_start_leaves_no_other_group_running(cli, project, p
     proc = cli("run", str(grouped(project, steps=600, second="refusing")), env=plugin_env)
     assert proc.returncode != 0
     assert "group 'there' (refusing): quota exceeded" in proc.stdout + proc.stderr
-    assert "the 2 replica(s) other groups had started were cancelled" in proc.stdout + proc.stderr
+    assert "the 2 replica(s) of other groups already started were cancelled" in proc.stdout + proc.stderr
     run_dir = next((state_dir / "runs").iterdir())
     local = state_dir / "local" / run_dir.name
     assert sorted(p.name for p in local.glob("*.cancelled")) == ["rank-0.attempt-0.cancelled",

@@ -24,7 +24,7 @@ from diloco.options import options_from
 from diloco.protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
 from diloco.request import LaunchPlan, LaunchRequest
 from diloco.submitting import start_each
-from diloco.waiting import poll_until_terminal
+from diloco.waiting import collect_results
 
 from .api import KubeApi
 from .manifest import job_ranks, launch_documents, secret_refs
@@ -141,23 +141,14 @@ class EksExecutor:
         return f"(pod {name} is gone; its logs went with it)\n" if text is None else text
 
     def collect(self, handles: Sequence[ReplicaHandle], *, timeout: float | None = None) -> list[ReplicaResult]:
-        statuses = poll_until_terminal(self, handles, timeout=timeout, interval=max(self.options.cache_seconds, 0.2))
-        return [self._result(h, s) for h, s in zip(handles, statuses)]
+        return collect_results(self, handles, timeout=timeout, interval=max(self.options.cache_seconds, 0.2),
+                               failure=self._failure)
 
-    def _result(self, handle: ReplicaHandle, status: ReplicaStatus) -> ReplicaResult:
+    def _failure(self, handle: ReplicaHandle, status: ReplicaStatus) -> ReplicaResult:
         md = handle.metadata
-        if status is ReplicaStatus.CANCELLED:
-            return ReplicaResult(handle.rank, status, None, "cancelled (the Job was deleted)", None, handle.attempt)
-        if not status.is_terminal:
-            return ReplicaResult(handle.rank, status, None, None, None, handle.attempt)
         pod = self._pod_for(handle)
         term = terminated(pod) if pod else None
         code = term.get("exitCode") if term else None
-        if status is ReplicaStatus.SUCCEEDED:  # the entrypoint's return value travels in the pod's log, as JSON
-            from diloco.runner import result_from_log
-
-            result = result_from_log(self.stream_logs(handle, n_lines=20)) if pod else None
-            return ReplicaResult(handle.rank, status, code if code is not None else 0, None, result, handle.attempt)
         error = self._errors.get((md["job"], md["index"]))
         if error is None:
             tail = self.stream_logs(handle, n_lines=20).strip() if pod else ""

@@ -46,7 +46,7 @@ from diloco.options import options_from
 from diloco.protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
 from diloco.request import LaunchPlan, LaunchRequest
 from diloco.submitting import start_each
-from diloco.waiting import poll_until_terminal, unless_failed
+from diloco.waiting import collect_results
 
 from . import calls, logtail, results, wheels
 from . import definition as d
@@ -197,13 +197,9 @@ class ModalExecutor:
         return text or f"(no output yet from {md['id']}; {dashboard_url(md['id'])})\n"
 
     def collect(self, handles: Sequence[ReplicaHandle], *, timeout: float | None = None) -> list[ReplicaResult]:
-        statuses = poll_until_terminal(self, handles, timeout=timeout, interval=0.5)
-        return [self._result(h, s) for h, s in zip(handles, statuses)]
+        return collect_results(self, handles, timeout=timeout, interval=0.5, failure=self._failure)
 
-    def _result(self, handle: ReplicaHandle, status: ReplicaStatus) -> ReplicaResult:
-        done = unless_failed(handle, status, lambda n: self.stream_logs(handle, n_lines=n))
-        if done is not None:
-            return done
+    def _failure(self, handle: ReplicaHandle, status: ReplicaStatus) -> ReplicaResult:
         md = _metadata(handle)
         tail = self.stream_logs(handle, n_lines=20).strip()
         if md["mode"] == "sandbox":

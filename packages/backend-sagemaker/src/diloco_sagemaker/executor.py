@@ -35,7 +35,7 @@ from diloco.options import options_from
 from diloco.protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
 from diloco.request import LaunchPlan, LaunchRequest
 from diloco.submitting import start_each
-from diloco.waiting import poll_until_terminal, unless_failed
+from diloco.waiting import collect_results
 
 from . import request as rq
 from . import source
@@ -155,13 +155,9 @@ class SageMakerExecutor:
         return read_logs(self.aws, dict(handle.metadata), n_lines)
 
     def collect(self, handles: Sequence[ReplicaHandle], *, timeout: float | None = None) -> list[ReplicaResult]:
-        statuses = poll_until_terminal(self, handles, timeout=timeout, interval=1.0)
-        return [self._result(h, s) for h, s in zip(handles, statuses)]
+        return collect_results(self, handles, timeout=timeout, interval=1.0, failure=self._failure)
 
-    def _result(self, handle: ReplicaHandle, status: ReplicaStatus) -> ReplicaResult:
-        done = unless_failed(handle, status, lambda n: self.stream_logs(handle, n_lines=n))
-        if done is not None:
-            return done
+    def _failure(self, handle: ReplicaHandle, status: ReplicaStatus) -> ReplicaResult:
         md = dict(handle.metadata)
         try:
             job = self.aws.describe(md)

@@ -20,10 +20,11 @@ from dataclasses import replace
 from typing import Any
 
 from .envvars import ENV_GROUP
-from .errors import BackendError, UserError
+from .errors import UserError
 from .groups import ReplicaGroup, group_of
 from .protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
 from .request import LaunchPlan, LaunchRequest
+from .submitting import start_all
 
 
 class GroupedExecutor:
@@ -94,25 +95,14 @@ class GroupedExecutor:
                           parts=tuple(p for _, p in parts), part_titles=tuple(g.describe() for g, _ in parts))
 
     def submit(self, plan: LaunchPlan) -> list[ReplicaHandle]:
-        started: list[ReplicaHandle] = []
-        for part in plan.parts or ():
-            group = self.group_of(part.request.ranks[0])
-            try:
-                started += self.executor_for_group(group.name).submit(part)
-            except Exception as exc:  # whatever it was, no other group's replicas may stay behind untracked
-                undone = 0
-                for h in started:
-                    try:
-                        self.cancel(h)
-                        undone += 1
-                    except Exception:  # noqa: BLE001 - keep undoing the rest; the first error is the one to report
-                        pass
-                left = len(started) - undone
-                note = (f"; the {undone} replica(s) other groups had started were cancelled" if undone else "") + \
-                       (f"; {left} could not be cancelled: stop them by hand" if left else "")
-                if not isinstance(exc, (UserError, BackendError)):
-                    raise
-                raise type(exc)(f"group {group.name!r} ({group.backend}): {exc}{note}") from None
+        """Each group's part on its own backend; if one cannot start, whatever the error, no other
+        group's replicas stay behind untracked (`diloco.submitting.start_all`)."""
+        def group(part: LaunchPlan) -> ReplicaGroup:
+            return self.group_of(part.request.ranks[0])
+
+        started = start_all(plan.parts or (), lambda part: self.executor_for_group(group(part).name).submit(part),
+                            self.cancel, unit="replica(s) of other groups",
+                            failed=lambda part: f"group {group(part).name!r} ({group(part).backend})")
         by_rank = {h.rank: h for h in started}
         return [by_rank[r] for r in plan.request.ranks]
 

@@ -10,9 +10,12 @@ the error is, and the error says so.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from .errors import BackendError, UserError
 from .protocol import ReplicaHandle
+
+T = TypeVar("T")
 
 
 def start_each(ranks: Iterable[int], start: Callable[[int], ReplicaHandle],
@@ -23,15 +26,24 @@ def start_each(ranks: Iterable[int], start: Callable[[int], ReplicaHandle],
     fails does not stop the others), and the error goes on naming the rank, the platform and
     what was undone: a `UserError` or `BackendError` as one line of the same type; any other
     exception (a bug, KeyboardInterrupt) unchanged, with its traceback and that line as a note."""
+    return start_all(ranks, lambda rank: [start(rank)], cancel, unit=unit,
+                     failed=lambda rank: f"launching rank {rank} on {platform} failed")
+
+
+def start_all(units: Iterable[T], start: Callable[[T], list[ReplicaHandle]], cancel: Callable[[ReplicaHandle], None],
+              *, failed: Callable[[T], str], unit: str = "replica(s)") -> list[ReplicaHandle]:
+    """`start(u)` for each unit in order (a rank, or a whole group's plan), each giving its
+    handles; all of them in that order. On an error, as `start_each` says, `failed(u)` naming the
+    unit that could not start."""
     handles: list[ReplicaHandle] = []
-    for rank in ranks:
+    for u in units:
         try:
-            handles.append(start(rank))
+            handles += start(u)
         except BaseException as exc:
-            failed, undone = f"launching rank {rank} on {platform} failed", _undo(handles, cancel, unit)
+            what, undone = failed(u), _undo(handles, cancel, unit)
             if isinstance(exc, (UserError, BackendError)):
-                raise type(exc)(f"{failed}: {exc}{undone}") from None
-            exc.add_note(f"diloco: {failed}{undone}")
+                raise type(exc)(f"{what}: {exc}{undone}") from None
+            exc.add_note(f"diloco: {what}{undone}")
             raise
     return handles
 

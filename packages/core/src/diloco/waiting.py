@@ -1,9 +1,10 @@
-"""Waiting on replicas: the one polling loop every executor's `collect` uses."""
+"""Waiting on replicas: the one polling loop every executor's `collect` uses, and the results
+of replicas that report through their logs."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .protocol import ReplicaHandle, ReplicaResult, ReplicaStatus
 
@@ -17,6 +18,16 @@ def poll_until_terminal(executor, handles: Sequence[ReplicaHandle], *, timeout: 
         if all(s.is_terminal for s in statuses) or (deadline is not None and time.monotonic() >= deadline):
             return statuses
         time.sleep(interval)
+
+
+def collect_results(executor, handles: Sequence[ReplicaHandle], *, timeout: float | None, interval: float,
+                    failure: Callable[[ReplicaHandle, ReplicaStatus], ReplicaResult]) -> list[ReplicaResult]:
+    """`collect` for a backend whose replicas report through their logs: each handle polled until
+    it ends (or `timeout`), its result read as `unless_failed` says, and `failure(handle, status)`
+    asked only for a replica that failed, which the backend explains in its platform's words."""
+    statuses = poll_until_terminal(executor, handles, timeout=timeout, interval=interval)
+    return [unless_failed(h, s, lambda n, h=h: executor.stream_logs(h, n_lines=n)) or failure(h, s)
+            for h, s in zip(handles, statuses)]
 
 
 def unless_failed(handle: ReplicaHandle, status: ReplicaStatus, read_log) -> ReplicaResult | None:
