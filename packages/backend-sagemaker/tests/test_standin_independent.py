@@ -18,7 +18,7 @@ from botocore.exceptions import ClientError
 from conftest import ROLE
 from diloco.errors import UserError
 from diloco.testing import SLEEP, plan_for
-from diloco_sagemaker import javaregex, request, servicerules
+from diloco_sagemaker import javaregex, servicerules, trainingjob
 from diloco_sagemaker.executor import SageMakerExecutor
 from diloco_sagemaker.testing import patterns, validation
 from diloco_sagemaker.testing.api import OPERATIONS
@@ -45,7 +45,7 @@ def test_a_launcher_that_allows_40_day_runtimes_is_refused_by_the_standin(sagema
     with pytest.raises(UserError, match="MaxRuntimeInSeconds"):  # the launcher's rule, as it is, refuses it
         planned_job(timeout=FORTY_DAYS - 1)
     monkeypatch.setattr(servicerules, "MAX_RUNTIME_SECONDS", FORTY_DAYS)  # wrong: SageMaker's limit is 28 days
-    monkeypatch.setattr(request, "MAX_RUNTIME", FORTY_DAYS)
+    monkeypatch.setattr(trainingjob, "MAX_RUNTIME", FORTY_DAYS)
     job = planned_job(timeout=FORTY_DAYS - 1)
     assert job["StoppingCondition"]["MaxRuntimeInSeconds"] == FORTY_DAYS - 1  # the plan let it through
     assert f"Invalid MaxRuntimeInSeconds: {FORTY_DAYS - 1}" in refused_by_the_standin(job)
@@ -53,7 +53,7 @@ def test_a_launcher_that_allows_40_day_runtimes_is_refused_by_the_standin(sagema
 
 
 def test_a_launcher_whose_pattern_check_passes_anything_is_refused_by_the_standin(sagemaker, monkeypatch):
-    monkeypatch.setattr(request, "job_name", lambda run_id, rank, attempt: f"{run_id}_r{rank}")  # wrong: "_"
+    monkeypatch.setattr(trainingjob, "job_name", lambda run_id, rank, attempt: f"{run_id}_r{rank}")  # wrong: "_"
     with pytest.raises(UserError, match="at 'trainingJobName' failed to satisfy constraint"):
         planned_job()  # the launcher's model check, as it is, refuses the name
     monkeypatch.setattr(javaregex, "full_match", lambda pattern, value: True)  # wrong: every pattern passes

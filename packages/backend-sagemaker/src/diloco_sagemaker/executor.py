@@ -37,7 +37,7 @@ from diloco.request import LaunchPlan, LaunchRequest
 from diloco.submitting import start_each
 from diloco.waiting import collect_results
 
-from . import request as rq
+from . import trainingjob as rq
 from . import source
 from . import status as st
 from .aws import Aws, Transient, console_url, is_not_found, is_transient

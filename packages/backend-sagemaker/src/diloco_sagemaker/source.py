@@ -21,7 +21,7 @@ from typing import Any
 
 from . import bootstrap, secretsreader
 from .bootstrap import WHEELS_DIR
-from .request import BOOTSTRAP_FILE, SECRETS_READER_FILE
+from .trainingjob import BOOTSTRAP_FILE, SECRETS_READER_FILE
 
 
 def split_s3(uri: str) -> tuple[str, str]:

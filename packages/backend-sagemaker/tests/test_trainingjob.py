@@ -17,7 +17,7 @@ from diloco_sagemaker import status as st
 from diloco_sagemaker.executor import SageMakerExecutor
 from diloco_sagemaker.instances import instance_type
 from diloco_sagemaker.options import SageMakerOptions
-from diloco_sagemaker.request import job_name
+from diloco_sagemaker.trainingjob import job_name
 
 IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/diloco:1"
 RDV = "s3://bucket/runs"
