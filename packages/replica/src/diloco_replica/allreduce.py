@@ -25,10 +25,9 @@ everywhere. A reduced shard that is corrupt in the store is re-published by its 
 Per replica and round, with its shard reduced by itself: up S (N−1 shards out, one reduced
 shard), down 2(N−1)/N·S — the ring all-reduce bound; O(N) requests.
 
-With the `topk` transport a replica first sparsifies each shard of Δ + its error-feedback
-residual (`codecs.sparsify`), keeps what it does not send in the residual, and contributes to
-the mean exactly what the others decode from it; a reducer's mean is the union of its members'
-supports, encoded sparse as well.
+With the `topk` transport a replica sparsifies each shard of Δ + its error-feedback residual
+(`codecs.sparsify`), keeps what it does not send in the residual, and contributes exactly what the
+others decode; a reducer's mean is the union of its members' supports, encoded sparse as well.
 """
 
 from __future__ import annotations
@@ -50,11 +49,12 @@ from .finite import NONFINITE, Contribution, NonFinite, accumulate, all_finite
 from .history import History
 from .lanes import Lanes
 from .membership import FellBehind, Membership, RoundFailed
+from .laps import Laps
 from .repairs import RepairDesk
-from .roundio import Laps, RoundIO
+from .roundio import RoundIO
 from .storeaccess import CountingStore, LaneShards, RunKeys, Traffic, reducer_of, shard_bounds
-from .streaming import (DeltaSource, InFlight, Prefetch, Published, ReadOnceThenRefetch, RoundSink, WholeDelta,
-                        buffer_sink, pool_width, window_for)
+from .streaming import (DeltaSource, Prefetch, Published, ReadOnceThenRefetch, RoundSink, WholeDelta,
+                        Window, buffer_sink, pool_width, window_for)
 from .wire import Identity, decode_tensor, encode_tensor, pack
 
 __all__ = ["FellBehind", "RoundFailed", "RoundResult", "StoreAllReduce"]
@@ -148,7 +148,7 @@ class StoreAllReduce:
             self.phase("upload", r)
             if self.codec == "topk":
                 sent = self._sparsify(source, bounds, residual)
-            gate = InFlight(self.window)
+            gate = Window(self.window)
 
             def put(j: int) -> None:
                 with gate:  # at most `window` shards of Δ exist at once
@@ -398,7 +398,7 @@ class StoreAllReduce:
         wanted = [j for j in range(self.n) if j not in have]
         taken_over: list[int] = []
         generation = {j: 0 for j in wanted}
-        gate = InFlight(self.window)
+        gate = Window(self.window)
 
         def fetch(j: int) -> None:
             a, b = bounds[j]

@@ -74,8 +74,8 @@ DEFAULTS: dict[str, Any] = {key: f.default for key, f in DILOCO.items()}
 
 
 @dataclass
-class InFlight:
-    """A round whose exchange runs in the background (overlap)."""
+class BackgroundRound:
+    """A round whose exchange runs in the background (overlap), merged one round late."""
 
     round: int
     part: int                   # the fragment it updates
@@ -127,7 +127,7 @@ class DiLoCo:
                                  fragments=self.fragments)
         # topk's error feedback: what this lane has not sent yet. A (re)joining replica starts at zero.
         self.residual = torch.zeros(self.view.numel) if s.transport == "topk" else None
-        self._inflight: InFlight | None = None
+        self._inflight: BackgroundRound | None = None
         self._exchanger = ThreadPoolExecutor(1, thread_name_prefix="diloco-round") if self.overlap else None
         self.recorder = Recorder(self.allreduce, self._log)
         self.state.bootstrap(self.view.read)  # θ_0 from this replica's model if the run is new
@@ -246,7 +246,7 @@ class DiLoCo:
             local = self.view.read_part(part, self.fragments)
             delta = torch.sub(self.state.theta[a:b], local)  # Δ = θ_global − θ_local
             future = self._exchanger.submit(self._exchange, r, delta, residual)
-            self._inflight = InFlight(r, part, local, future, compute_s, time.monotonic() - t0,
+            self._inflight = BackgroundRound(r, part, local, future, compute_s, time.monotonic() - t0,
                                       (self._tokens, self._losses, self._evals))
             self._next_phase()
             return merged

@@ -13,7 +13,6 @@ while rejoining or catching up (`report`) — until the replica's next metrics r
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -92,16 +91,3 @@ class RoundIO:
         """The incidents reported since the last call (each is handed out once)."""
         found, self.found = self.found, []
         return found
-
-
-class Laps:
-    """Seconds spent in each named phase, measured back to back from one clock."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._last = time.monotonic()
-
-    def lap(self, name: str) -> None:
-        now = time.monotonic()
-        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
-        self._last = now

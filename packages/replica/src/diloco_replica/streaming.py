@@ -12,7 +12,7 @@ few shards:
 - **Each mean where it goes** (`RoundSink`): the reducers' means reach the caller one shard at a
   time, as they arrive; `DiLoCo` applies the outer step to that slice of θ_global and the
   momentum in place, so no mean buffer exists.
-- **A window** (`InFlight`): at most `window` shards are being encoded, uploaded, downloaded or
+- **A window** (`Window`): at most `window` shards are being encoded, uploaded, downloaded or
   folded at once.
 
 `WholeDelta` keeps the whole-vector form (overlap's snapshot, tests, benchmarks).
@@ -120,13 +120,13 @@ class Prefetch:
         self.running, self.queue = [], []
 
 
-class InFlight:
+class Window:
     """A counting gate: `with gate:` around the work on one shard keeps at most `limit` open."""
 
     def __init__(self, limit: int):
         self._sem = threading.BoundedSemaphore(max(1, limit))
 
-    def __enter__(self) -> InFlight:
+    def __enter__(self) -> Window:
         self._sem.acquire()
         return self
 
