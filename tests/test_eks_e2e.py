@@ -4,16 +4,16 @@ diloco_eks.testing (pods run as local processes; no kube-apiserver can run here)
 
 Remote means remote: the replicas meet in an s3:// rendezvous on a moto server, and pods see
 only the environment their manifest declares (credentials through the spec's `secrets`, which
-become a Kubernetes Secret), never the launcher's disk or shell."""
+become a Kubernetes Secret), never the launcher's disk or shell. A pod SIGKILLed, relaunched by
+the EKS backend alone and rejoining from the store: test_groups_e2e.py (on S3) and
+test_azure_store.py (on Azure Blob)."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -84,32 +84,3 @@ def test_eks_refuses_a_rendezvous_on_the_launchers_disk(tmp_path, cluster, s3):
         proc = run_cli(tmp_path / "state", cmd, str(spec))
         assert proc.returncode == 2 and "which 'eks' replicas do not see" in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
-
-
-def test_killed_pod_is_relaunched_and_the_run_recovers(tmp_path, cluster, s3):
-    state = tmp_path / "state"
-    spec = eks_spec(tmp_path, cluster, s3, steps=200, sync_every=25,
-                    restart="backoff = 0.2\nmax_restarts_per_rank = 5")
-    spec.write_text(spec.read_text().replace("round_timeout = 120", "round_timeout = 8\ncheckpoint_every = 2"))
-    launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec)], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "DILOCO_STATE_DIR": str(state)})
-    run_id = launcher.stdout.readline().split()[1].rstrip(":")
-    events = state / "runs" / run_id / "events.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if events.exists() and any(json.loads(x).get("event") == "round" and json.loads(x)["round"] >= 2
-                                   for x in events.read_text().splitlines()):
-            break
-        time.sleep(0.2)
-    job = json.loads((state / "runs" / run_id / "run.json").read_text())["ranks"][2]["handle"]["metadata"]["job"]
-    assert cluster.kill_pod(job, 2, signal.SIGKILL)
-    out, _ = launcher.communicate(timeout=600)
-    assert launcher.returncode == 0, out
-    record = json.loads((state / "runs" / run_id / "run.json").read_text())
-    ranks = record["ranks"]
-    assert ranks[2]["restarts"] == 1 and ranks[2]["handle"]["metadata"]["job"].endswith("-r2-a1")
-    assert all(r["status"] == "succeeded" for r in ranks)
-    relaunched = run_cli(state, "logs", run_id, "--rank", "2", "--attempt", "1").stdout
-    joined = [line for line in relaunched.splitlines() if "joined at round" in line]
-    assert joined and int(joined[0].split("joined at round ")[1].split()[0]) >= 2  # rejoined from the store

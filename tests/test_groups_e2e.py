@@ -1,7 +1,9 @@
 """One run across four backends: a local group, an EKS group (the Kubernetes emulator), a SageMaker
 group (its control plane) and a Modal group (the fake Modal server), meeting in one s3:// store
 on a moto server. One replica killed in the EKS group is relaunched by the EKS backend and rejoins
-from the store; every replica of every group ends holding the same global model.
+from the store; every replica of every group ends holding the same global model. `diloco cancel`
+from another shell stops every group, and no replica process stays behind on any stand-in: the
+one cancel test of the cloud backends end to end.
 
 Every CLI call is its own process with the shell a user would have: AWS keys, the Modal token,
 the cluster's URL in the spec. Replicas get only what their group's backend gives them.
@@ -184,6 +186,9 @@ def test_cancel_from_another_shell_stops_every_group(tmp_path, s3, clouds):
         time.sleep(1.0)
     assert set(live.values()) <= {"cancelled", "failed", "succeeded"}, live  # no group left running
     assert len(live) == 4
+    job = next(r for r in record_of(state, run_id)["ranks"] if r["group"] == "sm")["handle"]["metadata"]["job"]
+    assert clouds["sm"].job(job)["TrainingJobStatus"] == "Stopped"  # StopTrainingJob, not a failure
+    # (the `clouds` fixture then checks that no replica process is left on any stand-in)
 
 
 def test_the_clouds_example_prices_each_group_by_where_it_runs(tmp_path):

@@ -21,7 +21,7 @@ import time
 import pytest
 
 from conftest import ROOT, events_of, on_s3, one_global_model, record_of, tiny_spec, wait_for_round
-from diloco.testing.scenarios import StandIn, cancel_from_another_shell, killed_launcher_is_resumed
+from diloco.testing.scenarios import StandIn, killed_launcher_is_resumed
 
 pytest.importorskip("diloco_modal")
 
@@ -131,11 +131,6 @@ def standin(cloud) -> StandIn:
 
 def test_a_killed_launcher_is_resumed_from_another_process(tmp_path, cloud, s3):
     killed_launcher_is_resumed(standin(cloud), tmp_path / "state", modal_spec(tmp_path, s3, steps=150, sync_every=25))
-
-
-def test_cancel_from_another_shell_leaves_nothing_running(tmp_path, cloud, s3):
-    cancel_from_another_shell(standin(cloud), tmp_path / "state", modal_spec(tmp_path, s3, steps=2000, sync_every=25),
-                              settle=20)
 
 
 def test_no_modal_token_is_one_line(tmp_path, cloud, s3):

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from diloco.testing.scenarios import StandIn, cancel_from_another_shell, killed_launcher_is_resumed
+from diloco.testing.scenarios import StandIn, killed_launcher_is_resumed
 from conftest import events_of, on_s3, one_global_model, record_of, tiny_spec, wait_for_round
 
 pytest.importorskip("diloco_sagemaker")
@@ -155,13 +155,6 @@ def test_a_killed_launcher_is_reattached_from_another_process(tmp_path, plane, s
         assert follow.returncode == 0 and "diloco: replica result:" in follow.stdout
 
     killed_launcher_is_resumed(cloud, state, sm_spec(tmp_path, s3, steps=150, sync_every=25), follow_a_log)
-
-
-def test_cancel_from_another_shell_stops_every_job(tmp_path, plane, s3):
-    record = cancel_from_another_shell(standin(plane), tmp_path / "state",
-                                       sm_spec(tmp_path, s3, steps=2000, sync_every=25))
-    jobs = [r["handle"]["metadata"]["job"] for r in record["ranks"]]
-    assert {plane.job(j)["TrainingJobStatus"] for j in jobs} == {"Stopped"}
 
 
 def test_a_file_rendezvous_is_refused_in_one_line(tmp_path, plane, s3):

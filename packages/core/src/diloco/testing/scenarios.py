@@ -98,16 +98,3 @@ def killed_launcher_is_resumed(cloud: StandIn, state: Path, spec: Path,
     one_global_model(record)
     assert all(r["restarts"] == 0 for r in record["ranks"])  # reattached, nothing relaunched
     return record
-
-
-def cancel_from_another_shell(cloud: StandIn, state: Path, spec: Path, *, settle: float = 30) -> dict[str, Any]:
-    """`diloco cancel` from a second shell stops the launcher and every replica on the platform."""
-    launcher, run_id = cloud.start(state, "run", str(spec))
-    wait_for_round(state, run_id, 1)
-    cancel = cloud.cli(state, "cancel", run_id)
-    assert cancel.returncode == 0, cancel.stderr
-    launcher.communicate(timeout=120)
-    assert wait_until_nothing_runs(cloud.live_processes, settle) == []
-    status = json.loads(cloud.cli(state, "status", run_id, "--json").stdout)
-    assert set(status["live"].values()) == {"cancelled"}
-    return record_of(state, run_id)
