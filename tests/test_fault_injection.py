@@ -52,7 +52,7 @@ RESTART = "max_restarts = 50\nmax_restarts_per_rank = 20\nbackoff = 0.2"
 
 
 def spec_for(tmp_path: Path) -> Path:
-    spec = tiny_spec(tmp_path, steps=STEPS, sync_every=H, restart=RESTART)
+    spec = tiny_spec(tmp_path, steps=STEPS, sync_every=H, restart=RESTART, model="main")  # losses compared
     text = spec.read_text().replace("round_timeout = 120", "round_timeout = 8\ncheckpoint_every = 2")
     spec.write_text(text)
     return spec

@@ -8,7 +8,7 @@ from conftest import tiny_spec
 
 
 def test_tiny_lm_runs_reports_and_records(cli, tmp_path, state_dir):
-    spec = tiny_spec(tmp_path, steps=120, sync_every=20)
+    spec = tiny_spec(tmp_path, steps=120, sync_every=20, model="main")
     proc = cli("run", str(spec))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
