@@ -89,16 +89,14 @@ def wrong_types(kind: str) -> list[Bad]:
 
 
 def spec_fields() -> list[tuple[str, str, str]]:
-    """(table, key, kind) for every field of the spec."""
-    from diloco import schema as spec
+    """(table, key, kind) for every field of the spec, as its tables declare them."""
+    from diloco.options import describe_options
+    from diloco.schema import SpecTable
+    from diloco.settings import DilocoSettings, RestartSettings
 
-    out = []
-    for table, schema in (("", spec.TOP_LEVEL), ("restart", spec.RESTART), ("diloco", spec.DILOCO)):
-        for key, f in schema.items():
-            if key in ("backend", "restart", "diloco", "metrics", "args", "env"):
-                continue
-            kind = {"strlist": "list[str]", "entrypoint": "str | list[str]", "float": "float"}.get(f.kind, f.kind)
-            out.append((table, key, kind))
+    tables = ("", SpecTable), ("restart", RestartSettings), ("diloco", DilocoSettings)
+    out = [(table, o.name, o.type) for table, declared in tables for o in describe_options(declared)
+           if o.name not in ("backend", "restart", "diloco", "metrics", "args", "env")]
     return out + [("args", "lr", "any"), ("env", "NCCL_DEBUG", "str | int | float | bool"),
                   ("metrics", "sinks", "list[str]"), ("metrics.tensorboard", "flush_secs", "any")]
 
@@ -247,10 +245,11 @@ def write_group(project: Path, backend: str, key: str, value: str) -> Path:
 @pytest.mark.parametrize("backend", ["local", "eks", "modal", "sagemaker"])
 def test_every_group_field_refuses_hostile_values_in_one_line(runner, backend):
     """The same cases inside a [[group]] table: each field a group may set, and its [group.env]."""
-    from diloco import schema as spec
+    from diloco.options import describe_options
+    from diloco.schema import GroupTable
 
     cli, project, state = runner
-    fields = [(k, {"entrypoint": "str"}.get(f.kind, f.kind)) for k, f in spec.GROUP.items() if k not in ("backend", "env")]
+    fields = [(o.name, o.type) for o in describe_options(GroupTable) if o.name not in ("backend", "env")]
     fields.append(("env.NCCL_DEBUG", "str | int | float | bool"))
     import diloco.cli as cli_module
 

@@ -15,7 +15,7 @@ GOOD = 'backend = "local"\nreplicas = 2\nentrypoint = "job:main"\n'
     ('backend = "nosuch"\nreplicas = 2\nentrypoint = "job:main"\n', "backend 'nosuch' is not installed"),
     ('backend = "local"\nreplicas = 0\nentrypoint = "job:main"\n', "`replicas` must be at least 1, got 0"),
     ('backend = "local"\nreplicas = -1\nentrypoint = "job:main"\n', "`replicas` must be at least 1, got -1"),
-    ('backend = "local"\nreplicas = "four"\nentrypoint = "job:main"\n', "`replicas` must be an integer"),
+    ('backend = "local"\nreplicas = "four"\nentrypoint = "job:main"\n', "`replicas` must be int, got 'four' (a string)"),
     ('backend = "local"\nreplicas = 2\nentrypoint = "nomodule_here:main"\n', "no module named 'nomodule_here'"),
     ('backend = "local"\nreplicas = 2\nentrypoint = "job:missing"\n', "defines no top-level 'missing'"),
     ('backend = "local"\nreplicas = 2\nentrypoint = "not a function ref"\n', "is not 'module:function'"),
@@ -39,8 +39,12 @@ GOOD = 'backend = "local"\nreplicas = 2\nentrypoint = "job:main"\n'
     (GOOD + "[metrics]\nsinks = 'tensorboard'\n", "`metrics.sinks` must be an array of sink names"),
     (GOOD + "[metrics.mlflow]\nuri = 'x'\n", "[metrics.mlflow] configures a sink not in `metrics.sinks`"),
     (GOOD + "[diloco]\ntotal_steps = 0\n", "`diloco.total_steps` must be at least 1"),
-    (GOOD + "[diloco]\nparameters = 'big'\n", "`diloco.parameters` must be an integer"),
+    (GOOD + "[diloco]\nparameters = 'big'\n", "`diloco.parameters` must be int, got 'big' (a string)"),
     ('replicas = 2\nentrypoint = "job:main"\n[backend]\nname = "local"\ngrace_period = -1\n', "grace_period"),
+    (GOOD + 'gpu = ""\n', "`gpu` must be a non-empty string, got ''"),
+    (GOOD + 'secrets = [""]\n', "`secrets` must be an array of non-empty strings, got ['']"),
+    ('backend = 5\nreplicas = 2\nentrypoint = "job:main"\n', "`backend` must be a backend name or a [backend] table"),
+    ('replicas = 2\nentrypoint = "job:main"\n[backend]\nroot = "x"\n', "`backend` is a table whose `name` must name"),
 ])
 def test_bad_spec_is_one_line_exit_2(cli, project, state_dir, text, expected):
     import importlib.util
@@ -70,4 +74,4 @@ def test_unknown_run_names_the_fix(cli):
 def test_dryrun_validates_too(cli, project):
     spec = write_spec(project, 'backend = "local"\nreplicas = "four"\nentrypoint = "job:main"\n')
     proc = cli("dryrun", str(spec))
-    assert proc.returncode == 2 and "`replicas` must be an integer" in proc.stderr
+    assert proc.returncode == 2 and "`replicas` must be int, got 'four' (a string)" in proc.stderr

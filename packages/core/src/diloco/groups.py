@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import SpecError
-from .schema import GROUP, check_table
+from .options import check_table
+from .schema import GroupTable
 
 MAX_GROUPS = 64
 GROUP_NAME = re.compile(r"[a-z][a-z0-9-]{0,30}")  # fullmatch: no trailing newline slips through
@@ -108,7 +109,7 @@ def rank_groups(spec_data: Mapping[str, Any] | None) -> dict[int, str]:
 
 
 def check_groups(where: str, tables: Any, defaults: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The `[[group]]` tables, each checked against `diloco.schema.GROUP` with the top-level keys in
+    """The `[[group]]` tables, each checked against `diloco.schema.GroupTable` with the top-level keys in
     `defaults` filled in for what it leaves out; names given or g0, g1, …, each once."""
 
     if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
@@ -124,7 +125,7 @@ def check_groups(where: str, tables: Any, defaults: Mapping[str, Any]) -> list[d
         if name in seen:
             raise SpecError(f"{where}: two groups are named {name!r}; give each group its own name")
         seen.add(name)
-        checked = check_table(f"{where}: group {name!r}", table, GROUP, "group.")
+        checked = check_table(f"{where}: group {name!r}", table, GroupTable, prefix="group.")
         for key, value in defaults.items():
             if key not in table:
                 checked[key] = value

@@ -1,5 +1,8 @@
-"""A backend's `[backend]` options: declared once as a dataclass, validated here, listed by the CLI.
+"""Tables declared once as dataclasses, validated here: a backend's `[backend]` options, the
+spec's own tables (`diloco.schema`), `[restart]` (`RestartSettings`) and `[diloco]` (`DilocoSettings`).
 
+Each key is a field made with `option(...)`: its type, default, help, bounds and choices in one
+place, read by the one check (`check_table`, `check_option`) and by the listings (`describe_options`).
 A backend declares its options as a frozen dataclass, each field made with `option(...)`:
 
     @dataclass(frozen=True)
@@ -14,6 +17,8 @@ float where an integer goes), numbers that are not finite or out of bounds, and 
 `choices` each fail with one line naming `backend.KEY`, the expected type and the value; so does
 a secret-looking key inside an option's tables (options are recorded with the run).
 `diloco backends NAME` and the conformance kit read the same declaration (`describe_options`).
+A spec table's keys are declared the same way and checked by the same function, named
+`restart.KEY`, `diloco.KEY`, `group.KEY` or `KEY` in its errors.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,15 +37,22 @@ _MISSING = dataclasses.MISSING
 
 
 def option(default: Any = _MISSING, *, help: str, min: float | None = None, max: float | None = None,
-           choices: tuple[Any, ...] = (), not_secrets: bool | tuple[str, ...] = ()) -> Any:
-    """One `[backend]` option: its default (none: required), help text, bounds and choices.
+           choices: tuple[Any, ...] = (), not_secrets: bool | tuple[str, ...] = (),
+           check: Callable[[Any], str | None] | None = None, want: str = "") -> Any:
+    """One key of a table: its default (none: required), help text, bounds and choices.
+
+    What the type cannot say, `check` does: given a value of the right type, it returns what is
+    wrong with it (the words after the key: "must be a non-empty string, got ''") or None. `want`
+    words the type in errors where `str | dict[str, Any]` would say less than "a backend name or
+    a [backend] table".
 
     Mutable defaults (lists, dicts) are copied per instance. A secret-looking key at any depth of
     the value is refused (`parse_options`); `not_secrets` names the keys that look like one but
     hold none (a toleration's `key`), or is True where no key does: the option maps variable
     names to secret references (`secret_refs`), or its keys are paths and fields the backend checks.
     """
-    meta = {"help": help, "min": min, "max": max, "choices": tuple(choices), "not_secrets": not_secrets}
+    meta = {"help": help, "min": min, "max": max, "choices": tuple(choices), "not_secrets": not_secrets,
+            "check": check, "want": want}
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -47,7 +60,8 @@ def option(default: Any = _MISSING, *, help: str, min: float | None = None, max:
 
 @dataclass(frozen=True)
 class BackendOption:
-    """One option as `diloco backends NAME` lists it."""
+    """One declared key as `describe_options` gives it: a backend's option as `diloco backends
+    NAME` lists it, or a key of a spec table."""
 
     name: str
     type: str
@@ -77,7 +91,8 @@ def type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _describe_value(value: Any) -> str:
+def describe_value(value: Any) -> str:
+    """What kind of TOML value `value` is, for errors: "an integer", "a table"."""
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
             dict: "a table"}.get(type(value), type(value).__name__)
 
@@ -118,14 +133,15 @@ def _fields(options_type: type) -> list[tuple[dataclasses.Field, Any]]:
     return [(f, hints[f.name]) for f in dataclasses.fields(options_type) if f.init and not f.name.startswith("_")]
 
 
-def check_option(where: str, name: str, f: dataclasses.Field, tp: Any, value: Any) -> Any:
-    """One value against its declaration; the value as the options get it (ints widened to float)."""
-    key = f"backend.{name}"
+def check_option(where: str, key: str, f: dataclasses.Field, tp: Any, value: Any) -> Any:
+    """One value against its declaration (`key` as errors name it: `backend.region`,
+    `diloco.sync_every`); the value as the table gets it (ints widened to float)."""
     if isinstance(value, float) and not math.isfinite(value):
         raise SpecError(f"{where}: `{key}` must be a finite number, got {value!r}")
-    if not _matches(tp, value):
-        raise SpecError(f"{where}: `{key}` must be {type_name(tp)}, got {value!r} ({_describe_value(value)})")
     meta = f.metadata
+    if not _matches(tp, value):
+        want = meta.get("want") or type_name(tp)
+        raise SpecError(f"{where}: `{key}` must be {want}, got {value!r} ({describe_value(value)})")
     if meta.get("choices") and value not in meta["choices"] and value is not None:
         raise SpecError(f"{where}: `{key}` must be one of {', '.join(map(str, meta['choices']))}; got {value!r}")
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -136,7 +152,41 @@ def check_option(where: str, name: str, f: dataclasses.Field, tp: Any, value: An
         if tp is float or (typing.get_origin(tp) in (typing.Union, types.UnionType)
                            and float in typing.get_args(tp) and int not in typing.get_args(tp)):
             value = float(value)
+    problem = meta.get("check") and meta["check"](value)
+    if problem:
+        raise SpecError(f"{where}: `{key}` {problem}")
     return value
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is _MISSING and f.default_factory is _MISSING
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return None if _required(f) else f.default if f.default is not _MISSING else f.default_factory()
+
+
+def check_table(where: str, table: Mapping[str, Any], declared: type, *, prefix: str = "", context: str = "",
+                see: str = "", optional: Collection[str] = ()) -> dict[str, Any]:
+    """`table` against the dataclass `declared`: unknown keys, then each key in declaration order,
+    present (`check_option`) or missing (required, unless in `optional`). Returns every key's
+    value, defaults filled in (None for an `optional` one left out). Errors name a key as
+    `{prefix}{key}`, followed by `context` (" for backend 'eks'"); `see` ends the list of keys."""
+    fields = _fields(declared)
+    unknown = sorted(set(table) - {f.name for f, _ in fields})
+    if unknown:
+        allowed = ", ".join(sorted(f.name for f, _ in fields)) or "none"
+        raise SpecError(f"{where}: unknown key `{prefix}{unknown[0]}`{context} (allowed: {allowed}{see})")
+    out = {}
+    for f, tp in fields:
+        if f.name in table:
+            out[f.name] = check_option(where, prefix + f.name, f, tp, table[f.name])
+        elif _required(f) and f.name not in optional:
+            help = f" ({f.metadata['help']})" if f.metadata.get("help") else ""
+            raise SpecError(f"{where}: missing required key `{prefix}{f.name}`{context}{help}")
+        else:
+            out[f.name] = _default(f)
+    return out
 
 
 def check_secret_keys(where: str, name: str, f: dataclasses.Field, value: Any) -> None:
@@ -160,18 +210,11 @@ def parse_options(options_type: type, table: dict[str, Any], *, source: str = "<
     from .specvalues import check_values
 
     check_values(source, table, root="backend")  # sizes, depth, NUL, non-finite, credentials in URIs
-    declared = {f.name: (f, tp) for f, tp in _fields(options_type)}
-    unknown = sorted(set(table) - set(declared))
-    if unknown:
-        raise SpecError(f"{source}: unknown key `backend.{unknown[0]}` for backend {backend!r} "
-                        f"(allowed: {', '.join(sorted(declared)) or 'none'}; see `diloco backends {backend}`)")
-    values = {}
-    for name, (f, tp) in declared.items():
-        if name in table:
-            values[name] = check_option(source, name, f, tp, table[name])
-            check_secret_keys(source, name, f, values[name])
-        elif f.default is _MISSING and f.default_factory is _MISSING:
-            raise SpecError(f"{source}: backend {backend!r} needs `backend.{name}`: {f.metadata.get('help', '')}")
+    values = check_table(source, table, options_type, prefix="backend.", context=f" for backend {backend!r}",
+                         see=f"; see `diloco backends {backend}`")
+    for f, _ in _fields(options_type):
+        if f.name in table:
+            check_secret_keys(source, f.name, f, values[f.name])
     return options_type(**values)
 
 
@@ -194,10 +237,7 @@ def options_from(executor_type: type, options: Any = None, overrides: dict[str, 
 
 def describe_options(options_type: type) -> list[BackendOption]:
     """The declared options in order, for `diloco backends NAME` and the conformance kit."""
-    out = []
-    for f, tp in _fields(options_type):
-        required = f.default is _MISSING and f.default_factory is _MISSING
-        default = None if required else (f.default if f.default is not _MISSING else f.default_factory())
-        out.append(BackendOption(f.name, type_name(tp), default, required, " ".join(f.metadata.get("help", "").split()),
-                                 tuple(f.metadata.get("choices") or ()), f.metadata.get("min"), f.metadata.get("max")))
-    return out
+    return [BackendOption(f.name, type_name(tp), _default(f), _required(f),
+                          " ".join(f.metadata.get("help", "").split()),
+                          tuple(f.metadata.get("choices") or ()), f.metadata.get("min"), f.metadata.get("max"))
+            for f, tp in _fields(options_type)]

@@ -29,12 +29,12 @@ run going with fewer while enough remain; below that the run fails.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import Enum
-from typing import Any
 
 from .failures import code_failure_signature, is_config_error, is_preemption
+from .settings import RestartSettings
 from .state import FINAL_STATES
 
 
@@ -62,34 +62,6 @@ class RunState(str, Enum):
     @property
     def is_final(self) -> bool:
         return self.value in FINAL_STATES
-
-
-@dataclass(frozen=True)
-class RestartSettings:
-    """The `[restart]` table, typed; defaults come from the spec's schema (`diloco.schema.RESTART`)."""
-
-    policy: str
-    max_restarts: int
-    max_restarts_per_rank: int
-    backoff: float
-    backoff_max: float
-    min_replicas: int
-    monitor_interval: float
-    max_preemptions: int
-    fail_fast_seconds: float
-
-    @classmethod
-    def from_table(cls, table: Mapping[str, Any], n_replicas: int, *, relaunches_one_rank: bool = True) -> RestartSettings:
-        from .schema import RESTART, check_table
-
-        values = check_table("[restart]", {k: v for k, v in table.items() if v is not None}, RESTART, "restart.")
-        values["min_replicas"] = values["min_replicas"] or n_replicas
-        if values["policy"] == "per-rank" and not relaunches_one_rank:
-            values["policy"] = "gang"  # the backend cannot start one rank alone
-        return cls(**{f.name: values[f.name] for f in fields(cls)})
-
-    def backoff_after(self, restarts: int) -> float:
-        return min(self.backoff * (2 ** restarts), self.backoff_max)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
-"""The `[diloco]` settings as one frozen type, validated once from the spec's schema.
+"""The `[diloco]` and `[restart]` settings as frozen types: each setting declared once, here.
 
-The schema (`diloco.schema.DILOCO`: types, bounds, choices, defaults) is the one place each
-setting is defined. The launcher validates the spec's table into `DilocoSettings`, hands it to
+The fields of `DilocoSettings` and `RestartSettings` (types, bounds, choices, defaults, help) are
+the one place each setting is defined: the spec's tables are checked against them
+(`diloco.options.check_table`), and the replica's defaults and the listings read them
+(`describe_options`). The launcher validates the spec's table into `DilocoSettings`, hands it to
 every replica as one environment variable (`to_env`, DILOCO_SETTINGS), and the replica reads it
 back with `from_env`, which runs the same checks: a replica trusts no setting that arrives.
 """
@@ -14,7 +16,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .errors import SpecError
-from .schema import DILOCO, check_table
+from .options import check_table, option
+from .wiresize import CODECS
 
 
 def check_time_based(values: Mapping[str, Any], where: str) -> None:
@@ -35,28 +38,38 @@ def check_time_based(values: Mapping[str, Any], where: str) -> None:
 
 @dataclass(frozen=True)
 class DilocoSettings:
-    sync_every: int
-    outer_lr: float
-    outer_momentum: float
-    nesterov: bool
-    transport: str
-    topk_density: float
-    fragments: int
-    overlap: bool
-    round_seconds: float | None
-    total_steps: int | None
-    parameters: int | None
-    round_timeout: float
-    min_members: int
-    checkpoint_every: int
-    poll_interval: float | None
-    poll_max: float | None
+    """The `[diloco]` table, read by every replica (`diloco_replica.DiLoCo`)."""
+
+    sync_every: int = option(50, help="H: inner steps between syncs", min=1, max=1_000_000)
+    outer_lr: float = option(0.7, help="the outer optimizer's learning rate", min=0, max=100)
+    outer_momentum: float = option(0.9, help="the outer optimizer's momentum", min=0, max=1)
+    nesterov: bool = option(True, help="Nesterov momentum in the outer step")
+    transport: str = option("fp32", help="the codec on the wire; accumulation is always fp32 (docs/sync-modes.md)",
+                            choices=CODECS)
+    topk_density: float = option(0.01, help="transport topk: the fraction of each 4,096-element block sent",
+                                 min=0.0001, max=1)
+    fragments: int = option(1, help="K: the model syncs in K staggered fragments, one every sync_every/K steps",
+                            min=1, max=1024)
+    overlap: bool = option(False, help="exchange a round in the background while inner steps go on; merged one "
+                                       "round late")
+    round_seconds: float | None = option(
+        None, help="time-based rounds: each replica runs inner steps for this long a round (at most sync_every of "
+                   "them), and the mean normalises each update by its steps (docs/sync-modes.md)", min=0.01, max=86_400)
+    total_steps: int | None = option(None, help="inner steps per replica for the whole run: DiLoCo.steps() runs this "
+                                                "many, and the estimate and the ETA count on it", min=1, max=10**12)
+    parameters: int | None = option(None, help="the model's parameter count, for the estimate before launch (without "
+                                               "it the replica measures it at round 1)", min=1, max=10**14)
+    round_timeout: float = option(300.0, help="seconds a sync round waits for its members", min=0.1, max=86_400)
+    min_members: int = option(1, help="fewest replicas a sync round may average over", min=1, max=4096)
+    checkpoint_every: int = option(10, help="rounds between checkpoints of the global state", min=1, max=1_000_000)
+    poll_interval: float | None = option(None, help="first wait when polling the store (default: by store)",
+                                         min=0.001, max=60)
+    poll_max: float | None = option(None, help="longest wait between polls (default: by store)", min=0.001, max=3600)
 
     @classmethod
     def from_table(cls, table: Mapping[str, Any], *, where: str = "<spec>") -> DilocoSettings:
-        """Checked against the schema (unknown keys, types, bounds, choices), defaults filled in."""
-
-        values = check_table(where, {k: v for k, v in table.items() if v is not None}, DILOCO, "diloco.")
+        """Checked against the declaration (unknown keys, types, bounds, choices), defaults filled in."""
+        values = check_table(where, {k: v for k, v in table.items() if v is not None}, cls, prefix="diloco.")
         if values["sync_every"] % values["fragments"]:
             raise SpecError(f"{where}: `diloco.fragments` ({values['fragments']}) must divide `diloco.sync_every` "
                             f"({values['sync_every']}): one fragment syncs every sync_every/fragments inner steps")
@@ -84,3 +97,35 @@ class DilocoSettings:
             raise SpecError(f"{ENV_SETTINGS} must be a JSON object of [diloco] settings")
         return cls.from_table({**table, **{k: v for k, v in overrides.items() if v is not None}},
                               where=ENV_SETTINGS)
+
+
+@dataclass(frozen=True)
+class RestartSettings:
+    """The `[restart]` table, read by the supervisor; the rules are `diloco.policy`'s."""
+
+    policy: str = option("per-rank", help="what a failure relaunches: one rank, every rank, or none",
+                         choices=("per-rank", "gang", "never"))
+    max_restarts: int = option(10, help="relaunches allowed across the whole run", min=0, max=100_000)
+    max_restarts_per_rank: int = option(3, help="relaunches allowed of each rank", min=0, max=10_000)
+    backoff: float = option(1.0, help="seconds before a rank's first relaunch, doubled after each", min=0, max=3600)
+    backoff_max: float = option(60.0, help="the longest wait before a relaunch", min=0, max=86_400)
+    min_replicas: int | None = option(None, help="ranks that must stay alive and succeed (default: all)",
+                                      min=1, max=4096)
+    monitor_interval: float = option(1.0, help="seconds between the supervisor's looks at the replicas",
+                                     min=0.01, max=3600)
+    max_preemptions: int = option(50, help="relaunches after the platform took a replica's machine away (exit 75)",
+                                  min=0, max=100_000)
+    fail_fast_seconds: float = option(900.0, help="the same error at the same step on every rank this soon after "
+                                                  "start: stop", min=0, max=7 * 86_400)
+
+    @classmethod
+    def from_table(cls, table: Mapping[str, Any], n_replicas: int, *,
+                   relaunches_one_rank: bool = True) -> RestartSettings:
+        values = check_table("[restart]", {k: v for k, v in table.items() if v is not None}, cls, prefix="restart.")
+        values["min_replicas"] = values["min_replicas"] or n_replicas
+        if values["policy"] == "per-rank" and not relaunches_one_rank:
+            values["policy"] = "gang"  # the backend cannot start one rank alone
+        return cls(**values)
+
+    def backoff_after(self, restarts: int) -> float:
+        return min(self.backoff * (2 ** restarts), self.backoff_max)

@@ -30,17 +30,18 @@ import json
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import SpecError
 from .groups import ReplicaGroup, check_groups
-from .schema import DILOCO, INHERITED, RESTART, TOP_LEVEL, check_table, type_name
+from .options import check_table, describe_value
+from .schema import INHERITED, SpecTable
 from .replicaenv import check_entrypoint_args
 from .procgroup import resolve_processes
 from .store import SCHEMES, scheme_list
-from .settings import DilocoSettings
+from .settings import DilocoSettings, RestartSettings
 from .sinks import check_metrics
 from .specvalues import MAX_ARGS_JSON, MAX_SPEC_BYTES, check_values, safe_uri, secret_key_path
 from .variables import check_variable
@@ -125,20 +126,18 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", base_dir: Pat
     check_values(where, data)  # sizes, depth, NUL, non-finite, credentials in URIs: before anything else
     data = dict(data)
     grouped = "group" in data
-    schema = TOP_LEVEL
     if grouped:
         for key in ("replicas", "backend"):
             if key in data:
                 raise SpecError(f"{where}: a spec with [[group]] tables has no top-level `{key}`; give each group "
                                 f"its own (`replicas = N` and a [group.backend] table)")
-        schema = {**TOP_LEVEL, **{k: replace(TOP_LEVEL[k], required=False) for k in ("replicas", "backend")}}
-    top = check_table(where, data, schema)
+    top = check_table(where, data, SpecTable, optional=("replicas", "backend") if grouped else ())
     groups = _groups(where, top) if grouped else []
     total = sum(g.replicas for g in groups) if grouped else top["replicas"]
     if total > 4096:
         raise SpecError(f"{where}: the groups hold {total} replicas together; a run has at most 4096")
-    restart = check_table(where, top["restart"], RESTART, "restart.")
-    diloco = check_table(where, top["diloco"], DILOCO, "diloco.")
+    restart = check_table(where, top["restart"], RestartSettings, prefix="restart.")
+    diloco = check_table(where, top["diloco"], DilocoSettings, prefix="diloco.")
     if restart["min_replicas"] is not None and restart["min_replicas"] > total:
         raise SpecError(f"{where}: `restart.min_replicas` ({restart['min_replicas']}) exceeds `replicas` "
                         f"({total})")
@@ -183,7 +182,8 @@ def _check_env(where: str, table: str, env: Mapping[str, Any]) -> dict[str, str]
     for key, value in env.items():
         check_variable(where, table, key)
         if not isinstance(value, (str, int, float, bool)):
-            raise SpecError(f"{where}: `{table}.{key}` must be a string, number or boolean, got {type_name(value)}")
+            raise SpecError(f"{where}: `{table}.{key}` must be a string, number or boolean, "
+                            f"got {describe_value(value)}")
     return {k: str(v) for k, v in env.items()}
 
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from diloco.schema import DILOCO
+from diloco.settings import DilocoSettings
 from diloco.store import Store
 
 from .codecs import sparsify
@@ -81,7 +81,7 @@ class StoreAllReduce:
     def __init__(self, store: Store, run_id: str, rank: int, world_size: int, *, codec: str = "fp32",
                  round_timeout: float = 300.0, min_members: int = 1, poll_interval: float = 0.05,
                  poll_max: float = 1.0, workers: int | None = None, log: Callable[[str], None] | None = None,
-                 lanes: Lanes | None = None, topk_density: float = DILOCO["topk_density"].default,
+                 lanes: Lanes | None = None, topk_density: float = DilocoSettings.topk_density,
                  step_cap: int | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")

@@ -55,8 +55,8 @@ from diloco.context import ReplicaContext
 from diloco.errors import UserError
 from diloco.metrics import RoundMetrics
 from diloco.envvars import ENV_SETTINGS
+from diloco.options import describe_options
 from diloco.settings import DilocoSettings
-from diloco.schema import DILOCO
 from diloco.store import poll_defaults, verify_store
 
 from .allreduce import RoundResult, StoreAllReduce
@@ -68,8 +68,8 @@ from .recorder import Recorder
 from .roundclock import RoundClock
 from .streaming import LiveDelta
 
-# One place for the defaults: the spec's [diloco] table (diloco.schema.DILOCO), typed as DilocoSettings.
-DEFAULTS: dict[str, Any] = {key: f.default for key, f in DILOCO.items()}
+# One place for the defaults: the [diloco] table's declaration, DilocoSettings.
+DEFAULTS: dict[str, Any] = {o.name: o.default for o in describe_options(DilocoSettings)}
 
 
 
