@@ -147,7 +147,7 @@ def test_one_run_across_four_backends_survives_a_killed_replica_and_ends_bit_ide
     ranks = record["ranks"]
     assert [r["group"] for r in ranks] == ["here", "k8s", "sm", "modal"]
     assert [r["restarts"] for r in ranks] == [0, 1, 0, 0]
-    relaunched = [h["backend_name"] for h in ranks[1]["history"]]
+    relaunched = [h["backend_name"] for h in ranks[1]["attempts"]]
     assert relaunched == ["eks", "eks"] and ranks[1]["handle"]["metadata"]["job"].endswith("-r1-a1")
     failed = [e for e in events_of(state, run_id) if e["event"] == "failed"]
     assert [(e["rank"], e["group"]) for e in failed] == [(1, "k8s")]

@@ -250,7 +250,7 @@ def test_a_killed_replica_is_relaunched_by_its_own_groups_backend(cli, project, 
     assert launcher.returncode == 0, out
     ranks = json.loads(record.read_text())["ranks"]
     assert [r["restarts"] for r in ranks] == [0, 0, 1]
-    assert [(h["backend_name"], h["metadata"]["attempt"]) for h in ranks[2]["history"]] == [("nearby", 0),
+    assert [(h["backend_name"], h["metadata"]["attempt"]) for h in ranks[2]["attempts"]] == [("nearby", 0),
                                                                                           ("nearby", 1)]
     events = [json.loads(x) for x in (state_dir / "runs" / run_id / "events.jsonl").read_text().splitlines()]
     failed = next(e for e in events if e["event"] == "failed")

@@ -203,7 +203,7 @@ class Run:
         for r in ranks:
             if rank is not None and r.rank != rank:
                 continue
-            history = [ReplicaHandle.from_dict(h) for h in r.history]
+            history = [ReplicaHandle.from_dict(h) for h in r.attempts]
             if attempt is not None:
                 history = [h for h in history if h.attempt == attempt]
                 if not history:

@@ -223,7 +223,7 @@ def divergence(rows: list[RoundMetrics]) -> dict[str, Any] | None:
     """Which replicas hold a global state different from the others', if any do.
 
     The majority digest wins; a tie goes to the digest of the lowest rank (with two replicas
-    nothing better exists: the checkpoints are the arbiter, see diloco_replica.history).
+    nothing better exists: the checkpoints are the arbiter, see diloco_replica.checkpoints).
     """
     digests = {r.rank: r.state_digest for r in rows if r.state_digest}
     if len(set(digests.values())) <= 1:

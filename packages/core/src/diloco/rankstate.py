@@ -47,7 +47,7 @@ class RankState:
     relaunch_at: float | None = None
     last_error: str | None = None
     result: Any = None
-    history: list[dict[str, Any]] = field(default_factory=list)  # every attempt's handle
+    attempts: list[dict[str, Any]] = field(default_factory=list)  # every attempt's handle
     launched_at: float | None = None     # when the current attempt was launched
     failure_signature: str | None = None  # the latest failure's cause, if training code raised it
     failed_soon: bool = False            # whether that failure came within fail_fast_seconds of launch
@@ -59,7 +59,7 @@ class RankState:
         return {"rank": self.rank, "handle": self.handle.to_dict() if self.handle else None,
                 "status": self.status.value, "restarts": self.restarts, "given_up": self.given_up,
                 "relaunch_at": self.relaunch_at, "last_error": self.last_error, "result": self.result,
-                "history": self.history, "launched_at": self.launched_at,
+                "attempts": self.attempts, "launched_at": self.launched_at,
                 "failure_signature": self.failure_signature, "failed_soon": self.failed_soon,
                 "preemptions": self.preemptions, "preempted": self.preempted, "group": self.group}
 
@@ -69,7 +69,7 @@ class RankState:
         return cls(rank=data["rank"], handle=handle, status=RankStatus(data.get("status", "pending")),
                    restarts=data.get("restarts", 0), given_up=data.get("given_up", False),
                    relaunch_at=data.get("relaunch_at"), last_error=data.get("last_error"),
-                   result=data.get("result"), history=list(data.get("history", [])),
+                   result=data.get("result"), attempts=list(data.get("attempts", [])),
                    launched_at=data.get("launched_at"), failure_signature=data.get("failure_signature"),
                    failed_soon=data.get("failed_soon", False), preemptions=data.get("preemptions", 0),
                    preempted=data.get("preempted", False), group=data.get("group"))

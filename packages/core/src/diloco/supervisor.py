@@ -118,7 +118,7 @@ class Supervisor:
                 st = self.ranks[h.rank]
                 st.handle, st.status, st.relaunch_at = h, RankStatus.PENDING, None
                 st.launched_at = self.clock()
-                st.history.append(h.to_dict())
+                st.attempts.append(h.to_dict())
             self._event("launch", ranks=group, attempt=attempt)
         self.save()
 

@@ -46,7 +46,7 @@ from diloco.store import Store
 from .codecs import sparsify
 from .faults import Faults
 from .finite import NONFINITE, Contribution, NonFinite, accumulate, all_finite
-from .history import History
+from .checkpoints import Checkpoints
 from .lanes import Lanes
 from .membership import FellBehind, Membership, RoundFailed
 from .laps import Laps
@@ -76,7 +76,7 @@ class RoundResult:
 
 class StoreAllReduce:
     """One replica's (one lane's) side of the store all-reduce. `io` is the round's I/O object,
-    shared with membership, history, repairs, the global state and the recorder."""
+    shared with membership, checkpoints, repairs, the global state and the recorder."""
 
     def __init__(self, store: Store, run_id: str, rank: int, world_size: int, *, codec: str = "fp32",
                  round_timeout: float = 300.0, min_members: int = 1, poll_interval: float = 0.05,
@@ -100,8 +100,8 @@ class StoreAllReduce:
         self.step_cap = step_cap
         self._own_steps: int | None = None  # this replica's τ in the round it is in
         self.window = window_for(world_size, self.io.pool._max_workers)  # shards in flight (`streaming`)
-        self.history = History(self.io)
-        self.membership = Membership(self.io, self.history, min_members=min_members)
+        self.checkpoints = Checkpoints(self.io)
+        self.membership = Membership(self.io, self.checkpoints, min_members=min_members)
         self.repairs = RepairDesk(self.io, self.membership)
         self._cleanup_due: tuple[int, list[int], list[int]] | None = None
         self._finished: tuple[int, float] | None = None  # (round, when) this replica last completed one

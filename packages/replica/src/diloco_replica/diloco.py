@@ -139,7 +139,7 @@ class DiLoCo:
         self.total_steps: int | None = s.total_steps
         self.clock = RoundClock(self.stride, self.round_seconds, self.lanes)  # when a round is due
         self._alone_since_start = self.ctx.world_size > 1  # until a round with another member is seen
-        self.history: list[RoundMetrics] = []
+        self.metrics: list[RoundMetrics] = []
         self._pending_row = None  # the last round's digest and metrics row, being written
         self.ctx.global_step = self.global_step
 
@@ -330,7 +330,7 @@ class DiLoCo:
             phases={"compute": compute_s, **result.phases, "outer": outer_s}, hidden_s=hidden_s,
             step=result.round * self.stride, total_steps=self.total_steps, evals=list(evals))
         self._warn_if_alone(info)
-        self.history.append(info)
+        self.metrics.append(info)
         # θ and the momentum stay as they are until the next round's outer step, so their digest
         # (XXH3 over 8 bytes per parameter) and the row's write overlap the next inner steps.
         self._pending_row = self.allreduce.io.pool.submit(self._record, info)
@@ -379,7 +379,7 @@ class DiLoCo:
                             tokens=self._tokens, compute_s=compute_s, sync_s=time.monotonic() - t0, t=time.time(),
                             phases={"compute": compute_s}, step=self.state.round * self.stride,
                             total_steps=self.total_steps, evals=list(self._evals))
-        self.history.append(info)
+        self.metrics.append(info)
         if next_phase:
             self._next_phase()
         return info

@@ -4,10 +4,10 @@ Every replica holds a CPU fp32 master copy of θ_global and the outer momentum a
 outer step itself (`outer.outer_step`, bit-reproducible), on bit-identical decoded inputs, so all
 replicas stay identical without ever sending θ. A replica that starts, restarts, falls behind
 the retained history, or learns that its state diverged from the others' loads the newest
-usable checkpoint and replays the rounds after it (`history.History`).
+usable checkpoint and replays the rounds after it (`checkpoints.Checkpoints`).
 
 Nothing non-finite becomes or leaves the global state: θ_0 from the model, checkpoints loaded
-(`history.History.load`) and θ after every outer step are checked, and a θ that would be NaN or
+(`checkpoints.Checkpoints.load`) and θ after every outer step are checked, and a θ that would be NaN or
 Inf stops the run with one line (`finite.NonFinite`) before any checkpoint of it is written.
 Incidents met while loading or replaying (a corrupt checkpoint or reduced shard) are reported
 through `RoundIO.report`, to travel with the replica's next metrics row.
@@ -39,7 +39,7 @@ class GlobalState:
                  fragments: int = 1):
         self.ar = allreduce
         self.io = allreduce.io  # the round's store, keys, pool and timeouts
-        self.history = allreduce.history
+        self.checkpoints = allreduce.checkpoints
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
         self.checkpoint_every = checkpoint_every
         self.log = log or (lambda msg: None)
@@ -92,15 +92,15 @@ class GlobalState:
         raise RoundFailed("could not load a checkpoint: they kept changing under this replica")
 
     def _newest_usable(self, below: int | None) -> int | None:
-        usable = [c for c in self.history.complete() if below is None or c < below]
+        usable = [c for c in self.checkpoints.complete() if below is None or c < below]
         if usable:
             return usable[-1]
-        if self.history.low_water() > 0:
+        if self.checkpoints.low_water() > 0:
             raise RoundFailed("no usable checkpoint is left in the store and the early rounds are gone")
         return None
 
     def _load(self, c: int) -> None:
-        loaded = self.history.load(c, self.numel, pin=self.pin)
+        loaded = self.checkpoints.load(c, self.numel, pin=self.pin)
         if loaded is None:
             raise Retry(f"checkpoint {c} changed while loading")
         self.theta, self.buf = loaded
@@ -151,16 +151,16 @@ class GlobalState:
         initial = read_initial()
         if not all_finite(initial):
             raise NonFinite("the model's initial parameters hold NaN or Inf; fix the model's initialisation")
-        if self.io.rank not in self.history.present(0):
-            self.history.put_shard(0, self.io.rank, initial, None)
+        if self.io.rank not in self.checkpoints.present(0):
+            self.checkpoints.put_shard(0, self.io.rank, initial, None)
         deadline = time.monotonic() + self.io.round_timeout
         backoff = Backoff(self.io.poll_interval, self.io.poll_max)
-        present = self.history.present(0)
+        present = self.checkpoints.present(0)
         while len(present) < self.io.n and backoff.sleep(deadline):
-            present = self.history.present(0)
+            present = self.checkpoints.present(0)
         for j in range(self.io.n):
             if j not in present:  # its owner never came: write it from here (create-only)
-                self.history.put_shard(0, j, initial, None)
+                self.checkpoints.put_shard(0, j, initial, None)
 
     # -- each round --------------------------------------------------------------------------
 
@@ -198,11 +198,11 @@ class GlobalState:
         if r % self.checkpoint_every == 0:
             mine = [j for j in range(self.io.n) if reducer_of(j, members) == self.io.rank]
             for j in mine:
-                self.history.put_shard(r, j, self.theta, self.buf, digest=self.digest())
+                self.checkpoints.put_shard(r, j, self.theta, self.buf, digest=self.digest())
             if mine:
                 self.written[r] = mine
             if reducer_of(0, members) == self.io.rank and self.io.lanes.leader:  # one collector, off the hot path
-                self.io.pool.submit(self.history.collect_garbage, r)
+                self.io.pool.submit(self.checkpoints.collect_garbage, r)
 
     def digest(self) -> str:
         return state_digest(self.theta, self.buf)
@@ -212,6 +212,6 @@ class GlobalState:
         from then on, and reload from an older one (the others' state, replayed)."""
         tainted = sorted(c for c in self.written if c >= since)
         if tainted:  # each lane voids the checkpoints it wrote shards of: a void marker voids all lanes
-            self.history.void(tainted, f"written by rank {self.io.rank}, whose state diverged at round {since}")
+            self.checkpoints.void(tainted, f"written by rank {self.io.rank}, whose state diverged at round {since}")
         self.written = {c: s for c, s in self.written.items() if c < since}
         return self.bootstrap(initial, below=since)

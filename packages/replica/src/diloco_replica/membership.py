@@ -6,7 +6,7 @@ reads the winner's list. Fewer than `min_members` → `RoundFailed`. A replica t
 the decision is not a member: its update is left out and it adopts the round's result.
 
 History is never rewritten: a round at or below the store's low-water mark (see
-`history.History`) is gone or going, so a replica that has not seen it decided raises
+`checkpoints.Checkpoints`) is gone or going, so a replica that has not seen it decided raises
 `FellBehind` and rejoins from a checkpoint instead of deciding it again alone.
 """
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from diloco.store import ObjectExists
 
-from .history import History
+from .checkpoints import Checkpoints
 from .storeaccess import Backoff
 from .wire import CorruptObject, Identity, pack_json, unpack
 
@@ -34,8 +34,8 @@ class FellBehind(RoundFailed):
 
 
 class Membership:
-    def __init__(self, io: RoundIO, history: History, *, min_members: int):
-        self.store, self.keys, self.rank, self.n, self.history = io.store, io.keys, io.rank, io.n, history
+    def __init__(self, io: RoundIO, checkpoints: Checkpoints, *, min_members: int):
+        self.store, self.keys, self.rank, self.n, self.checkpoints = io.store, io.keys, io.rank, io.n, checkpoints
         self.round_timeout, self.min_members = io.round_timeout, min_members
         self.poll_interval, self.poll_max, self.log = io.poll_interval, io.poll_max, io.log
 
@@ -60,7 +60,7 @@ class Membership:
 
     def check_not_collected(self, r: int) -> None:
         """Raise FellBehind if round r is at or below the low-water mark (one LIST)."""
-        mark = self.history.low_water()
+        mark = self.checkpoints.low_water()
         if r <= mark:
             raise FellBehind(f"round {r} is at or below the store's retained history (rounds ≤ {mark} were "
                              f"garbage-collected); this replica is too far behind")

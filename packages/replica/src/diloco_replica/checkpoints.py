@@ -35,7 +35,7 @@ VOID = "void"
 LOAD_WINDOW_BYTES = 64 << 20  # checkpoint shards up to this size are fetched four at a time
 
 
-class History:
+class Checkpoints:
     def __init__(self, io: RoundIO):
         self.io = io
         self.store, self.keys, self.shards, self.pool, self.log = io.store, io.keys, io.shards, io.pool, io.log
