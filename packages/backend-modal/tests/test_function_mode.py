@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import sys
-import time
 
 import pytest
 
 
 from diloco.errors import UserError
-from diloco.testing import launch, plan_for
+from diloco.testing import launch, plan_for, wait_for_output
 from diloco.testing import wait_for_status as wait_for
 from diloco_modal.executor import ModalExecutor
 
@@ -92,11 +91,15 @@ def test_not_a_modal_function_is_refused(fake_modal, app_module):
 
 def test_a_preempted_call_is_restarted_by_modal_on_the_same_input(fake_modal, app_module):
     """Modal restarts an input only when the function raises KeyboardInterrupt: the replica exits
-    75 on the SIGINT, run_replica raises KeyboardInterrupt, the input restarts and succeeds."""
+    75 on the SIGINT, run_replica raises KeyboardInterrupt, the input restarts and succeeds.
+
+    The notice is sent once the replica prints from inside its entrypoint (its handler is set,
+    its 4 s are running), never timed from the `running` status: that lags the container by the
+    call graph's delay, and under load a notice timed from it landed as the entrypoint returned,
+    so the input restarted with no preemption for the replica to report."""
     executor = ModalExecutor(function=f"{app_module}:replica", deploy=True)
     (handle,) = launch(executor, 1, SLEEP, {"seconds": 4}, run_id="r1")
-    assert wait_for(executor, handle, {"running"}) == "running"
-    time.sleep(1.0)
+    assert "rank 0 sleeping" in wait_for_output(executor, handle, "rank 0 sleeping")
     call_id = handle.metadata["id"]
     assert fake_modal.preempt(call_id)
     (result,) = executor.collect([handle], timeout=90)

@@ -90,6 +90,21 @@ def wait_for_status(executor: Any, handle: ReplicaHandle, wanted: set[str], time
     return status.value
 
 
+def wait_for_output(executor: Any, handle: ReplicaHandle, text: str, timeout: float = 60) -> str:
+    """Poll `handle`'s logs until they hold `text` (or `timeout` passes); the last logs.
+
+    What a test waits for before acting on a replica *inside* its entrypoint (a preemption
+    notice, a kill): a `running` status only says the platform started it, and may lag (Modal's
+    call graph), so a notice timed from it can land before the runner set its handlers or after
+    the entrypoint already returned."""
+    deadline = time.monotonic() + timeout
+    logs = executor.stream_logs(handle)
+    while text not in logs and time.monotonic() < deadline:
+        time.sleep(0.1)
+        logs = executor.stream_logs(handle)
+    return logs
+
+
 class ExecutorConformance(abc.ABC):
     n_replicas = 3
     wait_timeout = 60.0
