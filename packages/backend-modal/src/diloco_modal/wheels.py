@@ -1,7 +1,8 @@
 """The launcher's own diloco, as wheels for the default image (never from a package index).
 
-diloco-core and diloco-replica are not published on an index, and a replica must run the diloco
-that planned its run. So the default image copies wheels built here, from the distributions
+A replica must run the diloco that planned its run, byte for byte: an index may not hold the
+launcher's version (an editable install, a local change, a release not yet published), and one
+that does could serve a different build. So the default image copies wheels built here, from the distributions
 installed where `diloco run` runs (`diloco.wheelhouse.launcher_wheels`), into the image
 (`Image.add_local_file(..., copy=True)`) and pip-installs them from those paths.
 

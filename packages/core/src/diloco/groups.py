@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import SpecError
 from .options import check_table
+from .records import from_record, to_record
 from .schema import GroupTable
 
 MAX_GROUPS = 64
@@ -68,11 +69,11 @@ class ReplicaGroup:
         return f"group {self.name}: {self.replicas} × {self.backend}{f' ({self.gpu})' if self.gpu else ''}, {ranks}"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return to_record(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ReplicaGroup:
-        return cls(**dict(data))
+        return from_record(cls, data, where="a recorded group")
 
     def to_table(self) -> dict[str, Any]:
         """The group as its `[[group]]` table (every value explicit, so nothing is re-inherited)."""

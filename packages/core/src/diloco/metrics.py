@@ -18,9 +18,11 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .records import from_record
 
 
 def metrics_key(run_id: str, round_: int, rank: int) -> str:
@@ -39,50 +41,10 @@ def summary_key(run_id: str, round_: int) -> str:
 PHASES = ("compute", "upload", "wait", "reduce", "download", "outer")
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
-
-
 # Rows and summaries arrive from the store, which anyone holding its credentials can write: each
-# field is checked against its declared type (numbers finite) before the launcher uses it, so a
-# planted or garbled object is skipped like a torn one instead of crashing the supervisor.
-_FIELD_CHECKS: dict[str, Any] = {
-    "int": _is_int,
-    "float": _is_number,
-    "bool": lambda v: isinstance(v, bool),
-    "int | None": lambda v: v is None or _is_int(v),
-    "float | None": lambda v: v is None or _is_number(v),
-    "str | None": lambda v: v is None or isinstance(v, str),
-    "list[int]": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
-    "dict[str, int]": lambda v: isinstance(v, dict) and all(isinstance(k, str) and _is_int(x) for k, x in v.items()),
-    "dict[str, float]": lambda v: isinstance(v, dict) and all(isinstance(k, str) and _is_number(x)
-                                                              for k, x in v.items()),
-    "list[dict[str, Any]]": lambda v: isinstance(v, list) and all(
-        isinstance(x, dict) and all(isinstance(k, str) for k in x) for x in v),
-    "dict[str, Any] | None": lambda v: v is None or (isinstance(v, dict) and all(isinstance(k, str) for k in v)),
-    "list[list[float]]": lambda v: isinstance(v, list) and all(
-        isinstance(x, list) and all(_is_number(y) for y in x) for x in v),
-}
-
-
-def _from_dict(cls, data: Any):
-    """An instance of `cls` from a decoded JSON object, every known field type-checked;
-    ValueError names the first field that does not fit (the readers skip such an object)."""
-    if not isinstance(data, dict):
-        raise ValueError(f"a {cls.__name__} must be a JSON object")
-    kwargs = {}
-    for f in fields(cls):
-        if f.name not in data or f.name == "rows":
-            continue
-        check = _FIELD_CHECKS[f.type]
-        if not check(data[f.name]):
-            raise ValueError(f"{cls.__name__}.{f.name} is not a valid {f.type}")
-        kwargs[f.name] = data[f.name]
-    return cls(**kwargs)
+# field is decoded and checked against its declared type (`diloco.records`: numbers finite)
+# before the launcher uses it, so a planted or garbled object is skipped like a torn one
+# (RecordError is a ValueError) instead of crashing the supervisor.
 
 
 def _json_safe(value: Any) -> Any:
@@ -139,7 +101,7 @@ class RoundMetrics:
 
     @classmethod
     def from_json(cls, raw: bytes | memoryview) -> RoundMetrics:
-        return _from_dict(cls, json.loads(bytes(raw)))
+        return from_record(cls, json.loads(bytes(raw)))
 
 
 @dataclass
@@ -196,13 +158,7 @@ class RoundSummary:
 
     @classmethod
     def from_json(cls, raw: bytes | memoryview | str) -> RoundSummary:
-        data = json.loads(raw if isinstance(raw, str) else bytes(raw))
-        summary = _from_dict(cls, data)
-        rows = data.get("rows") or []
-        if not isinstance(rows, list):
-            raise ValueError("RoundSummary.rows must be a list")
-        summary.rows = [_from_dict(RoundMetrics, row) for row in rows]
-        return summary
+        return from_record(cls, json.loads(raw if isinstance(raw, str) else bytes(raw)))
 
 
 def _straggler(rows: list[RoundMetrics]) -> tuple[int | None, float]:

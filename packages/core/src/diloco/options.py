@@ -97,13 +97,13 @@ def describe_value(value: Any) -> str:
             dict: "a table"}.get(type(value), type(value).__name__)
 
 
-def _matches(tp: Any, value: Any) -> bool:
+def fits(tp: Any, value: Any) -> bool:
     """Whether `value` (as TOML or Python gives it) fits the annotation `tp`."""
     if tp is Any:
         return True
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        return any(_matches(a, value) for a in typing.get_args(tp))
+        return any(fits(a, value) for a in typing.get_args(tp))
     if tp is type(None):
         return value is None
     if tp is bool:
@@ -116,10 +116,10 @@ def _matches(tp: Any, value: Any) -> bool:
         return isinstance(value, str)
     if origin is list:
         (item,) = typing.get_args(tp) or (Any,)
-        return isinstance(value, list) and all(_matches(item, v) for v in value)
+        return isinstance(value, list) and all(fits(item, v) for v in value)
     if origin is dict:
         key, item = typing.get_args(tp) or (Any, Any)
-        return isinstance(value, dict) and all(_matches(key, k) and _matches(item, v) for k, v in value.items())
+        return isinstance(value, dict) and all(fits(key, k) and fits(item, v) for k, v in value.items())
     if tp is list:
         return isinstance(value, list)
     if tp is dict:
@@ -139,7 +139,7 @@ def check_option(where: str, key: str, f: dataclasses.Field, tp: Any, value: Any
     if isinstance(value, float) and not math.isfinite(value):
         raise SpecError(f"{where}: `{key}` must be a finite number, got {value!r}")
     meta = f.metadata
-    if not _matches(tp, value):
+    if not fits(tp, value):
         want = meta.get("want") or type_name(tp)
         raise SpecError(f"{where}: `{key}` must be {want}, got {value!r} ({describe_value(value)})")
     if meta.get("choices") and value not in meta["choices"] and value is not None:

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+from .records import from_record, to_record
+
 if TYPE_CHECKING:
     from .request import LaunchPlan, LaunchRequest
 
@@ -73,15 +75,14 @@ class ReplicaHandle:
         return self.metadata.get("run_id")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "backend_name": self.backend_name, "metadata": dict(self.metadata)}
+        return to_record(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ReplicaHandle:
-        return cls(rank=int(data["rank"]), backend_name=str(data["backend_name"]),
-                   metadata=dict(data.get("metadata") or {}))
+        return from_record(cls, data, where="a replica handle")
 
     @classmethod
     def from_json(cls, text: str) -> ReplicaHandle:
@@ -100,15 +101,11 @@ class ReplicaResult:
     attempt: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["status"] = self.status.value
-        return data
+        return to_record(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ReplicaResult:
-        return cls(rank=int(data["rank"]), status=ReplicaStatus(data["status"]),
-                   exit_code=data.get("exit_code"), error=data.get("error"),
-                   result=data.get("result"), attempt=int(data.get("attempt", 0)))
+        return from_record(cls, data, where="a replica result")
 
 
 @dataclass(frozen=True)

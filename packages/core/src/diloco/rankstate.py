@@ -8,6 +8,7 @@ from enum import Enum
 from typing import Any
 
 from .protocol import ReplicaHandle, ReplicaStatus
+from .records import from_record, to_record
 
 
 class RankStatus(str, Enum):
@@ -56,20 +57,8 @@ class RankState:
     group: str | None = None             # its replica group's name, in a run with [[group]] tables
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "handle": self.handle.to_dict() if self.handle else None,
-                "status": self.status.value, "restarts": self.restarts, "given_up": self.given_up,
-                "relaunch_at": self.relaunch_at, "last_error": self.last_error, "result": self.result,
-                "attempts": self.attempts, "launched_at": self.launched_at,
-                "failure_signature": self.failure_signature, "failed_soon": self.failed_soon,
-                "preemptions": self.preemptions, "preempted": self.preempted, "group": self.group}
+        return to_record(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RankState:
-        handle = ReplicaHandle.from_dict(data["handle"]) if data.get("handle") else None
-        return cls(rank=data["rank"], handle=handle, status=RankStatus(data.get("status", "pending")),
-                   restarts=data.get("restarts", 0), given_up=data.get("given_up", False),
-                   relaunch_at=data.get("relaunch_at"), last_error=data.get("last_error"),
-                   result=data.get("result"), attempts=list(data.get("attempts", [])),
-                   launched_at=data.get("launched_at"), failure_signature=data.get("failure_signature"),
-                   failed_soon=data.get("failed_soon", False), preemptions=data.get("preemptions", 0),
-                   preempted=data.get("preempted", False), group=data.get("group"))
+        return from_record(cls, data, where=f"rank {data.get('rank', '?') if isinstance(data, dict) else '?'}")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import RunNotFound, UserError
+from .records import from_record
 from .statedir import private_dir, private_file, state_dir, to_json, write_json_atomic
 
 
@@ -65,9 +66,7 @@ class LauncherBeat:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> LauncherBeat:
-        data = data or {}
-        return cls(pid=data.get("pid"), host=data.get("host"), heartbeat=float(data.get("heartbeat") or 0),
-                   started=data.get("started"))
+        return from_record(cls, data or {}, where="the launcher's heartbeat")
 
 
 class RunRecord:
