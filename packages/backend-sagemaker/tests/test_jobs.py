@@ -14,7 +14,7 @@ import pytest
 from conftest import ROLE
 from diloco.errors import UserError
 from diloco.protocol import ReplicaStatus
-from diloco.testing import SLEEP, launch, plan_for
+from diloco.testing import SLEEP, launch, plan_for, wait_for_output
 from diloco.testing import wait_for_status as wait_for
 from diloco_sagemaker.executor import SageMakerExecutor
 
@@ -65,9 +65,7 @@ def workdir(tmp_path):
 def test_a_spot_interruption_waits_and_comes_back_without_failing(sagemaker):
     ex = executor(spot=True)
     (h,) = launch(ex, 1, SLEEP, {"seconds": 4}, run_id="spot-1", timeout=600)
-    deadline = time.monotonic() + 60
-    while "sleeping" not in ex.stream_logs(h) and time.monotonic() < deadline:  # the replica is training
-        time.sleep(0.1)
+    assert "sleeping" in wait_for_output(ex, h, "sleeping")  # the replica is training
     assert sagemaker.interrupt(job_name(h))
     seen, details = set(), set()
     deadline = time.monotonic() + 60

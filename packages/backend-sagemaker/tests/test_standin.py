@@ -248,7 +248,7 @@ def test_the_readme_lists_exactly_the_permissions_every_call_was_authorized_with
     import re
     from pathlib import Path
 
-    from diloco.testing import SLEEP, launch
+    from diloco.testing import SLEEP, launch, wait_for_output
     from diloco_sagemaker import permissions
     from diloco_sagemaker.executor import SageMakerExecutor
 
@@ -260,9 +260,7 @@ def test_the_readme_lists_exactly_the_permissions_every_call_was_authorized_with
                   env={"AWS_ENDPOINT_URL": sagemaker.config["aws_endpoint"]})
     (h,) = launch(ex, 1, SLEEP, {"seconds": 30}, **fields)
     (again,) = launch(ex, 1, SLEEP, {"seconds": 30}, attempt=1, **fields)  # a relaunch updates the secret
-    deadline = time.monotonic() + 60
-    while "sleeping" not in ex.stream_logs(h) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    assert "sleeping" in wait_for_output(ex, h, "sleeping")
     assert ex.poll(h).value == "running"
     ex.cancel(h)
     ex.cancel(again)
