@@ -16,7 +16,6 @@ import os
 import sys
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,11 +45,11 @@ def data_parallel(world: int) -> dict:
 
     import tiny_lm
 
-    spec = tomllib.loads((EXAMPLE / "diloco.toml").read_text())["args"]
+    spec = tiny_lm_spec()["args"]  # the model DiLoCo's replicas train (train()'s defaults where unset)
     bs, context, lr = spec["batch_size"], spec["context"], spec["lr"]
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    train, evals = tiny_lm.load_corpus()
-    model = tiny_lm.build(0, context, 128, 2)
+    train, evals = tiny_lm.load_corpus(spec.get("max_bytes", 3_000_000))
+    model = tiny_lm.build(0, context, spec.get("dim", 128), spec.get("layers", 2))
     from diloco_replica import inner_optimizer
 
     opt = inner_optimizer(model.parameters(), lr=lr)

@@ -38,8 +38,9 @@ SLOW = [2, 3]
 def run_row(name: str, diloco: dict, tmp: Path) -> dict:
     spec = tmp / f"{name}.toml"
     state = tmp / f"state-{name}"
-    spec.write_text(toml_text(tiny_lm_spec(args={"slow_ranks": SLOW, "eval_every": 0},
-                                           diloco={"sync_every": H, **diloco})))
+    data = tiny_lm_spec(args={"slow_ranks": SLOW, "eval_every": 0}, diloco={"sync_every": H, **diloco})
+    spec.write_text(toml_text(data))
+    tokens_per_step = data["args"]["batch_size"] * data["args"]["context"]
     run_dir, wall = run_spec(spec, state, name)
     from diloco.metrics import RoundCache
 
@@ -55,7 +56,7 @@ def run_row(name: str, diloco: dict, tmp: Path) -> dict:
     waited = sum(s.waited_s for s in rounds)
     fast_compute = [row.compute_s for s in rounds[1:] for row in s.rows if row.rank not in SLOW]
     steps_per_round = {rank: statistics.median(row.tokens for s in rounds[1:] for row in s.rows if row.rank == rank)
-                       // (16 * 64) for rank in range(4)} if len(rounds) > 1 else {}
+                       // tokens_per_step for rank in range(4)} if len(rounds) > 1 else {}
     return {
         "row": name, "diloco": diloco, "rounds": len(rounds), "wall_s": round(wall, 1),
         "train_s": round(max(r["wall_s"] for r in results), 1), "replica_s": round(replica_s, 1),
