@@ -291,3 +291,16 @@ def test_bad_option_from_python_is_refused_too():
         EksExecutor(image="i", index_retries=-1)
     with pytest.raises(ValueError, match="backend.namespace"):
         EksExecutor(image="i", namespace="UPPER")
+
+
+@pytest.mark.parametrize("text", [" 1", "1_0", "-1", "\u0661"])
+def test_quantities_follow_the_servers_grammar_not_the_clients_laxer_parser(text):
+    """kubernetes.utils.parse_quantity takes these; the API server refuses them (a 422 at submit),
+    so the options refuse them at dry run instead. If the client's parser ever grows strict, the
+    hand-written grammar can go."""
+    from kubernetes.utils import parse_quantity
+
+    from diloco_eks.k8s_values import quantity_problem
+
+    parse_quantity(text)  # the client accepts it
+    assert quantity_problem(text)

@@ -51,6 +51,9 @@ def labels_problem(labels: Mapping[str, Any]) -> str | None:
 
 
 def quantity_problem(text: str) -> str | None:
+    """The API server's grammar for a quantity. Not the client's `kubernetes.utils.parse_quantity`:
+    that parser is laxer than the server (it takes " 1", "1_0", "-1" and non-ASCII digits, which a
+    Job then carries to a 422 at submit), and a refusal belongs in the dry run."""
     if not _QUANTITY.match(text):
         return (f"{text!r} is not a Kubernetes quantity (a number with an optional suffix such as m, k, M, G, Ki, "
                 "Mi, Gi: \"500m\", \"8\", \"64Gi\")")
