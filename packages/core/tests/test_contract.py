@@ -154,13 +154,16 @@ def test_secrets_never_print_and_a_plan_cannot_carry_one():
 
 
 @pytest.mark.parametrize("fields, expected", [
-    ({"n_replicas": 0}, "n_replicas must be at least 1"),
+    ({"n_replicas": 0}, "`n_replicas` must be at least 1, got 0"),
     ({"ranks": (0, 0)}, "must be distinct"),
     ({"ranks": (2,)}, "within 0..1"),
-    ({"attempt": -1}, "attempt must be a whole number"),
+    ({"attempt": -1}, "`attempt` must be at least 0, got -1"),
+    ({"attempt": 1.5}, "`attempt` must be int, got 1.5"),
     ({"timeout": float("nan")}, "`timeout` must be a finite number"),
-    ({"processes_per_replica": 0}, "processes_per_replica must be 1..64"),
-    ({"run_id": "../etc"}, "run id '../etc' must be lowercase"),
+    ({"processes_per_replica": 0}, "`processes_per_replica` must be at least 1, got 0"),
+    ({"processes_per_replica": 65}, "`processes_per_replica` must be at most 64, got 65"),
+    ({"run_id": "../etc"}, "`run_id` must be lowercase letters"),
+    ({"diloco_version": "latest"}, "`diloco_version` must read 'diloco-core==X"),
     ({"entrypoint": "not a ref"}, "is not 'module:function'"),
     ({"env": {"BAD NAME": "1"}}, "environment variable name 'BAD NAME' is not valid"),
 ])

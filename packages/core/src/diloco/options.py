@@ -158,6 +158,15 @@ def check_option(where: str, key: str, f: dataclasses.Field, tp: Any, value: Any
     return value
 
 
+def check_fields(obj: Any, where: str) -> None:
+    """The fields of the dataclass instance `obj` declared with `option()`, checked in place by
+    `check_option` (a request built from Python goes through the same rules as a spec's table);
+    a frozen instance too, since this runs from its `__post_init__`."""
+    for f, tp in _fields(type(obj)):
+        if "help" in f.metadata:
+            object.__setattr__(obj, f.name, check_option(where, f.name, f, tp, getattr(obj, f.name)))
+
+
 def _required(f: dataclasses.Field) -> bool:
     return f.default is _MISSING and f.default_factory is _MISSING
 

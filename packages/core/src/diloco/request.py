@@ -18,13 +18,13 @@ record or a log line cannot carry their values by accident; a backend reads them
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .errors import BackendError, UserError
+from .options import check_fields, option
 from .replicaenv import REDACTED, Entrypoint, check_entrypoint_args, is_secret_name, parse_entrypoint, replica_env
 from .variables import is_cloud
 from .procgroup import MAX_PROCESSES
@@ -82,12 +82,18 @@ class Secrets(Mapping[str, str]):
         return {n: REDACTED for n in self}
 
 
-def _finite(name: str, value: Any, low: float, high: float = math.inf) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not low <= value <= high:
-        raise UserError(f"launch request: `{name}` must be a finite number from {low:g}"
-                        f"{'' if high == math.inf else f' to {high:g}'}, got {value!r}")
-    return float(value)
+MAX_REPLICAS = 4096
+MAX_TIMEOUT = 30 * 86400.0
+
+
+def _run_id(value: str) -> str | None:
+    return None if re.match(r"^[a-z0-9][a-z0-9-]{0,62}$", value) else "must be lowercase letters, digits and '-'"
+
+
+def _versions(value: str | None) -> str | None:
+    if value is None or re.fullmatch(r"([\w.-]+==[\w.+!-]+ ?)*", value):
+        return None
+    return "must read 'diloco-core==X diloco-replica==Y'"
 
 
 @dataclass(frozen=True)
@@ -100,20 +106,21 @@ class LaunchRequest:
     `diloco.wheelhouse.run_versions`), recorded with the run: a replica holding another stops.
     """
 
-    run_id: str
-    n_replicas: int
-    entrypoint: Entrypoint
+    # The plain values are declared with `option()` and checked by the one validator (`check_fields`).
+    run_id: str = option(help="the run's id", check=_run_id)
+    n_replicas: int = option(help="replicas in the run", min=1, max=MAX_REPLICAS)
+    entrypoint: Entrypoint = field()  # given as "module:function" or a command; parsed below
     args: Mapping[str, Any] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
     secrets: Secrets = field(default_factory=Secrets)
-    rendezvous: str | None = None
-    timeout: float = 3600.0
-    processes_per_replica: int = 1
-    gpu: str | None = None
-    workdir: str | None = None
+    rendezvous: str | None = option(None, help="where the replicas meet (a store URI)")
+    timeout: float = option(3600.0, help="seconds per replica attempt", min=0, max=MAX_TIMEOUT)
+    processes_per_replica: int = option(1, help="processes in each replica", min=1, max=MAX_PROCESSES)
+    gpu: str | None = option(None, help="the GPU per replica, as the spec names it")
+    workdir: str | None = option(None, help="where the replicas' code lives")
     ranks: tuple[int, ...] = ()
-    attempt: int = 0
-    diloco_version: str | None = None
+    attempt: int = option(0, help="relaunches of these ranks before this one", min=0, max=10**6)
+    diloco_version: str | None = option(None, help="the diloco the run was launched with", check=_versions)
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen: normalise once, here
@@ -121,14 +128,7 @@ class LaunchRequest:
             from .wheelhouse import run_versions
 
             set_("diloco_version", run_versions())
-        elif not isinstance(self.diloco_version, str) or not re.fullmatch(r"([\w.-]+==[\w.+!-]+ ?)*",
-                                                                          self.diloco_version):
-            raise UserError(f"launch request: diloco_version must read 'diloco-core==X diloco-replica==Y', "
-                            f"got {self.diloco_version!r}")
-        if not isinstance(self.run_id, str) or not re.match(r"^[a-z0-9][a-z0-9-]{0,62}$", self.run_id):
-            raise UserError(f"launch request: run id {self.run_id!r} must be lowercase letters, digits and '-'")
-        if isinstance(self.n_replicas, bool) or not isinstance(self.n_replicas, int) or self.n_replicas < 1:
-            raise UserError(f"launch request: n_replicas must be at least 1, got {self.n_replicas!r}")
+        check_fields(self, "launch request")
         if not isinstance(self.entrypoint, Entrypoint):
             set_("entrypoint", parse_entrypoint(self.entrypoint))
         args = dict(self.args or {})
@@ -145,18 +145,11 @@ class LaunchRequest:
                 env[k] = str(v)
         set_("env", env)
         set_("secrets", Secrets(secrets))
-        set_("timeout", _finite("timeout", self.timeout, 0))
-        if isinstance(self.processes_per_replica, bool) or not isinstance(self.processes_per_replica, int) \
-                or not 1 <= self.processes_per_replica <= MAX_PROCESSES:
-            raise UserError(f"launch request: processes_per_replica must be 1..{MAX_PROCESSES}, "
-                            f"got {self.processes_per_replica!r}")
         ranks = tuple(self.ranks) or tuple(range(self.n_replicas))
         if any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.n_replicas for r in ranks) \
                 or len(set(ranks)) != len(ranks):
             raise UserError(f"launch request: ranks {list(ranks)} must be distinct and within 0..{self.n_replicas - 1}")
         set_("ranks", ranks)
-        if isinstance(self.attempt, bool) or not isinstance(self.attempt, int) or self.attempt < 0:
-            raise UserError(f"launch request: attempt must be a whole number >= 0, got {self.attempt!r}")
 
     # -- what backends read --------------------------------------------------------------------
 
@@ -191,11 +184,10 @@ class LaunchRequest:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], secrets: Mapping[str, str] | None = None) -> LaunchRequest:
         """Back from a record; `secrets` come from the shell that resumes, never from the record."""
-        return cls(run_id=data["run_id"], n_replicas=int(data["n_replicas"]), entrypoint=data["entrypoint"],
+        return cls(run_id=data["run_id"], n_replicas=data["n_replicas"], entrypoint=data["entrypoint"],
                    args=data.get("args") or {}, env=data.get("env") or {},
-                   secrets=Secrets(secrets), rendezvous=data.get("rendezvous"),
-                   timeout=float(data.get("timeout", 3600.0)),
-                   processes_per_replica=int(data.get("processes_per_replica", 1)), gpu=data.get("gpu"),
+                   secrets=Secrets(secrets), rendezvous=data.get("rendezvous"), timeout=data.get("timeout", 3600.0),
+                   processes_per_replica=data.get("processes_per_replica", 1), gpu=data.get("gpu"),
                    workdir=data.get("workdir"), diloco_version=data.get("diloco_version"))
 
 
