@@ -4,7 +4,9 @@ Membership, reduce, gather, repairs, history, the recorder and the global state 
 write the same store, under the same keys, counting the same traffic, with the same timeouts and
 polling and the same fault-injection hooks. `RoundIO` is that one object, made once per replica
 (per lane) by `StoreAllReduce` and handed to each part, so none of them reaches into another
-for it.
+for it. Not all of them keep to its methods yet: `Membership` and `Checkpoints` copy its store,
+keys and settings into their own fields, and the repairs ask its store directly whether a reduced
+shard exists (what the round's state object of issue 32 is to end).
 
 It also holds the incidents met outside a round — a corrupt checkpoint or reduced shard found
 while rejoining or catching up (`report`) — until the replica's next metrics row carries them
