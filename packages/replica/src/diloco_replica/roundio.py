@@ -6,7 +6,7 @@ polling and the same fault-injection hooks. `RoundIO` is that one object, made o
 (per lane) by `StoreAllReduce` and handed to each part, so none of them reaches into another
 for it. Not all of them keep to its methods yet: `Membership` and `Checkpoints` copy its store,
 keys and settings into their own fields, and the repairs ask its store directly whether a reduced
-shard exists (what the round's state object of issue 32 is to end).
+shard exists.
 
 It also holds the incidents met outside a round — a corrupt checkpoint or reduced shard found
 while rejoining or catching up (`report`) — until the replica's next metrics row carries them
