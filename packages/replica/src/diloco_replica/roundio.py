@@ -1,6 +1,6 @@
 """The round's I/O: one object every part of a round reaches the store through.
 
-Membership, reduce, gather, repairs, history, the recorder and the global state all read and
+Membership, reduce, gather, repairs, checkpoints, the recorder and the global state all read and
 write the same store, under the same keys, counting the same traffic, with the same timeouts and
 polling and the same fault-injection hooks. `RoundIO` is that one object, made once per replica
 (per lane) by `StoreAllReduce` and handed to each part, so none of them reaches into another
