@@ -1,8 +1,8 @@
 """The shape of the source: no import circle in any package, no module over 400 lines.
 
 Read from the files (nothing is imported), over every package's src/. An import counts wherever
-it stands, inside a function too: a lazy import that closes a circle is a circle postponed. Only
-imports under `if TYPE_CHECKING:` are left out, since they never run.
+it stands: inside a function (a lazy import that closes a circle is a circle postponed) and under
+`if TYPE_CHECKING:` (two modules that need each other's types are one concern split badly).
 """
 
 from __future__ import annotations
@@ -30,22 +30,12 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def _type_only(tree: ast.AST) -> set[int]:
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    return skip
-
-
 def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """The modules of this repository that `name` imports."""
     tree = ast.parse(path.read_text())
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-    skip, out = _type_only(tree), set()
+    out = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):

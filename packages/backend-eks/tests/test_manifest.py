@@ -11,7 +11,9 @@ from diloco.errors import SpecError, UserError
 from diloco.plugins import make_executor
 from diloco.testing import plan_for
 from diloco_eks import EksExecutor, EksOptions
-from diloco_eks.manifest import dns_label, job_name, resolve_gpu
+from diloco_eks.gpus import resolve_gpu
+from diloco_eks.k8s_values import dns_label
+from diloco_eks.manifest import job_name
 
 FIELD = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 

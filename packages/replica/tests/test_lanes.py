@@ -12,7 +12,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from diloco_replica.lanes import Lanes, Retry
-from diloco_replica.membership import FellBehind, RoundFailed
+from diloco_replica.rounderrors import FellBehind, RoundFailed
 
 
 def lane_results(executor, handles) -> list[dict]:

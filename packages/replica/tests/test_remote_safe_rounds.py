@@ -18,7 +18,7 @@ import torch
 from diloco.metrics import read_rounds
 from diloco.store import open_store
 from diloco_replica.allreduce import StoreAllReduce
-from diloco_replica.membership import FellBehind
+from diloco_replica.rounderrors import FellBehind
 from diloco_replica.outer import outer_step
 from diloco_replica.wire import CorruptObject, Identity, encode_tensor, joined, pack, unpack
 

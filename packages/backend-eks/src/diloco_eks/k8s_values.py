@@ -5,10 +5,12 @@ Job as written. A value the API server refuses there would pass `diloco dryrun` 
 submit, as a 422 for the whole launch; `EksOptions.check` refuses it first, naming the option.
 These are the API server's rules for those fields (apimachinery's validation), not a copy of the
 test stand-in's: the stand-in is the independent check that both agree with a cluster.
+`dns_label` makes a valid name from any text (a run id in a Job's name or a label).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -77,3 +79,22 @@ def toleration_problem(toleration: Any) -> str | None:
     if toleration.get("key") and label_key_problem(toleration["key"]):
         return label_key_problem(toleration["key"])
     return label_value_problem(toleration.get("value") or "") if operator == "Equal" else None
+
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def dns_label(text: str, max_len: int) -> str:
+    """A valid DNS-1123 label from any text: lowercase, [a-z0-9-], starts with a letter.
+
+    Over-long names keep 64 bits of a hash of the whole, so two long run ids that differ only in
+    their random tail (what gets cut) never collide.
+    """
+    slug = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-") or "run"
+    if not slug[0].isalpha():
+        slug = "r-" + slug
+    if len(slug) > max_len:
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        slug = slug[: max_len - 17].rstrip("-") + "-" + digest
+    assert _DNS_LABEL.match(slug), slug
+    return slug

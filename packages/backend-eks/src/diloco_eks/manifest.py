@@ -8,17 +8,17 @@ a literal. Secret values never enter the Job: they go into a Secret the pods ref
 
 from __future__ import annotations
 
-import hashlib
 import math
-import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from diloco.errors import UserError
 from diloco.replicaenv import Entrypoint
 from diloco.procgroup import replica_command
 from diloco.envvars import ENV_RANK
+
+from .gpus import GpuRequest, resolve_gpu
+from .k8s_values import dns_label
 
 if TYPE_CHECKING:
     from diloco.request import LaunchRequest
@@ -30,39 +30,9 @@ LABEL_RUN = "diloco.dev/run-id"
 LABEL_RANK = "diloco.dev/rank"
 LABEL_ATTEMPT = "diloco.dev/attempt"
 
-# Logical GPU name -> (GPUs per node, EKS instance type). Extend with the `gpu_types` option.
-GPU_TYPES: dict[str, dict[str, Any]] = {
-    "A100": {"count": 8, "instance_type": "p4d.24xlarge"},
-    "H100": {"count": 8, "instance_type": "p5.48xlarge"},
-    "A10G": {"count": 1, "instance_type": "g5.xlarge"},
-    "T4": {"count": 1, "instance_type": "g4dn.xlarge"},
-}
-GPU_TYPE_FIELDS = ("count", "instance_type")
-# GPUs one pod may ask for: more than any instance type has (p5: 8), and the bound of
-# `processes_per_replica`, which needs a GPU per process. A count past it is a typo, not a node.
-MAX_GPUS_PER_POD = 64
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
-
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-
-
-def dns_label(text: str, max_len: int) -> str:
-    """A valid DNS-1123 label from any text: lowercase, [a-z0-9-], starts with a letter.
-
-    Over-long names keep 64 bits of a hash of the whole, so two long run ids that differ only in
-    their random tail (what gets cut) never collide.
-    """
-    slug = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-") or "run"
-    if not slug[0].isalpha():
-        slug = "r-" + slug
-    if len(slug) > max_len:
-        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-        slug = slug[: max_len - 17].rstrip("-") + "-" + digest
-    assert _DNS_LABEL.match(slug), slug
-    return slug
-
 
 def job_name(run_id: str, attempt: int, rank: int | None = None) -> str:
     """Job names stay ≤ 52 chars: pods are named <job>-<index>-<5 random> within 63."""
@@ -72,33 +42,6 @@ def job_name(run_id: str, attempt: int, rank: int | None = None) -> str:
 
 def label_value(text: str) -> str:
     return dns_label(text, 63)
-
-
-@dataclass
-class GpuRequest:
-    name: str
-    count: int
-    instance_type: str | None
-
-
-def resolve_gpu(gpu: str | None, extra_types: Mapping[str, Mapping[str, Any]] | None = None) -> GpuRequest | None:
-    """"H100" → 8 GPUs on p5.48xlarge; "H100:2" → 2 of them; the table is extensible."""
-    if not gpu:
-        return None
-    table = {k.upper(): dict(v) for k, v in {**GPU_TYPES, **dict(extra_types or {})}.items()}
-    name, _, count_text = gpu.partition(":")
-    entry = table.get(name.upper())
-    if entry is None:
-        raise UserError(f"gpu {gpu!r} is not a known GPU type (known: {', '.join(sorted(table))}); "
-                        f"add it under [backend] gpu_types, e.g. gpu_types = {{ {name} = {{ count = 1, "
-                        f"instance_type = \"...\" }} }}")
-    try:
-        count = int(count_text) if count_text else int(entry.get("count", 1))
-    except ValueError:
-        raise UserError(f"gpu {gpu!r}: the count after ':' must be a whole number") from None
-    if not 1 <= count <= MAX_GPUS_PER_POD:
-        raise UserError(f"gpu {gpu!r}: the count must be from 1 to {MAX_GPUS_PER_POD}")
-    return GpuRequest(name.upper(), count, entry.get("instance_type"))
 
 
 def _env_list(env: Mapping[str, str], secret_names: Sequence[str], secret_ref: str | None,

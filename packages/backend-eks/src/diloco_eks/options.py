@@ -15,7 +15,8 @@ from typing import Any
 from diloco.options import option
 
 from . import k8s_values
-from .manifest import GPU_TYPE_FIELDS, MAX_GPUS_PER_POD, dns_label
+from .gpus import GPU_TYPE_FIELDS, MAX_GPUS_PER_POD
+from .k8s_values import dns_label
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from diloco.metrics import RoundMetrics
 
 from .allreduce import StoreAllReduce
 from .diloco import DEFAULTS, DiLoCo, inner_optimizer
-from .membership import FellBehind, RoundFailed
+from .rounderrors import FellBehind, RoundFailed
 from .wire import CorruptObject
 
 __all__ = ["DEFAULTS", "CorruptObject", "DiLoCo", "FellBehind", "ReplicaContext", "RoundFailed",

@@ -48,7 +48,8 @@ from .faults import Faults
 from .finite import NONFINITE, Contribution, NonFinite, accumulate, all_finite
 from .checkpoints import Checkpoints
 from .lanes import Lanes
-from .membership import FellBehind, Membership, RoundFailed
+from .membership import Membership
+from .rounderrors import FellBehind, RoundFailed
 from .laps import Laps
 from .repairs import RepairDesk
 from .roundio import RoundIO
@@ -113,8 +114,6 @@ class StoreAllReduce:
     def phase(self, name: str, r: int) -> None:
         """Where this replica is in round r, for the fault-injection harness."""
         self.io.faults.phase(name, r)
-
-    # -- the round ---------------------------------------------------------------------------
 
     def run_round(self, r: int, delta: torch.Tensor | DeltaSource, *, in_place: bool = False,
                   residual: torch.Tensor | None = None, sink: RoundSink | None = None,

@@ -62,7 +62,7 @@ from diloco.store import poll_defaults, verify_store
 from .allreduce import RoundResult, StoreAllReduce
 from .globalstate import GlobalState
 from .lanes import Lanes
-from .membership import FellBehind
+from .rounderrors import FellBehind
 from .modelview import model_view
 from .recorder import Recorder
 from .roundclock import RoundClock

@@ -28,7 +28,7 @@ import torch
 from .allreduce import StoreAllReduce
 from .finite import NonFinite, all_finite
 from .lanes import Retry
-from .membership import FellBehind, RoundFailed
+from .rounderrors import FellBehind, RoundFailed
 from .outer import outer_step, state_digest
 from .storeaccess import Backoff, reducer_of, shard_bounds
 

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from diloco.errors import UserError
 
 from .finite import NonFinite
-from .membership import FellBehind, RoundFailed
+from .rounderrors import FellBehind, RoundFailed
 
 T = TypeVar("T")
 

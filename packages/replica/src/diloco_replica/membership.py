@@ -18,19 +18,12 @@ from typing import TYPE_CHECKING
 from diloco.store import ObjectExists
 
 from .checkpoints import Checkpoints
+from .rounderrors import FellBehind, RoundFailed
 from .storeaccess import Backoff
 from .wire import CorruptObject, Identity, pack_json, unpack
 
 if TYPE_CHECKING:
     from .roundio import RoundIO
-
-
-class RoundFailed(Exception):
-    """A round could not complete (too few replicas, or an object never appeared)."""
-
-
-class FellBehind(RoundFailed):
-    """This replica's round is older than the history the store still keeps: rejoin instead."""
 
 
 class Membership:

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from .finite import all_finite
-from .membership import Membership, RoundFailed
+from .membership import Membership
+from .rounderrors import RoundFailed
 from .roundio import RoundIO
 from .storeaccess import reducer_of
 from .wire import CorruptObject, Identity, Unpacked
