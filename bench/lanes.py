@@ -87,19 +87,20 @@ def worker(index: int, lanes: int, uri: str, env: dict, ports: list[int], barrie
     before = rss_kb()
     run = f"lanes-{lanes}"
     ctx = ReplicaContext(rank, N, run, rendezvous=uri, lane=lane, lanes=lanes,
-                         settings={"sync_every": 1, "round_timeout": 300, "checkpoint_every": 1000})
+                         settings={"sync_every": 1, "round_timeout": 300, "checkpoint_every": 1000,
+                                   "exchange": "thread"})  # in this process: its lane's traffic is counted here
     diloco = DiLoCo(model, None, ctx)
     times, rows = [], []
     for _ in range(2):  # a warm-up round, then the measured one
         with torch.no_grad():
             model.w.add_(0.01)
         barrier.wait()
-        lane_before = diloco.allreduce.store.traffic.snapshot()
+        lane_before = diloco.sync.exchanger.allreduce.store.traffic.snapshot()
         t0 = time.perf_counter()
         info = diloco.step()
         times.append(time.perf_counter() - t0)
         rows.append(info)
-        lane_round = diloco.allreduce.store.traffic.since(lane_before)
+        lane_round = diloco.sync.exchanger.allreduce.store.traffic.since(lane_before)
     diloco.close()
     peak = peak_rss_kb()
     raw = raw_round(open_store(uri), run, rank, lane, lanes, diloco.view.numel, barrier)

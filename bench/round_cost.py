@@ -10,7 +10,9 @@ per (store, N), in the same run:
   held_between_rounds_vs_model: the same right after `DiLoCo(...)` is built: θ_global, the
   momentum and the runtime's fixed part (obstore's runtime, threads; ~50 MB here), so the
   difference is what a round adds. Workers get the environment a launcher gives replicas
-  (`diloco.replicaenv.REPLICA_ENV_DEFAULTS`).
+  (`diloco.replicaenv.REPLICA_ENV_DEFAULTS`). The rounds run with `exchange = "thread"`, so this
+  one process holds all of a replica's memory; with the default sync process the same buffers
+  live there instead, plus the snapshot buffer the two share (one lane-sized fp32 vector).
 - requests_per_replica_per_round: billed requests of the measured round (PUT, GET, LIST,
   DELETE), polls left out; polls_per_replica_per_round: the GETs and LISTs made while waiting
   for others (their number follows the wait, not the protocol). The largest replica's.
@@ -91,7 +93,8 @@ def worker(rank: int, n: int, uri: str, env: dict, src: list[str], run: str, bar
     model.w = torch.nn.Parameter(torch.randn(numel))
     before = rss_kb()
     ctx = ReplicaContext(rank, n, run, rendezvous=uri,
-                         settings={"sync_every": 1, "round_timeout": 600, "checkpoint_every": 1000})
+                         settings={"sync_every": 1, "round_timeout": 600, "checkpoint_every": 1000,
+                                   "exchange": "thread"})  # the whole replica in this process: its RSS is all of it
     diloco = DiLoCo(model, None, ctx)
     built = rss_kb()  # θ_global and the momentum (2×) plus what the runtime itself holds (obstore, threads)
     reset_peak_rss()

@@ -28,6 +28,7 @@ BENCHES = {
     "sync_modes.py": ["rows", "targets"],
     "scale.py": ["rows", "targets"],
     "uneven.py": ["rows", "targets", "round_seconds_vs_fixed"],
+    "gpu_sync.py": ["rows", "targets"],
 }
 ROUND_COST_FIELDS = {"store", "replicas", "model_mb", "added_host_memory_vs_model", "requests_per_replica_per_round",
                      "polls_per_replica_per_round", "round_vs_raw"}
@@ -50,6 +51,10 @@ def test_the_bench_runs_in_quick_mode_and_prints_its_json(bench, tmp_path):
     if bench == "scale.py":
         assert [row["replicas"] for row in out["rows"]] == [4, 8, 16]
         assert all(row["round_s"] > 0 and row["requests_per_replica_per_round"] > 0 for row in out["rows"])
+    if bench == "gpu_sync.py":  # no GPU here: the proxy, compute-only first, every row's fields
+        assert [r["mode"] for r in out["rows"]][0] == "compute-only" and {r["device"] for r in out["rows"]} == {"cpu-proxy"}
+        assert all({"tokens_per_s", "blocked_s_per_round", "step_inflation", "eval_loss"} <= set(r)
+                   for r in out["rows"][1:])
     if bench == "round_cost.py":
         assert {row["store"] for row in out["rows"]} == {"file", "s3"}
         for row in out["rows"]:

@@ -169,9 +169,10 @@ def test_random_sigkills_never_break_the_run(tmp_path, reference, run_index):
 
 
 # Every sync-hiding mode, with a SIGKILL aimed at the gather: with overlap that is the background
-# thread's round, while the main thread goes on with inner steps.
+# round, while the training loop goes on with inner steps (in the first, in a sync process: the
+# kill lands on the training process, and its sync process dies with it).
 SYNC_MODES = {
-    "overlap+fragments+int4": 'overlap = true\nfragments = 5\ntransport = "int4"',
+    "overlap+fragments+int4, sync process": 'overlap = true\nfragments = 5\ntransport = "int4"\nexchange = "process"',
     "overlap+topk": 'overlap = true\ntransport = "topk"',
     "fragments+topk": 'fragments = 5\ntransport = "topk"',
     "round_seconds+int8": 'round_seconds = 0.15\ntransport = "int8"',  # time-based rounds: a round is 0.15 s, not H steps

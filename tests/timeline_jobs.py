@@ -44,4 +44,4 @@ def regress(ctx: ReplicaContext, dim: int = 256, width: int = 512, slow_rank: in
                 x = torch.randn(256, dim, generator=torch.Generator().manual_seed(99))
                 diloco.report_eval(((model(x).squeeze(-1) - x @ target) ** 2).mean().item())
     diloco.close()
-    return {"theta_crc32": zlib.crc32(diloco.state.theta.numpy().tobytes()), "rounds": diloco.round}
+    return {"theta_crc32": zlib.crc32(diloco.theta.numpy().tobytes()), "rounds": diloco.round}

@@ -15,7 +15,7 @@ from diloco_replica.allreduce import StoreAllReduce
 
 
 def theta_crc(diloco: DiLoCo) -> int:
-    return zlib.crc32(diloco.state.theta.numpy().tobytes())
+    return zlib.crc32(diloco.theta.numpy().tobytes())
 
 
 def linear_data(rank: int, step: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,7 +39,7 @@ def sgd_linear(ctx: ReplicaContext, steps: int = 6, dim: int = 5, lr: float = 0.
         opt.zero_grad()
         diloco.step(loss=loss.item())
     diloco.close()
-    return {"theta": diloco.state.theta.tolist()}
+    return {"theta": diloco.theta.tolist()}
 
 
 def gloo_vs_store(ctx: ReplicaContext, numel: int = 100_003, init_file: str = "") -> dict:
@@ -60,31 +60,49 @@ def gloo_vs_store(ctx: ReplicaContext, numel: int = 100_003, init_file: str = ""
 
 
 def mlp_rounds(ctx: ReplicaContext, steps: int = 12, dim: int = 64, delay_rank: int = -1, delay_before_round: int = 0,
-               delay_s: float = 0.0, start_delay_s: float = 0.0, crash_at_step: int = -1, perturb_rank: int = -1,
+               delay_s: float = 0.0, join_after_round: int = 0, hold_before_round: int = 0, crash_at_step: int = -1, perturb_rank: int = -1,
                perturb_round: int = 0, nan_ranks: tuple[int, ...] = (), nan_step: int = -1,
-               slow_ranks: tuple[int, ...] = (), step_sleep: float = 0.0) -> dict:
+               slow_ranks: tuple[int, ...] = (), step_sleep: float = 0.0, cuda_ranks: tuple[int, ...] = (),
+               threads: dict[str, int] | None = None) -> dict:
     """A small MLP under DiLoCo with Adam; records θ's hash after every round.
 
     delay_rank sleeps `delay_s` before its sync of round `delay_before_round` (to miss it);
-    start_delay_s delays joining; crash_at_step makes attempt 0 of the rank exit abruptly;
+    join_after_round: join once rank 0's row of that round is in the store, and (the others) hold
+    before round `hold_before_round` until it has joined; crash_at_step makes attempt 0 of the rank exit abruptly;
     perturb_rank adds 1e-3 to one element of its θ_global after round `perturb_round` (a bit flip
     in host memory, as far as DiLoCo can tell); nan_ranks' parameters turn NaN after inner step
     `nan_step` (a diverged step: the following inner steps poison AdamW's moments too);
-    slow_ranks sleep `step_sleep` every inner step (a slower GPU). Each inner step counts one token.
+    slow_ranks sleep `step_sleep` every inner step (a slower GPU); cuda_ranks train on the GPU;
+    `threads` sets torch's threads per rank (str(rank) -> n), the training process's and its sync
+    process's. Each inner step counts one token.
     """
-    if start_delay_s:
-        time.sleep(start_delay_s)
+    if join_after_round:  # a late start, however slowly the others got going
+        from diloco.metrics import metrics_key
+
+        while ctx.store.get(metrics_key(ctx.run_id, join_after_round, 0)) is None:
+            time.sleep(0.05)
+    if threads and str(ctx.rank) in threads:
+        from diloco.envvars import ENV_SYNC_THREADS
+
+        torch.set_num_threads(threads[str(ctx.rank)])
+        os.environ[ENV_SYNC_THREADS] = str(threads[str(ctx.rank)])
+    device = "cuda" if ctx.rank in cuda_ranks else "cpu"
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.Tanh(), torch.nn.Linear(4 * dim, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.Tanh(), torch.nn.Linear(4 * dim, 1)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     diloco = DiLoCo(model, opt, ctx)
+    if join_after_round:
+        ctx.store.put(f"{ctx.run_id}/test/joined", b"")
     hashes = {}
     rounds = []
     for step in diloco.steps(steps):
+        if hold_before_round and not join_after_round and step + 1 == hold_before_round * diloco.stride:
+            while ctx.store.get(f"{ctx.run_id}/test/joined") is None:  # the late one is in before this round
+                time.sleep(0.05)
         if step == crash_at_step and ctx.attempt == 0:
             os._exit(17)
         g = torch.Generator().manual_seed(1000 * ctx.rank + step)
-        x = torch.randn(16, dim, generator=g)
+        x = torch.randn(16, dim, generator=g).to(device)
         loss = (model(x).squeeze(-1) - x.sum(-1)).pow(2).mean()
         loss.backward()
         opt.step()
@@ -99,18 +117,18 @@ def mlp_rounds(ctx: ReplicaContext, steps: int = 12, dim: int = 64, delay_rank: 
             time.sleep(step_sleep)
         info = diloco.step(loss=loss.item(), tokens=1)
         if info is not None and ctx.rank == perturb_rank and info.round == perturb_round and ctx.attempt == 0:
-            diloco._wait_for_record()  # round r's digest (written in the background) is of the state before the flip
-            diloco.state.theta[0] += 1e-3
+            diloco.sync.settle()  # round r's digest (written in the background) is of the state before the flip
+            diloco.theta[0] += 1e-3
         if info is not None:
             hashes[info.round] = theta_crc(diloco)
             rounds.append({"round": info.round, "members": info.members, "member": info.member,
                            "bytes_up": info.bytes_up, "bytes_down": info.bytes_down, "loss": info.loss,
                            "tokens": info.tokens, "wait_s": info.phases.get("wait", 0.0)})
     diloco.close()
-    finite = bool(torch.isfinite(diloco.state.theta).all()) and all(bool(torch.isfinite(p).all())
+    finite = bool(torch.isfinite(diloco.theta).all()) and all(bool(torch.isfinite(p).all())
                                                                     for p in model.parameters())
     out = {"rank": ctx.rank, "hashes": hashes, "rounds": rounds, "final": theta_crc(diloco),
-           "numel": diloco.state.theta.numel(), "finite": finite}
+           "numel": diloco.theta.numel(), "finite": finite}
     print(json.dumps(out), flush=True)
     return out
 

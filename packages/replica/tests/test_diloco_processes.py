@@ -82,9 +82,9 @@ def test_replica_starting_mid_training_rejoins_from_the_store(replicas, store_ur
     """Ranks 0-2 train; rank 3 starts rounds later, loads checkpoint + replays, and ends identical."""
     settings = {"sync_every": 2, "round_timeout": 2.0, "checkpoint_every": 2, "min_members": 3}
     first = replicas.launch("mlp_rounds", 4, rendezvous=store_uri, settings=settings, ranks=[0, 1, 2],
-                            args={"steps": 16, "dim": 32})
+                            args={"steps": 16, "dim": 32, "hold_before_round": 6})
     late = replicas.launch("mlp_rounds", 4, rendezvous=store_uri, settings=settings, ranks=[3], attempt=1,
-                           args={"steps": 16, "dim": 32, "start_delay_s": 6.0})
+                           args={"steps": 16, "dim": 32, "join_after_round": 3})
     results = replicas.results(first + late)
     assert len({r["final"] for r in results}) == 1
     joined = results[3]["rounds"]

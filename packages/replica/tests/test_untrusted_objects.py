@@ -239,7 +239,7 @@ def train_alone(store, run: str, steps: int, attempt: int) -> torch.Tensor:
         opt.zero_grad()
         diloco.step(loss=loss.item())
     diloco.close()
-    return diloco.state.theta.clone()
+    return diloco.theta.clone()
 
 
 @pytest.mark.parametrize("damage", ["bit flip", "wrong length", "non-finite"])

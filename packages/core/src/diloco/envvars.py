@@ -20,6 +20,7 @@ ENV_TIMEOUT = "DILOCO_TIMEOUT"
 ENV_RESULT_PATH = "DILOCO_RESULT_PATH"
 ENV_STARTED_PATH = "DILOCO_STARTED_PATH"
 ENV_VERSION = "DILOCO_VERSION"  # the diloco the run was launched with: 'diloco-core==X diloco-replica==Y'
+ENV_SYNC_THREADS = "DILOCO_SYNC_THREADS"  # torch threads of a replica's sync process (default: torch's own)
 ENV_PREEMPTION_SIGNAL = "DILOCO_PREEMPTION_SIGNAL"  # set by a backend whose platform announces preemption
 # with a signal (Modal: SIGINT); the replica then exits 75 (preempted) instead of failing
 ENV_CONFIG = "DILOCO_CONFIG"  # the launcher's user config file (default: <user config dir>/config.toml)

@@ -46,12 +46,17 @@ class DilocoSettings:
     nesterov: bool = option(True, help="Nesterov momentum in the outer step")
     transport: str = option("fp32", help="the codec on the wire; accumulation is always fp32 (docs/sync-modes.md)",
                             choices=CODECS)
+    error_feedback: bool = option(True, help="lossy transports (bf16, fp16, int8, int4): what rounding dropped from a "
+                                             "round's Δ is added to the next one's (topk always does this)")
     topk_density: float = option(0.01, help="transport topk: the fraction of each 4,096-element block sent",
                                  min=0.0001, max=1)
     fragments: int = option(1, help="K: the model syncs in K staggered fragments, one every sync_every/K steps",
                             min=1, max=1024)
     overlap: bool = option(False, help="exchange a round in the background while inner steps go on; merged one "
                                        "round late")
+    exchange: str = option("thread", help="where a round's store I/O and outer step run: \"thread\" (a thread of the "
+                                          "training process) or \"process\" (a sync process beside it); "
+                                          "docs/sync-modes.md", choices=("thread", "process"))
     round_seconds: float | None = option(
         None, help="time-based rounds: each replica runs inner steps for this long a round (at most sync_every of "
                    "them), and the mean normalises each update by its steps (docs/sync-modes.md)", min=0.01, max=86_400)

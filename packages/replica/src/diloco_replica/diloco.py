@@ -30,11 +30,18 @@ Time-based rounds (`round_seconds = T`, for uneven GPUs): a round closes T secon
 here, or at H steps if sooner; each contribution carries its step count and the mean is FedNova's
 normalised average (docs/sync-modes.md). A round counts as H steps of the run's progress.
 
+Where a round runs (docs/sync-modes.md): the training loop only snapshots the round's fragment on
+the model's device into a host buffer (`transfers`) and, when the round is done, copies θ_global's
+fragment back and merges it on the device. Everything else — store I/O, checksums, decoding,
+folding, the outer step, checkpoints and the round's record — is the `exchanger`'s, on a thread
+of this process (`exchange = "thread"`, the default) or in a sync process beside it (`exchange =
+"process"`, `syncclient`, `syncproc`), which measured slower on an H100 host (bench/gpu_sync.py).
+
 Hiding the sync (docs/sync-modes.md):
 - `fragments = K` (Streaming DiLoCo): round r syncs fragment (r − 1) mod K, one round every H/K
   inner steps, so each fragment still syncs every H steps and a round moves 1/K of the model.
-- `overlap = true` (eager/one-round-late outer steps): a round's exchange runs on a background
-  thread while inner steps go on; its outer step is merged as soon as it has arrived (at the
+- `overlap = true` (eager/one-round-late outer steps): a round's exchange runs while inner steps
+  go on; its outer step is merged as soon as it has arrived (at the
   latest at the next round, which is the only time training waits for the store). The merge
   keeps the local progress made while the round was in flight: the fragment becomes
   θ_local + (θ_global_new − θ_local_at_sync), so the next Δ counts every inner step exactly once.
@@ -45,7 +52,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,41 +60,40 @@ import torch
 from diloco.context import ReplicaContext
 from diloco.errors import UserError
 from diloco.metrics import RoundMetrics
-from diloco.envvars import ENV_SETTINGS
+from diloco.envvars import ENV_SETTINGS, ENV_SYNC_THREADS
 from diloco.options import describe_options
 from diloco.settings import DilocoSettings
-from diloco.store import poll_defaults, verify_store
 
-from .allreduce import RoundResult, StoreAllReduce
-from .globalstate import GlobalState
+from .exchanger import MERGE, RESET, Outcome, Work
+from .faults import Faults
 from .lanes import Lanes
-from .rounderrors import FellBehind
 from .modelview import model_view
-from .recorder import Recorder
 from .roundclock import RoundClock
-from .streaming import LiveDelta
+from .syncclient import InThread, SyncProcess
+from .transfers import Transfers
 
 # One place for the defaults: the [diloco] table's declaration, DilocoSettings.
 DEFAULTS: dict[str, Any] = {o.name: o.default for o in describe_options(DilocoSettings)}
 
 
-
 @dataclass
 class BackgroundRound:
-    """A round whose exchange runs in the background (overlap), merged one round late."""
+    """A round being exchanged while inner steps go on (overlap), merged one round late."""
 
     round: int
     part: int                   # the fragment it updates
-    local: torch.Tensor         # the fragment's local parameters when the round began
-    future: Future              # → RoundResult
-    compute_s: float            # inner-step time of the phase the round closes
+    local: torch.Tensor         # the fragment's local parameters when the round began, on the model's device
     blocked_s: float            # time the training loop spent starting it
-    work: tuple[int, list[float], list[list[float]]]  # tokens, losses and evals of that phase
 
 
 def inner_optimizer(params, *, lr: float = 4e-4, weight_decay: float = 0.1, betas=(0.9, 0.95)) -> torch.optim.AdamW:
     """The paper's inner optimizer: AdamW lr 4e-4, weight decay 0.1, betas (0.9, 0.95)."""
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas)
+
+
+def _process_reachable(store: Any, uri: str | None) -> bool:
+    """Whether a sync process could open the run's store itself: a URI, not an object or memory."""
+    return store is None and bool(uri) and not str(uri).startswith("memory://")
 
 
 class DiLoCo:
@@ -111,36 +116,28 @@ class DiLoCo:
         self.overlap = bool(s.overlap)
         # time-based rounds: a round closes round_seconds after it began here, or at H steps if sooner
         self.round_seconds = float(s.round_seconds) if s.round_seconds is not None else None
-        self.store = store if store is not None else self.ctx.store
-        verify_store(self.store, self.ctx.run_id, f"rank-{self.ctx.rank}-{self.ctx.lane}-attempt-{self.ctx.attempt}")
-        first, cap = poll_defaults(self.store.uri)
-        self.allreduce = StoreAllReduce(
-            self.store, self.ctx.run_id, self.ctx.rank, self.ctx.world_size, codec=s.transport,
-            round_timeout=float(s.round_timeout), min_members=int(s.min_members),
-            poll_interval=float(s.poll_interval or first), poll_max=float(s.poll_max or cap), log=self._log,
-            lanes=self.lanes, topk_density=float(s.topk_density),
-            step_cap=self.H if self.round_seconds is not None else None)
-        on_cuda = any(t.device.type == "cuda" for t in self.view.tensors[:1])
-        self.state = GlobalState(self.allreduce, self.view.numel, lr=float(s.outer_lr),
-                                 momentum=float(s.outer_momentum), nesterov=bool(s.nesterov),
-                                 checkpoint_every=int(s.checkpoint_every), log=self._log, pin=on_cuda,
-                                 fragments=self.fragments)
-        # topk's error feedback: what this lane has not sent yet. A (re)joining replica starts at zero.
-        self.residual = torch.zeros(self.view.numel) if s.transport == "topk" else None
+        self.faults = Faults(self.ctx.rank, self.lanes.index)  # fault injection; off by default
+        if s.exchange == "process" and _process_reachable(store, self.ctx.rendezvous):  # else: a thread here
+            import os
+
+            threads = os.environ.get(ENV_SYNC_THREADS)
+            self.sync: SyncProcess | InThread = SyncProcess(self.ctx, s, self.view.numel, self.lanes, self._log,
+                                                            threads=int(threads) if threads else None)
+        else:
+            self.sync = InThread(self.ctx, s, store if store is not None else self.ctx.store, self.view.numel,
+                                 self.lanes, self._log)
+        self.transfers = Transfers(self.view, self.sync.theta, self.sync.snapshot)
+        self.transfers.initial()  # θ_0 from this replica's model, used only if the run is new
+        self._round = self.sync.join(initial=True)
+        self.view.write(self.sync.theta)
         self._inflight: BackgroundRound | None = None
-        self._exchanger = ThreadPoolExecutor(1, thread_name_prefix="diloco-round") if self.overlap else None
-        self.recorder = Recorder(self.allreduce, self._log)
-        self.state.bootstrap(self.view.read)  # θ_0 from this replica's model if the run is new
-        self.view.write(self.state.theta)
         self.local_steps = 0          # inner steps since the last sync
         self._losses: list[float] = []
         self._tokens = 0
         self._evals: list[list[float]] = []  # [global step, eval loss] reported since the last sync
         self.total_steps: int | None = s.total_steps
         self.clock = RoundClock(self.stride, self.round_seconds, self.lanes)  # when a round is due
-        self._alone_since_start = self.ctx.world_size > 1  # until a round with another member is seen
         self.metrics: list[RoundMetrics] = []
-        self._pending_row = None  # the last round's digest and metrics row, being written
         self.ctx.global_step = self.global_step
 
     # -- progress ----------------------------------------------------------------------------
@@ -148,11 +145,21 @@ class DiLoCo:
     @property
     def round(self) -> int:
         """Rounds of the global model completed (the one this replica holds)."""
-        return self.state.round
+        return self._round
+
+    @property
+    def theta(self) -> torch.Tensor:
+        """θ_global of this process's lane: fp32 on the host, the same bytes on every replica."""
+        return self.sync.theta
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a round is being exchanged while inner steps go on (overlap, not merged yet)."""
+        return self._inflight is not None
 
     @property
     def global_step(self) -> int:
-        started = self._inflight.round if self._inflight is not None else self.state.round
+        started = self._inflight.round if self._inflight is not None else self._round
         return started * self.stride + self.local_steps
 
     def steps(self, total_steps: int | None = None) -> Iterator[int]:
@@ -179,8 +186,8 @@ class DiLoCo:
         while self.global_step < total_steps:
             yield self.global_step
         self.finish()
-        self._wait_for_record()  # its lane exchange and the write below share the lanes' group
-        self.view.write(self.state.theta)
+        self.sync.settle()  # the last round's record shares the lanes' group with the write below
+        self.view.write(self.sync.theta)
 
     def step(self, loss: float | None = None, tokens: int = 0) -> RoundMetrics | None:
         """Call after each inner optimizer step; a round every sync_every/fragments steps (with
@@ -190,14 +197,15 @@ class DiLoCo:
         non-finite `loss` is left out of the row's mean loss (rows are JSON, which has no NaN); a
         diverged replica shows as an incident when its update is left out, and resets.
         """
-        self.allreduce.io.faults.after_step(self.global_step, self.view)  # fault injection; off by default
+        self.faults.after_step(self.global_step, self.view)
         self.local_steps += 1
         if loss is not None and math.isfinite(loss):  # a diverged step is an incident, not a NaN in JSON rows
             self._losses.append(float(loss))
         self._tokens += int(tokens)
+        self.sync.check()  # a sync process that died between rounds fails the replica now
         if self.clock.due(self.local_steps):
-            info = self.sync()
-        elif self._inflight is not None and self._inflight.future.done() and self.lanes.count == 1:
+            info = self.sync_round()
+        elif self._inflight is not None and self.lanes.count == 1 and self.sync.arrived():
             info = self._merge()  # arrived: merge now (a replica of several processes merges at the next round)
         else:
             info = None
@@ -220,8 +228,8 @@ class DiLoCo:
 
     # -- the round ---------------------------------------------------------------------------
 
-    def sync(self) -> RoundMetrics | None:
-        """Start the next round: run it here, or (overlap) hand it to the background thread.
+    def sync_round(self) -> RoundMetrics | None:
+        """Start the next round: wait for it here, or (overlap) let it run while inner steps go on.
 
         Returns the row of the round applied during this call: this round's, or with overlap
         the previous round's if it had not been merged yet (None if there was none).
@@ -229,186 +237,65 @@ class DiLoCo:
         compute_s = time.monotonic() - self.clock.phase_start
         merged = self._merge() if self._inflight is not None else None  # the one wait overlap has: a round late
         t0 = time.monotonic()  # (the merge's wait is in the merged round's row)
-        self._wait_for_record()  # the previous round's digest must be of the state before this step
-        since = self.state.round - 1
-        diverged = self.lanes.on_leader(lambda: self.recorder.diverged_since(since)) if self.state.round > 0 else None
-        if diverged is not None:
-            self._log(f"this replica's global state diverged from the majority's at round {diverged}; "
-                      f"reloading it from an older checkpoint")
-            self.state.repair_divergence(diverged, None)
-            self.recorder.skip_through(self.state.round)  # later summaries still show the old state
-            return self._adopted(compute_s, t0)
-        r = self.state.round + 1
-        part = self.state.fragment(r)
-        a, b = self.state.bounds(r)
-        residual = self.residual[a:b] if self.residual is not None else None
-        if self.overlap:  # training goes on during the exchange: Δ is a snapshot, and `local` is kept for the merge
-            local = self.view.read_part(part, self.fragments)
-            delta = torch.sub(self.state.theta[a:b], local)  # Δ = θ_global − θ_local
-            future = self._exchanger.submit(self._exchange, r, delta, residual)
-            self._inflight = BackgroundRound(r, part, local, future, compute_s, time.monotonic() - t0,
-                                      (self._tokens, self._losses, self._evals))
+        r = self._round + 1
+        part = (r - 1) % self.fragments
+        work = Work(steps=self.local_steps, tokens=self._tokens, loss_sum=sum(self._losses),
+                    loss_n=len(self._losses), evals=self._evals, compute_s=compute_s)
+        local = self.transfers.snapshot(part, self.fragments, keep=self.overlap)
+        self.sync.start(r, work)
+        if self.overlap:  # training goes on during the exchange; `local` is kept for the merge
+            self._inflight = BackgroundRound(r, part, local, time.monotonic() - t0)
             self._next_phase()
             return merged
-        # Synchronous: the model stands still, so Δ is read from it a shard at a time and each
-        # shard's outer step is applied as its mean arrives (`streaming`): no Δ or mean buffer.
-        source = LiveDelta(self.state.theta[a:b], lambda lo, hi: self.view.read_range(part, self.fragments, lo, hi))
-        self.state.begin(r)
-        try:
-            result = self._exchange(r, source, residual, sink=self.state.sink(r), steps=self.local_steps)
-        except FellBehind as exc:
-            self._log(f"{exc}; rejoining from the latest checkpoint")
-            self.state.bootstrap(None)
-            return self._adopted(compute_s, t0)
-        return self._apply(result, part, None, compute_s, t0, 0.0, (self._tokens, self._losses, self._evals))
-
-    def _exchange(self, r: int, delta, residual: torch.Tensor | None, sink=None, steps: int | None = None) -> RoundResult:
-        """Round r's all-reduce of Δ (the mean written over it, or to `sink` shard by shard); every
-        lane agrees on the outcome. `steps`: the inner steps behind Δ (time-based rounds weigh by it)."""
-        return self.lanes.agree(lambda: self.allreduce.run_round(r, delta, in_place=True, residual=residual,
-                                                                 sink=sink, steps=steps))
+        return self._apply(self.sync.outcome(), None, t0, blocked_s=0.0)
 
     def _merge(self) -> RoundMetrics:
         """Wait for the round in flight (if it has not arrived yet) and apply it."""
         flight, self._inflight = self._inflight, None
         t0 = time.monotonic()
-        try:
-            result = flight.future.result()
-        except FellBehind as exc:
-            self._log(f"{exc}; rejoining from the latest checkpoint")
-            self._wait_for_record()
-            self.state.bootstrap(None)
-            return self._adopted(flight.compute_s, t0, next_phase=False)
+        outcome = self.sync.outcome()
         waited = time.monotonic() - t0
-        self._wait_for_record()  # the last round's digest is of the state before this outer step
-        return self._apply(result, flight.part, flight.local, flight.compute_s, t0, flight.blocked_s, flight.work,
-                           hidden_s=max(0.0, result.seconds - waited))
+        return self._apply(outcome, flight.local, t0, blocked_s=flight.blocked_s,
+                           hidden_s=max(0.0, outcome.exchange_s - waited), next_phase=False)
 
-    def _apply(self, result: RoundResult, part: int, local_at_sync: torch.Tensor | None, compute_s: float,
-               t0: float, blocked_s: float, work: tuple[int, list[float], list[list[float]]], *,
-               hidden_s: float = 0.0) -> RoundMetrics:
-        """The round's outer step on θ_global, then its fragment into the model; the round's row."""
-        self.allreduce.phase("outer", result.round)
+    def _apply(self, outcome: Outcome, local_at_sync: torch.Tensor | None, t0: float, *, blocked_s: float,
+               hidden_s: float = 0.0, next_phase: bool = True) -> RoundMetrics:
+        """Put the round's outcome into the model (on its device); the round's row."""
+        self.faults.phase("outer", outcome.round)
         outer_t0 = time.monotonic()
-        if result.mean is None:  # streamed: the outer step was applied shard by shard as each mean arrived
-            self.state.finish(result.round, result.members)
-        else:
-            self.state.apply(result.round, result.mean, result.members)
-            result.mean = None  # the round's one fragment-sized buffer (the mean was written over Δ)
-        a, b = self.state.bounds(result.round)
-        tokens, losses, evals = work
-        # the replica's row: every lane's bytes, requests and tokens; the mean loss over its processes;
-        # and whether any lane's update was left out for NaN/Inf (then every lane resets)
-        sums = self.lanes.total({"bytes_up": result.traffic.bytes_up, "bytes_down": result.traffic.bytes_down,
-                                 **result.traffic.requests(), "tokens": tokens,
-                                 "loss_sum": sum(losses), "loss_n": len(losses), "parameters": self.view.numel,
-                                 "nonfinite": int(self.ctx.rank in result.nonfinite)})
-        left_out_nonfinite = sums.pop("nonfinite") > 0
-        incidents = result.incidents + self.allreduce.io.take_found()  # + any met rejoining since the last row
-        if not result.member:
-            self.state.catch_up()  # others may be rounds ahead: adopt every completed round
-            incidents += self.allreduce.io.take_found()
-            self.view.write(self.state.theta)  # and the whole global model, as a rejoining replica does
-        elif left_out_nonfinite:
-            incidents += self._reset_to_global(result.round)
-        elif local_at_sync is None:
-            self.view.write_part(self.state.theta[a:b], part, self.fragments)
-        else:  # overlap: keep the inner steps made since the round began, on top of the new global state
-            now = self.view.read_part(part, self.fragments)
-            now += self.state.theta[a:b]
-            now -= local_at_sync
-            self.view.write_part(now, part, self.fragments)
+        self._round = outcome.round
+        if outcome.action == MERGE:
+            self.transfers.merge(outcome.part, self.fragments, local_at_sync)
+        else:  # the whole global model: caught up, rejoined, repaired, or reset after a non-finite update
+            self.view.write(self.sync.theta)
+            if outcome.action == RESET and self.inner_opt is not None:
+                self.inner_opt.state.clear()  # AdamW's moments and step counts start afresh, lazily
+                self.inner_opt.zero_grad(set_to_none=True)
         outer_s = time.monotonic() - outer_t0
-        loss_sum, loss_n = sums.pop("loss_sum"), sums.pop("loss_n")
-        info = RoundMetrics(
-            round=result.round, rank=self.ctx.rank, attempt=self.ctx.attempt, members=result.members,
-            member=result.member, loss=loss_sum / loss_n if loss_n else None, tokens=int(sums.pop("tokens")),
-            bytes_up=int(sums.pop("bytes_up")), bytes_down=int(sums.pop("bytes_down")),
-            parameters=int(sums.pop("parameters")), compute_s=compute_s, sync_s=blocked_s + time.monotonic() - t0,
-            requests={k: int(v) for k, v in sums.items()},
-            takeovers=result.takeovers, incidents=incidents, t=time.time(),
-            phases={"compute": compute_s, **result.phases, "outer": outer_s}, hidden_s=hidden_s,
-            step=result.round * self.stride, total_steps=self.total_steps, evals=list(evals))
-        self._warn_if_alone(info)
-        self.metrics.append(info)
-        # θ and the momentum stay as they are until the next round's outer step, so their digest
-        # (XXH3 over 8 bytes per parameter) and the row's write overlap the next inner steps.
-        self._pending_row = self.allreduce.io.pool.submit(self._record, info)
-        if local_at_sync is None:
-            self._next_phase()
-        return info
-
-    def _reset_to_global(self, r: int) -> list[dict[str, Any]]:
-        """Round r left this replica's update out for NaN/Inf values: its parameters and its inner
-        optimizer's moments are poisoned, and the next round's update would be too. Restart both
-        from θ_global — what a relaunch gives — and train on. Returns the incident (lane 0's)."""
-        self.view.write(self.state.theta)  # the whole model: every fragment went NaN with it
-        if self.inner_opt is not None:
-            self.inner_opt.state.clear()  # AdamW's moments and step counts start afresh, lazily
-            self.inner_opt.zero_grad(set_to_none=True)
-        if self.residual is not None:
-            self.residual.zero_()
-        rank = self.ctx.rank
-        action = (f"rank {rank} reset its model and inner optimizer state to θ_global of round {r} "
-                  f"and carries on")
-        self._log(f"round {r}: this replica's update was non-finite and left out; {action}")
-        if not self.lanes.leader:
-            return []
-        return [{"round": r, "writer": rank, "replica": rank, "action": action,
-                 "problem": "its update held non-finite values (NaN or Inf) and was left out of the round's mean"}]
-
-    def _record(self, info: RoundMetrics) -> None:
-        """The replica's row for the round: one per replica (lane 0 writes it), with the digest
-        of every lane's state, so a divergence in any lane shows, and every lane's incidents."""
-        lanes = self.lanes.exchange({"digest": self.state.digest(), "incidents": info.incidents})
-        if self.lanes.leader:
-            info.state_digest = "+".join(lane["digest"] for lane in lanes)
-            info.incidents = [i for lane in lanes for i in lane["incidents"]]
-            self.recorder.write_row(info)
-            self.recorder.maybe_summarize(info.round, info.members)
-
-    def _wait_for_record(self) -> None:
-        if self._pending_row is not None:
-            self._pending_row.result()
-            self._pending_row = None
-
-    def _adopted(self, compute_s: float, t0: float, *, next_phase: bool = True) -> RoundMetrics:
-        """Took no part in a round: adopted the run's state instead (rejoin or divergence repair)."""
-        self.view.write(self.state.theta)
-        info = RoundMetrics(round=self.state.round, rank=self.ctx.rank, attempt=self.ctx.attempt, member=False,
-                            tokens=self._tokens, compute_s=compute_s, sync_s=time.monotonic() - t0, t=time.time(),
-                            phases={"compute": compute_s}, step=self.state.round * self.stride,
-                            total_steps=self.total_steps, evals=list(self._evals))
-        self.metrics.append(info)
+        row = outcome.row
+        row.sync_s, row.hidden_s, row.t = blocked_s + time.monotonic() - t0, hidden_s, time.time()
+        if len(row.phases) > 1:  # a round it took part in (a rejoin's row has its compute phase only)
+            row.phases["outer"] = outer_s
+        self.sync.applied(row.round, sync_s=row.sync_s, outer_s=outer_s, hidden_s=hidden_s)
+        self.metrics.append(row)
         if next_phase:
             self._next_phase()
-        return info
+        return row
 
     def _next_phase(self) -> None:
         self.local_steps, self._losses, self._tokens, self._evals = 0, [], 0, []
         self.clock.restart()
-        self.allreduce.phase("compute", self.state.round + 1)
-
-    def _warn_if_alone(self, info: RoundMetrics) -> None:
-        if not self._alone_since_start or not self.lanes.leader:  # one warning per replica
-            return
-        if len(info.members) > 1:
-            self._alone_since_start = False
-            return
-        self._log(f"WARNING: round {info.round}: this replica has been alone in every round so far although the run "
-                  f"has {self.ctx.world_size} replicas; they are not meeting in the store {self.store.uri!r} "
-                  f"(is it the same store for all of them?)")
+        self.faults.phase("compute", self._round + 1)
 
     def _log(self, msg: str) -> None:
         self.ctx.log.info(msg)
 
     def close(self) -> None:
-        self.finish()
-        if self._exchanger is not None:
-            self._exchanger.shutdown(wait=True)
-        self._wait_for_record()
-        self.allreduce.close()
-        self.lanes.close()
+        try:
+            self.finish()
+        finally:
+            self.sync.close()
+            self.lanes.close()
 
     def __enter__(self) -> DiLoCo:
         return self

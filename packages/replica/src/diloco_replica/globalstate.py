@@ -35,8 +35,8 @@ from .storeaccess import Backoff, reducer_of, shard_bounds
 
 class GlobalState:
     def __init__(self, allreduce: StoreAllReduce, numel: int, *, lr: float, momentum: float, nesterov: bool,
-                 checkpoint_every: int = 10, log: Callable[[str], None] | None = None, pin: bool = False,
-                 fragments: int = 1):
+                 checkpoint_every: int = 10, log: Callable[[str], None] | None = None, fragments: int = 1,
+                 theta_out: torch.Tensor | None = None):
         self.ar = allreduce
         self.io = allreduce.io  # the round's store, keys, pool and timeouts
         self.checkpoints = allreduce.checkpoints
@@ -48,7 +48,9 @@ class GlobalState:
         self.buf: torch.Tensor | None = None
         self.written: dict[int, list[int]] = {}  # checkpoint round -> shards this replica wrote
         self.numel = numel  # of this lane
-        self.pin = pin      # pinned host buffers (the model is on CUDA)
+        # θ_global lives here when given: a buffer the training process maps too (`sharedbuf`), so
+        # a load copies into it and it never moves
+        self.theta_out = theta_out
         self.fragments = fragments
         self.fragment_bounds = shard_bounds(numel, fragments)
 
@@ -100,10 +102,12 @@ class GlobalState:
         return None
 
     def _load(self, c: int) -> None:
-        loaded = self.checkpoints.load(c, self.numel, pin=self.pin)
+        loaded = self.checkpoints.load(c, self.numel)
         if loaded is None:
             raise Retry(f"checkpoint {c} changed while loading")
         self.theta, self.buf = loaded
+        if self.theta_out is not None:
+            self.theta = self.theta_out.copy_(self.theta)
         self.round = c
 
     def catch_up(self, *, during: str = "catch-up") -> int:

@@ -65,6 +65,18 @@ class ModelView:
         a, _ = shard_bounds(self.numel, parts)[part]
         return self._read(self.start + a + lo, self.start + a + hi)
 
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device if self.tensors else torch.device("cpu")
+
+    def gather_part(self, part: int, parts: int) -> torch.Tensor:
+        """Fragment `part` of `parts` of this lane as a new fp32 vector on the model's device (a
+        device copy: what a round snapshots and merges with, never through the host)."""
+        a, b = shard_bounds(self.numel, parts)[part]
+        pieces = [t.detach().reshape(-1)[x:y].to(torch.float32)
+                  for t, x, y, _ in self._pieces(self.start + a, self.start + b)]
+        return torch.cat(pieces) if pieces else torch.empty(0, device=self.device)
+
     def _read(self, start: int, stop: int) -> torch.Tensor:
         out = host_empty(stop - start, self.tensors[0] if self.tensors else None)
         for t, x, y, off in self._pieces(start, stop):

@@ -1,0 +1,241 @@
+"""The store side of one replica's (one lane's) rounds: everything a round does except touch the model.
+
+`Exchanger` owns the store all-reduce, θ_global with the outer momentum (`globalstate`), the
+checkpoints, the round's record and topk's residual. It never sees the model: the training process
+hands it the lane's local parameters of the round's fragment as a flat fp32 host vector, and it
+answers with an `Outcome` that says what the training process must copy from θ_global into the
+model. That is what lets it run in a process of its own (`syncproc`): store I/O, checksums,
+decoding, folding and the outer step never compete with the training loop for its interpreter.
+
+A round here: wait until the previous round's record is written (its digest is of the state
+before this outer step); reload if the run's summaries say this replica's state diverged; Δ =
+θ_global − θ_local, written over the snapshot; the all-reduce, whose means go to the outer step
+shard by shard as they arrive (`streaming`), checkpointed when due. The row is finished with the
+training loop's own timings (`applied`) and written in the background, overlapping the next
+inner steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from diloco.context import ReplicaContext
+from diloco.metrics import RoundMetrics
+from diloco.settings import DilocoSettings
+from diloco.store import poll_defaults, verify_store
+
+from .allreduce import RoundResult, StoreAllReduce
+from .feedback import LOSSY, quantise_with_feedback
+from .globalstate import GlobalState
+from .lanes import Lanes
+from .recorder import Recorder
+from .rounderrors import FellBehind
+from .storeaccess import shard_bounds
+
+
+@dataclass
+class Work:
+    """What the training loop did in the phase a round closes (sent with the round)."""
+
+    steps: int
+    tokens: int = 0
+    loss_sum: float = 0.0
+    loss_n: int = 0
+    evals: list[list[float]] = field(default_factory=list)
+    compute_s: float = 0.0
+
+
+# What the training process copies into the model once a round is done.
+MERGE = "merge"        # the round's fragment of θ_global (with overlap: on top of the progress made since)
+WHOLE = "whole"        # all of θ_global: not a member (caught up), or rejoined / repaired from a checkpoint
+RESET = "reset"        # all of θ_global, and the inner optimizer's state cleared: its update was non-finite
+
+
+@dataclass
+class Outcome:
+    round: int                  # the round the global state is at now
+    action: str                 # MERGE, WHOLE or RESET
+    part: int                   # the fragment round `round` updated (MERGE)
+    row: RoundMetrics
+    exchange_s: float = 0.0     # seconds the exchange took here
+
+
+class Exchanger:
+    def __init__(self, ctx: ReplicaContext, settings: DilocoSettings, store: Any, numel: int, lanes: Lanes, *,
+                 log: Callable[[str], None], theta_out: torch.Tensor | None = None):
+        s = settings
+        self.ctx, self.settings, self.lanes, self.log = ctx, s, lanes, log
+        self.H, self.fragments = int(s.sync_every), int(s.fragments)
+        self.stride = self.H // self.fragments
+        verify_store(store, ctx.run_id, f"rank-{ctx.rank}-{ctx.lane}-attempt-{ctx.attempt}")
+        first, cap = poll_defaults(store.uri)
+        self.allreduce = StoreAllReduce(
+            store, ctx.run_id, ctx.rank, ctx.world_size, codec=s.transport,
+            round_timeout=float(s.round_timeout), min_members=int(s.min_members),
+            poll_interval=float(s.poll_interval or first), poll_max=float(s.poll_max or cap), log=log,
+            lanes=lanes, topk_density=float(s.topk_density),
+            step_cap=self.H if s.round_seconds is not None else None)
+        self.state = GlobalState(self.allreduce, numel, lr=float(s.outer_lr), momentum=float(s.outer_momentum),
+                                 nesterov=bool(s.nesterov), checkpoint_every=int(s.checkpoint_every), log=log,
+                                 fragments=self.fragments, theta_out=theta_out)
+        # error feedback (topk's, or the quantised transports' `feedback`): what this lane has not
+        # sent yet. A (re)joining replica starts at zero.
+        # (not with time-based rounds: a residual carried into a round of other step counts would be
+        # normalised by the wrong τ, as `settings.check_time_based` says of topk)
+        self.feedback = s.transport in LOSSY and bool(s.error_feedback) and s.round_seconds is None
+        self.residual = torch.zeros(numel) if s.transport == "topk" or self.feedback else None
+        self.recorder = Recorder(self.allreduce, log)
+        self.numel = numel
+        self.total_steps: int | None = s.total_steps
+        self._alone_since_start = ctx.world_size > 1  # until a round with another member is seen
+        self._pending: Future | None = None           # the last round's record, being written
+        self._unrecorded: dict[int, RoundMetrics] = {}  # rows waiting for the training loop's timings
+
+    @property
+    def theta(self) -> torch.Tensor:
+        return self.state.theta
+
+    @property
+    def round(self) -> int:
+        return self.state.round
+
+    def join(self, initial: Callable[[], torch.Tensor] | None) -> int:
+        """Adopt the run's global state (`initial()`: θ_0 from the model, read only if the run is new)."""
+        return self.state.bootstrap(initial)
+
+    # -- a round -----------------------------------------------------------------------------
+
+    def run(self, r: int, snapshot: torch.Tensor, work: Work) -> Outcome:
+        """Round r from `snapshot` (the lane's local parameters; the round's fragment of it is
+        read, then overwritten with Δ and the mean)."""
+        t0 = time.monotonic()
+        self.settle()
+        if r != self.state.round + 1:
+            raise ValueError(f"round {r} asked for while the global state is at round {self.state.round}")
+        since = self.state.round - 1
+        diverged = self.lanes.on_leader(lambda: self.recorder.diverged_since(since)) if self.state.round > 0 else None
+        if diverged is not None:
+            self.log(f"this replica's global state diverged from the majority's at round {diverged}; "
+                     f"reloading it from an older checkpoint")
+            self.state.repair_divergence(diverged, None)
+            self.recorder.skip_through(self.state.round)  # later summaries still show the old state
+            return self._adopted(work, t0)
+        a, b = self.state.bounds(r)
+        local = snapshot[a:b]
+        torch.sub(self.state.theta[a:b], local, out=local)  # Δ = θ_global − θ_local
+        residual = self.residual[a:b] if self.residual is not None else None
+        if self.feedback:  # quantised here, shard by shard as the all-reduce splits it
+            quantise_with_feedback(local, residual, self.settings.transport, shard_bounds(b - a, self.ctx.world_size))
+            residual = None
+        self.state.begin(r)
+        try:
+            result = self.lanes.agree(lambda: self.allreduce.run_round(
+                r, local, in_place=True, residual=residual, sink=self.state.sink(r),
+                steps=work.steps if self.settings.round_seconds is not None else None))
+        except FellBehind as exc:
+            self.log(f"{exc}; rejoining from the latest checkpoint")
+            self.state.bootstrap(None)
+            return self._adopted(work, t0)
+        return self._finished(result, work, t0)
+
+    def _finished(self, result: RoundResult, work: Work, t0: float) -> Outcome:
+        self.state.finish(result.round, result.members)  # the outer step went in shard by shard
+        # the replica's row: every lane's bytes, requests and tokens; the mean loss over its processes;
+        # and whether any lane's update was left out for NaN/Inf (then every lane resets)
+        sums = self.lanes.total({"bytes_up": result.traffic.bytes_up, "bytes_down": result.traffic.bytes_down,
+                                 **result.traffic.requests(), "tokens": work.tokens,
+                                 "loss_sum": work.loss_sum, "loss_n": work.loss_n, "parameters": self.numel,
+                                 "nonfinite": int(self.ctx.rank in result.nonfinite)})
+        left_out_nonfinite = sums.pop("nonfinite") > 0
+        incidents = result.incidents + self.allreduce.io.take_found()  # + any met rejoining since the last row
+        action = MERGE
+        if not result.member:
+            self.state.catch_up()  # others may be rounds ahead: adopt every completed round
+            incidents += self.allreduce.io.take_found()
+            action = WHOLE  # and the whole global model goes into the model, as a rejoining replica does
+        elif left_out_nonfinite:
+            incidents += self._reset(result.round)
+            action = RESET
+        loss_sum, loss_n = sums.pop("loss_sum"), sums.pop("loss_n")
+        row = RoundMetrics(
+            round=result.round, rank=self.ctx.rank, attempt=self.ctx.attempt, members=result.members,
+            member=result.member, loss=loss_sum / loss_n if loss_n else None, tokens=int(sums.pop("tokens")),
+            bytes_up=int(sums.pop("bytes_up")), bytes_down=int(sums.pop("bytes_down")),
+            parameters=int(sums.pop("parameters")), compute_s=work.compute_s,
+            requests={k: int(v) for k, v in sums.items()}, takeovers=result.takeovers, incidents=incidents,
+            phases={"compute": work.compute_s, **result.phases}, step=result.round * self.stride,
+            total_steps=self.total_steps, evals=list(work.evals))
+        self._warn_if_alone(row)
+        self._unrecorded[row.round] = row
+        return Outcome(self.state.round, action, self.state.fragment(result.round), row,
+                       exchange_s=time.monotonic() - t0)
+
+    def _adopted(self, work: Work, t0: float) -> Outcome:
+        """Took no part in a round: adopted the run's state instead (rejoin or divergence repair)."""
+        row = RoundMetrics(round=self.state.round, rank=self.ctx.rank, attempt=self.ctx.attempt, member=False,
+                           tokens=work.tokens, compute_s=work.compute_s, phases={"compute": work.compute_s},
+                           step=self.state.round * self.stride, total_steps=self.total_steps, evals=list(work.evals))
+        return Outcome(self.state.round, WHOLE, 0, row, exchange_s=time.monotonic() - t0)
+
+    def _reset(self, r: int) -> list[dict[str, Any]]:
+        """Round r left this replica's update out for NaN/Inf values: its residual restarts at zero
+        (the training process restarts the model and the inner optimizer). Returns the incident."""
+        if self.residual is not None:
+            self.residual.zero_()
+        rank = self.ctx.rank
+        action = f"rank {rank} reset its model and inner optimizer state to θ_global of round {r} and carries on"
+        self.log(f"round {r}: this replica's update was non-finite and left out; {action}")
+        if not self.lanes.leader:
+            return []
+        return [{"round": r, "writer": rank, "replica": rank, "action": action,
+                 "problem": "its update held non-finite values (NaN or Inf) and was left out of the round's mean"}]
+
+    # -- the record --------------------------------------------------------------------------
+
+    def applied(self, r: int, *, sync_s: float, outer_s: float, hidden_s: float) -> None:
+        """The training process put round r into the model, losing `sync_s` to it: finish its row
+        and write it in the background (θ and the momentum stay as they are until the next
+        round's outer step, so their digest overlaps the next inner steps)."""
+        row = self._unrecorded.pop(r, None)
+        if row is None:
+            return
+        row.sync_s, row.hidden_s, row.t = sync_s, hidden_s, time.time()
+        row.phases["outer"] = outer_s
+        self.settle()
+        self._pending = self.allreduce.io.pool.submit(self._record, row)
+
+    def _record(self, row: RoundMetrics) -> None:
+        """The replica's row for the round: one per replica (lane 0 writes it), with the digest
+        of every lane's state, so a divergence in any lane shows, and every lane's incidents."""
+        lanes = self.lanes.exchange({"digest": self.state.digest(), "incidents": row.incidents})
+        if self.lanes.leader:
+            row.state_digest = "+".join(lane["digest"] for lane in lanes)
+            row.incidents = [i for lane in lanes for i in lane["incidents"]]
+            self.recorder.write_row(row)
+            self.recorder.maybe_summarize(row.round, row.members)
+
+    def settle(self) -> None:
+        """Wait for the last round's record (its lane exchange shares the lanes' group)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def _warn_if_alone(self, row: RoundMetrics) -> None:
+        if not self._alone_since_start or not self.lanes.leader:  # one warning per replica
+            return
+        if len(row.members) > 1:
+            self._alone_since_start = False
+            return
+        self.log(f"WARNING: round {row.round}: this replica has been alone in every round so far although the run "
+                 f"has {self.ctx.world_size} replicas; they are not meeting in the store "
+                 f"{self.allreduce.store.store.uri!r} (is it the same store for all of them?)")
+
+    def close(self) -> None:
+        self.settle()
+        self.allreduce.close()
