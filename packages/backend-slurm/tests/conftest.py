@@ -1,0 +1,41 @@
+"""A real one-node Slurm cluster per test session (diloco_slurm.testing.cluster), and executors on it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from diloco_slurm import SlurmExecutor
+from diloco_slurm.testing.cluster import SlurmCluster, slurm_installed
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    if not slurm_installed():
+        pytest.fail("Slurm is not installed: apt-get install slurmctld slurmd slurm-client (.ci/run does it)")
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm-alpha"), "alpha")
+    cluster.start()
+    print(f"\nSlurm cluster {cluster.name} up in {cluster.up_seconds:.2f}s")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def slurm(slurm_cluster, tmp_path):
+    """An executor on the test cluster, its run directories under this test's tmp_path."""
+    def make(**options):
+        return SlurmExecutor(slurm_conf=str(slurm_cluster.conf), state_dir=str(tmp_path), **options)
+    return make
+
+
+def wait_for(predicate, timeout: float = 60.0, interval: float = 0.2):
+    """Poll `predicate` until it returns something truthy (returned) or `timeout` passes (its last value)."""
+    deadline = time.monotonic() + timeout
+    value = predicate()
+    while not value and time.monotonic() < deadline:
+        time.sleep(interval)
+        value = predicate()
+    return value
