@@ -1,0 +1,5 @@
+"""Test helpers: a real one-node Slurm cluster (`SlurmCluster`) and a real sshd on 127.0.0.1 (`LoopbackSshd`)."""
+
+from .cluster import SlurmCluster, slurm_installed
+
+__all__ = ["SlurmCluster", "slurm_installed"]

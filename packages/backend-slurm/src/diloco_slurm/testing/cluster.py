@@ -137,6 +137,13 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
 
+    def __enter__(self) -> SlurmCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def release(self, job_id: str) -> None:
         """End the ~120 s BeginTime hold Slurm puts on a requeued job."""
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=self.env, check=True,
