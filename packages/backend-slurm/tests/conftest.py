@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import shlex
+import sys
 import time
 
 import pytest
 
 from diloco_slurm import SlurmExecutor
-from diloco_slurm.testing.cluster import SlurmCluster, slurm_installed
+from diloco_slurm.testing import ALIAS, LoopbackSshd, SlurmCluster, slurm_installed, sshd_installed
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +24,23 @@ def slurm_cluster(tmp_path_factory):
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory):
+    """A real sshd on 127.0.0.1 with a key made for the test; `ssh_config` names it as Host ALIAS."""
+    if not sshd_installed():
+        pytest.fail("OpenSSH is not installed: apt-get install openssh-server openssh-client (.ci/run does it)")
+    with LoopbackSshd(tmp_path_factory.mktemp("sshd")) as server:
+        yield server
+
+
+def over_ssh(sshd, cluster, state_dir) -> dict:
+    """The [backend] options of a cluster reached over ssh: what a user writes, plus the test's own code
+    path (a user's `setup` would activate their environment there instead)."""
+    setup = [f"export PYTHONPATH={shlex.quote(os.environ['PYTHONPATH'])}"] if os.environ.get("PYTHONPATH") else []
+    return {"host": ALIAS, "ssh_config": str(sshd.ssh_config), "slurm_conf": str(cluster.conf),
+            "state_dir": str(state_dir), "python": sys.executable, "setup": setup}
 
 
 @pytest.fixture

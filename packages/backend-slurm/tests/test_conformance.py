@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from diloco.testing import ExecutorConformance
+from conftest import over_ssh
 from diloco_slurm import SlurmExecutor
 
 
@@ -17,3 +18,16 @@ class TestSlurmConformance(ExecutorConformance):
 
     def make_executor(self):  # a second instance stands for another process
         return SlurmExecutor(slurm_conf=str(self.conf), state_dir=str(self.root))
+
+
+class TestSlurmOverSshConformance(ExecutorConformance):
+    """The same kit with every Slurm command and file read going through ssh to a real sshd."""
+
+    wait_timeout = 90.0
+
+    @pytest.fixture(autouse=True)
+    def _cluster(self, slurm_cluster, sshd, tmp_path):
+        self.options = over_ssh(sshd, slurm_cluster, tmp_path)
+
+    def make_executor(self):
+        return SlurmExecutor(**self.options)

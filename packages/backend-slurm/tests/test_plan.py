@@ -64,8 +64,11 @@ def test_over_ssh_every_command_is_the_users_own_ssh():
     executor = SlurmExecutor(host="me@login.example.edu", state_dir="/home/me/diloco", slurm_conf="/etc/slurm-b/slurm.conf",
                              ssh_config="/home/me/.ssh/diloco_config", cluster="gpu2")
     job = one_job(executor)
-    assert job["command"] == ["ssh", "-o", "BatchMode=yes", "-F", "/home/me/.ssh/diloco_config", "--",
-                              "me@login.example.edu", "env SLURM_CONF=/etc/slurm-b/slurm.conf sbatch -M gpu2 --parsable"]
+    command = job["command"]
+    assert command[:5] == ["ssh", "-F", "/home/me/.ssh/diloco_config", "-o", "BatchMode=yes"]
+    assert "ControlMaster=auto" in command  # one shared connection, the user's own ssh
+    assert command[-3:] == ["--", "me@login.example.edu",
+                            "env SLURM_CONF=/etc/slurm-b/slurm.conf sbatch -M gpu2 --parsable"]
     assert "#SBATCH --chdir" not in job["script"] and "python3 -m diloco.runner" in job["script"]
     assert not executor.capabilities.shares_launcher_filesystem and not executor.capabilities.log_files
     assert SlurmExecutor().capabilities.shares_launcher_filesystem

@@ -12,15 +12,26 @@ the remote shell, so no value is ever interpolated unquoted.
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from diloco.errors import BackendError, UserError
 
 from .options import SlurmOptions
 
 COMMAND_TIMEOUT = 120.0  # a Slurm command or ssh hop that takes longer is treated as failing
+CONTROL_PERSIST = 60  # seconds ssh keeps a shared connection open after its last command
+# Each file read prints its size then its bytes, or "-" when it is absent (one ssh hop for all of them).
+_READ_MANY = 'for p; do if [ -f "$p" ] && [ -r "$p" ]; then wc -c < "$p"; cat -- "$p"; else echo -; fi; done'
+
+
+def control_dir() -> Path:
+    """Where ssh keeps its shared-connection sockets (ControlPath): a private runtime directory, no secret in it."""
+    return Path(tempfile.gettempdir()) / f"diloco-ssh-{os.getuid()}"
 
 
 @dataclass(frozen=True)
@@ -55,13 +66,24 @@ class ClusterAccess:
             command = ["env", f"SLURM_CONF={self.slurm_conf}", *command]
         if not self.host:
             return command
-        ssh = ["ssh", "-o", "BatchMode=yes", *(("-F", self.ssh_config) if self.ssh_config else ())]
+        # One connection shared by every command (ControlMaster): a poll costs a round trip, not a handshake.
+        ssh = ["ssh", *(("-F", self.ssh_config) if self.ssh_config else ()), "-o", "BatchMode=yes",
+               "-o", "ControlMaster=auto", "-o", f"ControlPath={control_dir()}/%C",
+               "-o", f"ControlPersist={CONTROL_PERSIST}"]
         return [*ssh, "--", self.host, shlex.join(command)]
 
     def run(self, command: list[str], *, input: str | None = None, timeout: float = COMMAND_TIMEOUT) -> Answer:
+        done = self._run(command, input.encode() if input is not None else None, timeout)
+        if isinstance(done, Answer):
+            return done
+        return Answer(done.returncode, done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace"))
+
+    def _run(self, command: list[str], input: bytes | None, timeout: float) -> subprocess.CompletedProcess | Answer:
         argv = self.argv(command)
+        if self.host:
+            control_dir().mkdir(mode=0o700, exist_ok=True)
         try:
-            done = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout,
+            done = subprocess.run(argv, input=input, capture_output=True, timeout=timeout,
                                   stdin=None if input is not None else subprocess.DEVNULL)
         except FileNotFoundError:
             tool = argv[0]
@@ -70,13 +92,13 @@ class ClusterAccess:
         except subprocess.TimeoutExpired:
             return Answer(124, "", f"{command[0]} on {self.where} did not answer within {timeout:.0f}s")
         if self.host and done.returncode == 255:  # ssh's own failure: unreachable, refused, no key
-            last = (done.stderr.strip().splitlines() or ["no answer"])[-1]
+            last = (done.stderr.decode(errors="replace").strip().splitlines() or ["no answer"])[-1]
             raise UserError(f"cannot reach {self.host} over ssh: {last}; check that `ssh {self.host} true` works "
                             f"without a prompt (your ssh config, agent and keys; diloco stores none)")
-        if "command not found" in done.stderr and done.returncode == 127:
+        if done.returncode == 127 and b"not found" in done.stderr:
             raise UserError(f"`{command[0]}` is not found on {self.where}: Slurm's client commands must be on "
                             f"its PATH")
-        return Answer(done.returncode, done.stdout, done.stderr)
+        return done
 
     def check(self, what: str, command: list[str], *, input: str | None = None) -> str:
         """Run `command`; its stdout, or a BackendError naming `what` and Slurm's own words."""
@@ -87,10 +109,25 @@ class ClusterAccess:
 
     # -- files in the run directory (the cluster's shared filesystem) ---------------------------
 
-    def read(self, path: str) -> str | None:
-        """A small file's text, or None if it does not exist (or cannot be read now)."""
-        answer = self.run(["cat", "--", path])
-        return answer.out if answer.ok else None
+    def read_many(self, paths: list[str]) -> dict[str, str | None]:
+        """Several small files at once (one command, one ssh hop): each one's text, or None if absent."""
+        done = self._run(["sh", "-c", _READ_MANY, "sh", *paths], None, COMMAND_TIMEOUT)
+        out: dict[str, str | None] = dict.fromkeys(paths)
+        if isinstance(done, Answer) or done.returncode != 0:
+            return out
+        data, at = done.stdout, 0
+        for path in paths:
+            end = data.find(b"\n", at)
+            if end < 0:
+                break
+            head = data[at:end].strip()
+            if head == b"-" or not head.isdigit():
+                at = end + 1
+                continue
+            size = int(head)
+            out[path] = data[end + 1:end + 1 + size].decode(errors="replace")
+            at = end + 1 + size
+        return out
 
     def tail(self, path: str, n_lines: int) -> str | None:
         answer = self.run(["tail", "-n", str(int(n_lines)), "--", path])

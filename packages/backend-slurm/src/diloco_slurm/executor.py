@@ -96,14 +96,6 @@ class SlurmExecutor:
                                                  "-j", job_id))
         return jobstate.parse_sacct(acct.out) if acct.ok else None
 
-    def _read_json(self, path: str) -> dict[str, Any] | None:
-        text = self.access.read(path)
-        try:
-            data = json.loads(text) if text else None
-        except ValueError:
-            return None
-        return data if isinstance(data, dict) and isinstance(data.get("status"), str) else None
-
     def _facts(self, handle: ReplicaHandle) -> jobstate.JobFacts | None:
         md = handle.metadata
         view = self._slurm_view(str(md["job_id"]))
@@ -111,11 +103,12 @@ class SlurmExecutor:
             return None
         stem = md["stem"]
         ended = view is None or view.state not in jobstate.WAITING | {"RUNNING"}
-        result = self._read_json(f"{stem}.result.json") if ended else None
-        exit_text = (self.access.read(f"{stem}.exit") or "").strip() if ended and result is None else ""
-        cancelled = self.access.read(f"{stem}.cancelled") is not None
-        return jobstate.JobFacts(str(md["job_id"]), view, result,
-                                 int(exit_text) if exit_text.isdigit() else None, cancelled)
+        names = [f"{stem}.cancelled", *([f"{stem}.result.json", f"{stem}.exit"] if ended else [])]
+        files = self.access.read_many(names)
+        result = _json_object(files.get(f"{stem}.result.json"))
+        exit_text = (files.get(f"{stem}.exit") or "").strip()
+        return jobstate.JobFacts(str(md["job_id"]), view, result, int(exit_text) if exit_text.isdigit() else None,
+                                 files[f"{stem}.cancelled"] is not None)
 
     def _verdict(self, handle: ReplicaHandle) -> jobstate.Verdict | None:
         facts = self._facts(handle)
@@ -190,3 +183,12 @@ def _unwrap(access: ClusterAccess, job: dict[str, Any]) -> list[str]:
         raise BackendError(f"the plan's sbatch command {job['command']} is not what this executor would run; "
                            f"plan and submit with the same [backend] options")
     return command
+
+
+def _json_object(text: str | None) -> dict[str, Any] | None:
+    """The runner's result file, if it is one: a JSON object with a string `status` (plain JSON, no pickle)."""
+    try:
+        data = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("status"), str) else None
