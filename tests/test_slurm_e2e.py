@@ -5,6 +5,7 @@ as a new job, it rejoins from the store, and every replica ends holding the same
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import events_of, one_global_model, record_of, tiny_spec, wait_for_round
+from conftest import ROOT, events_of, on_s3, one_global_model, record_of, tiny_spec, wait_for_round
 
 pytest.importorskip("diloco_slurm")
 from diloco_slurm.testing import SlurmCluster, slurm_installed  # noqa: E402
@@ -81,3 +82,73 @@ def test_tiny_lm_on_four_slurm_jobs_survives_a_killed_job_and_ends_bit_identical
     logs = cli(state, "logs", run_id, "--rank", "1", "--attempt", "1", "-n", "2000").stdout
     joined = [line for line in logs.splitlines() if "joined at round" in line]
     assert joined and int(joined[-1].split("joined at round ")[1].split()[0]) >= 2, logs[-2000:]
+
+
+@pytest.fixture
+def two_clusters(tmp_path, cluster):
+    """A second cluster beside `cluster` (its own ports and SLURM_CONF), reached through a real sshd."""
+    from diloco_slurm.testing import LoopbackSshd, sshd_installed
+
+    if not sshd_installed():
+        pytest.fail("OpenSSH is not installed: apt-get install openssh-server (.ci/run does it)")
+    with SlurmCluster(tmp_path / "slurm-beta", "beta") as beta, LoopbackSshd(tmp_path / "sshd") as sshd:
+        yield cluster, beta, sshd
+
+
+def test_one_run_over_two_slurm_clusters_one_through_ssh_and_a_local_group_on_one_s3_store(tmp_path, s3,
+                                                                                          two_clusters):
+    import shlex
+
+    from diloco_slurm.testing import ALIAS
+
+    alpha, beta, sshd = two_clusters
+    state = tmp_path / "state"
+    spec = on_s3(tiny_spec(tmp_path, steps=80, sync_every=20), s3)
+    text = spec.read_text().replace('backend = "local"\n', "").replace("replicas = 4\n", "")
+    setup = [f"export PYTHONPATH={shlex.quote(os.environ['PYTHONPATH'])}"] if os.environ.get("PYTHONPATH") else []
+    head, sep, rest = text.partition("\n[")
+    text = head + sep + rest + f"""
+[[group]]
+name = "here"
+replicas = 1
+[group.backend]
+name = "local"
+
+[[group]]
+name = "alpha"
+replicas = 2
+[group.backend]
+name = "slurm"
+slurm_conf = "{alpha.conf}"
+state_dir = "{tmp_path / 'alpha-jobs'}"
+
+[[group]]
+name = "beta"
+replicas = 1
+[group.backend]
+name = "slurm"
+host = "{ALIAS}"
+ssh_config = "{sshd.ssh_config}"
+slurm_conf = "{beta.conf}"
+state_dir = "{tmp_path / 'beta-jobs'}"
+python = "{sys.executable}"
+workdir = "{ROOT / 'examples' / 'tiny-lm'}"
+setup = {json.dumps(setup)}
+"""
+    spec.write_text(text)
+    dry = cli(state, "dryrun", str(spec))
+    assert dry.returncode == 0, dry.stderr
+    assert "# group alpha: 2 × slurm, ranks 1-2" in dry.stdout and "# group beta: 1 × slurm, rank 3" in dry.stdout
+    assert "BatchMode=yes" in dry.stdout and s3["env"]["AWS_SECRET_ACCESS_KEY"] not in dry.stdout
+
+    proc = cli(state, "run", str(spec), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_id = proc.stdout.split()[1].rstrip(":")
+    record = record_of(state, run_id)
+    one_global_model(record)
+    assert [r["group"] for r in record["ranks"]] == ["here", "alpha", "alpha", "beta"]
+    assert record["ranks"][3]["handle"]["metadata"]["cluster"] == f"{ALIAS} (over ssh)"
+    keys = [o["Key"] for o in s3["client"].list_objects_v2(Bucket=s3["bucket"], Prefix=f"runs/{run_id}/")["Contents"]]
+    assert any("/reduced/" in k for k in keys)  # they met in S3
+    logs = cli(state, "logs", run_id, "--rank", "3").stdout
+    assert "round 4: loss" in logs, logs[-2000:]
