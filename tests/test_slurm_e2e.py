@@ -24,7 +24,7 @@ def cluster(tmp_path):
     if not slurm_installed():
         pytest.fail("Slurm is not installed: apt-get install slurmctld slurmd slurm-client (.ci/run does it)")
     with SlurmCluster(tmp_path / "slurm", "alpha") as c:
-        print(f"Slurm cluster up in {c.up_seconds:.2f}s")
+        print(f"Slurm cluster up in {c.up_seconds:.2f}s, first job running after {c.first_job_seconds:.2f}s more")
         yield c
 
 

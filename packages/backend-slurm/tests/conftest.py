@@ -19,7 +19,8 @@ def slurm_cluster(tmp_path_factory):
         pytest.fail("Slurm is not installed: apt-get install slurmctld slurmd slurm-client (.ci/run does it)")
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm-alpha"), "alpha")
     cluster.start()
-    print(f"\nSlurm cluster {cluster.name} up in {cluster.up_seconds:.2f}s")
+    print(f"\nSlurm cluster {cluster.name} up in {cluster.up_seconds:.2f}s, first job running after "
+          f"{cluster.first_job_seconds:.2f}s more")
     try:
         yield cluster
     finally:

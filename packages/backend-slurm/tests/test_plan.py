@@ -21,7 +21,7 @@ def one_job(executor, **fields):
 def test_a_gpu_replica_is_one_node_with_its_gpus_and_torchrun_over_them():
     job = one_job(SlurmExecutor(state_dir="/shared/diloco", partition="gpu", gres_type="h100", cpus=64,
                                 memory="512G", time_limit=600), gpu="H100:8", processes_per_replica=8)
-    script = job["script"]
+    script = "\n".join(job["script"]) + "\n"
     for line in ("#SBATCH --job-name=diloco-run-1-r0-a0", "#SBATCH --output=/shared/diloco/slurm/run-1/rank-0.attempt-0.log",
                  "#SBATCH --nodes=1", "#SBATCH --ntasks=1", "#SBATCH --time=600", "#SBATCH --signal=B:USR1@120",
                  "#SBATCH --requeue", "#SBATCH --partition=gpu", "#SBATCH --cpus-per-task=64", "#SBATCH --mem=512G",
@@ -33,6 +33,7 @@ def test_a_gpu_replica_is_one_node_with_its_gpus_and_torchrun_over_them():
 
 def test_the_default_time_limit_leaves_room_for_the_replicas_own_timeout_and_the_notice():
     script = one_job(SlurmExecutor(state_dir="/s"), timeout=3600)["script"]
+    script = "\n".join(script) + "\n"
     assert "#SBATCH --time=63\n" in script  # 3600 s + 120 s notice + a minute, in minutes
 
 
@@ -42,7 +43,7 @@ def test_values_are_quoted_and_secrets_stay_out_of_the_script():
                     secret_env={"HF_TOKEN": "hf-secret-value-123"})
     rendered = plan.render()
     assert "hf-secret-value-123" not in rendered
-    script = plan.body["jobs"][0]["script"]
+    script = "\n".join(plan.body["jobs"][0]["script"])
     assert "export PLAIN=''\"'\"'" not in script and "export PLAIN='$(touch /tmp/pwned) '\"'\"'x'\"'\"''" in script
     assert "set -a; . /s/slurm/run-1/secrets.env; set +a" in script
     assert plan.body["secrets_file"] == {"path": "/s/slurm/run-1/secrets.env", "names": ["HF_TOKEN"]}
@@ -51,7 +52,7 @@ def test_values_are_quoted_and_secrets_stay_out_of_the_script():
 
 def test_the_script_runs_in_bash_and_means_what_it_says(tmp_path):
     """The plan's script, given to bash with the replica swapped for `true`: it parses and records exit 0."""
-    script = one_job(SlurmExecutor(state_dir=str(tmp_path)))["script"]
+    script = "\n".join(one_job(SlurmExecutor(state_dir=str(tmp_path)))["script"])
     script = script.replace("set -- ", "set -- true #", 1)
     stem = tmp_path / "slurm" / "run-1" / "rank-0.attempt-0"
     stem.parent.mkdir(parents=True)
@@ -69,7 +70,8 @@ def test_over_ssh_every_command_is_the_users_own_ssh():
     assert "ControlMaster=auto" in command  # one shared connection, the user's own ssh
     assert command[-3:] == ["--", "me@login.example.edu",
                             "env SLURM_CONF=/etc/slurm-b/slurm.conf sbatch -M gpu2 --parsable"]
-    assert "#SBATCH --chdir" not in job["script"] and "python3 -m diloco.runner" in job["script"]
+    script = "\n".join(job["script"])
+    assert "#SBATCH --chdir" not in script and "python3 -m diloco.runner" in script
     assert not executor.capabilities.shares_launcher_filesystem and not executor.capabilities.log_files
     assert SlurmExecutor().capabilities.shares_launcher_filesystem
 
@@ -106,7 +108,44 @@ def test_diloco_dryrun_prints_the_exact_script_and_command(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "diloco", "dryrun", str(spec)], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     assert '"command": [\n        "sbatch",\n        "--parsable"\n      ]' in proc.stdout
-    assert "#SBATCH --partition=gpu\\n" in proc.stdout and "#SBATCH --gpus-per-node=8\\n" in proc.stdout
+    assert '"#SBATCH --partition=gpu",' in proc.stdout and '"#SBATCH --gpus-per-node=8",' in proc.stdout
     spec.write_text(spec.read_text().replace('partition = "gpu"', 'partition = "a b"'))
     bad = subprocess.run([sys.executable, "-m", "diloco", "dryrun", str(spec)], capture_output=True, text=True, env=env)
     assert bad.returncode != 0 and "backend.partition" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def dryrun(tmp_path, spec_text):
+    (tmp_path / "job.py").write_text("def train(ctx):\n    return ctx.rank\n")
+    spec = tmp_path / "diloco.toml"
+    spec.write_text(spec_text)
+    env = {**os.environ, "DILOCO_STATE_DIR": str(tmp_path / "state"), "DILOCO_PLUGINS": "diloco_slurm.plugin"}
+    env.pop("DILOCO_RENDEZVOUS", None)
+    return subprocess.run([sys.executable, "-m", "diloco", "dryrun", str(spec)], capture_output=True, text=True, env=env)
+
+
+GROUPS = """entrypoint = "job:train"
+rendezvous = "file://{store}"
+[[group]]
+name = "here"
+replicas = 1
+backend = "local"
+[[group]]
+name = "cluster"
+replicas = 2
+[group.backend]
+name = "slurm"
+state_dir = "{store}"
+{extra}
+"""
+
+
+def test_a_file_rendezvous_is_valid_when_every_rank_sees_the_launchers_filesystem(tmp_path):
+    """Without `host` the launcher runs on the cluster (a login node): its shared filesystem is the replicas'."""
+    proc = dryrun(tmp_path, GROUPS.format(store=tmp_path / "store", extra=""))
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_file_rendezvous_is_refused_when_any_group_is_a_cluster_reached_over_ssh(tmp_path):
+    proc = dryrun(tmp_path, GROUPS.format(store=tmp_path / "store", extra='host = "me@login.example.edu"'))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "do not see" in proc.stderr and "group 'cluster'" in proc.stderr, proc.stderr

@@ -1,7 +1,7 @@
 """One replica attempt as one Slurm batch job: the script and the sbatch command, built in one place.
 
-`batch_job` is what `plan` puts in the dry run and what `submit` sends, byte for byte: the script
-goes to `sbatch --parsable` on stdin. The job is one node and one task; a replica of L processes
+`batch_jobs` is what `plan` puts in the dry run and what `submit` sends, byte for byte: the script
+(listed line by line, so a dry run reads as the file) goes to `sbatch --parsable` on stdin. The job is one node and one task; a replica of L processes
 (`gpu = "H100:8"` → 8) is torchrun over L runners inside it (`diloco.procgroup.replica_command`),
 with `--gpus-per-node` asking for the GPUs.
 
@@ -100,7 +100,7 @@ exit "$code"
 
 
 def script(options: SlurmOptions, request: LaunchRequest, rank: int, stem: str, secrets_path: str | None,
-           workdir: str | None, python: str) -> str:
+           workdir: str | None, python: str) -> list[str]:
     """The batch script of one rank: #SBATCH lines, the setup lines, the replica's variables, the replica."""
     env = request.replica_env(rank)
     env.update({envvars.ENV_RESULT_PATH: f"{stem}.result.json", envvars.ENV_STARTED_PATH: f"{stem}.started.json",
@@ -115,7 +115,12 @@ def script(options: SlurmOptions, request: LaunchRequest, rank: int, stem: str, 
     argv = replica_command(request.processes_per_replica, python=python)
     lines += [f"stem={shlex.quote(stem)}", f"preempt_signal={options.preemption_signal}",
               f"notice_floor={options.preemption_notice + 60}", f"set -- {shlex.join(argv)}"]
-    return "\n".join(lines) + "\n" + _SUPERVISE.lstrip("\n")
+    return lines + _SUPERVISE.strip("\n").splitlines()
+
+
+def script_text(lines: list[str]) -> str:
+    """The batch script as sbatch reads it from the plan's lines."""
+    return "\n".join(lines) + "\n"
 
 
 def secrets_file(values: dict[str, str]) -> str:

@@ -72,7 +72,7 @@ class SlurmExecutor:
 
         def start(rank: int) -> ReplicaHandle:
             job = jobs[rank]
-            answer = self.access.run(_unwrap(self.access, job), input=job["script"])
+            answer = self.access.run(_unwrap(self.access, job), input=batchscript.script_text(job["script"]))
             job_id = answer.out.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
             if not answer.ok or not job_id.isdigit():
                 raise BackendError(f"sbatch of {job['job_name']} on {self.access.where} failed: "

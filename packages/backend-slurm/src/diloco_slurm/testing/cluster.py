@@ -47,6 +47,7 @@ class SlurmCluster:
     min_job_age: int = 300
     pids: dict[str, int] = field(default_factory=dict)
     up_seconds: float | None = None  # from starting slurmctld to the node answering idle
+    first_job_seconds: float | None = None  # from the first sbatch to that job running (a cold start)
 
     @property
     def conf(self) -> Path:
@@ -110,10 +111,24 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
             out = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True)
             if out.returncode == 0 and out.stdout.strip() in ("idle", "mix", "alloc"):
                 self.up_seconds = time.monotonic() - began
+                self.first_job_seconds = self._first_job(deadline)
                 return
             time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"Slurm cluster {self.name} did not come up in {timeout}s; see {self.root}/log")
+
+    def _first_job(self, deadline: float) -> float:
+        """Run a job that does nothing and time it until it leaves PENDING: the cluster's cold start."""
+        began = time.monotonic()
+        job = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "--wrap=true"], env=self.env, check=True,
+                             capture_output=True, text=True).stdout.strip()
+        while time.monotonic() < deadline:
+            state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=self.env, capture_output=True,
+                                   text=True).stdout.strip()
+            if state != "PENDING":
+                return time.monotonic() - began
+            time.sleep(0.05)
+        raise RuntimeError(f"Slurm cluster {self.name}: its first job never started; see {self.root}/log")
 
     def stop(self) -> None:
         """SIGTERM each daemon by pid (slurmd first), SIGKILL what outlives a grace period."""
