@@ -16,7 +16,7 @@ import pytest
 from conftest import ROOT, events_of, on_s3, one_global_model, record_of, tiny_spec, wait_for_round
 
 pytest.importorskip("diloco_slurm")
-from diloco_slurm.testing import SlurmCluster, slurm_installed  # noqa: E402
+from diloco_slurm.testing import SlurmCluster, job_processes, slurm_installed  # noqa: E402
 
 
 @pytest.fixture
@@ -36,18 +36,6 @@ def slurm_spec(tmp_path, cluster, **kw):
     return spec
 
 
-def job_pids(stem: str) -> list[int]:
-    """The processes of one replica's job (the batch script's environment names its result file)."""
-    out = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if f"DILOCO_RESULT_PATH={stem}.result.json".encode() in open(f"/proc/{entry}/environ", "rb").read():
-                out.append(int(entry))
-        except OSError:
-            pass
-    return out
-
-
 def cli(state, *args, timeout=600):
     return subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "DILOCO_STATE_DIR": str(state)})
@@ -65,7 +53,7 @@ def test_tiny_lm_on_four_slurm_jobs_survives_a_killed_job_and_ends_bit_identical
         launcher.send_signal(signal.SIGINT)
         raise AssertionError(launcher.communicate(timeout=120)[0][-4000:]) from None
     stem = record_of(state, run_id)["ranks"][1]["handle"]["metadata"]["stem"]
-    pids = job_pids(stem)
+    pids = job_processes(stem)  # the replica and its batch shell: the job, SIGKILLed
     assert pids
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
@@ -103,7 +91,7 @@ def test_one_run_over_two_slurm_clusters_one_through_ssh_and_a_local_group_on_on
 
     alpha, beta, sshd = two_clusters
     state = tmp_path / "state"
-    spec = on_s3(tiny_spec(tmp_path, steps=80, sync_every=20), s3)
+    spec = on_s3(tiny_spec(tmp_path, steps=60, sync_every=20), s3)
     text = spec.read_text().replace('backend = "local"\n', "").replace("replicas = 4\n", "")
     setup = [f"export PYTHONPATH={shlex.quote(os.environ['PYTHONPATH'])}"] if os.environ.get("PYTHONPATH") else []
     head, sep, rest = text.partition("\n[")
@@ -151,4 +139,4 @@ setup = {json.dumps(setup)}
     keys = [o["Key"] for o in s3["client"].list_objects_v2(Bucket=s3["bucket"], Prefix=f"runs/{run_id}/")["Contents"]]
     assert any("/reduced/" in k for k in keys)  # they met in S3
     logs = cli(state, "logs", run_id, "--rank", "3").stdout
-    assert "round 4: loss" in logs, logs[-2000:]
+    assert "round 3: loss" in logs, logs[-2000:]

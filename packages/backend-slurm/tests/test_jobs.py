@@ -10,6 +10,7 @@ import subprocess
 from conftest import wait_for
 from diloco.protocol import ReplicaHandle
 from diloco.testing import SLEEP, launch, wait_for_output, wait_for_status
+from diloco_slurm.testing import job_processes
 
 
 def scontrol(cluster, job_id: str) -> str:
@@ -18,18 +19,7 @@ def scontrol(cluster, job_id: str) -> str:
 
 
 def job_pids(handle: ReplicaHandle) -> list[int]:
-    """The batch script's processes on this one-node cluster (its process group: proctrack/pgid)."""
-    stem = handle.metadata["stem"]
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                environ = open(f"/proc/{entry}/environ", "rb").read()
-            except OSError:
-                continue
-            if f"DILOCO_RESULT_PATH={stem}.result.json".encode() in environ:
-                pids.append(int(entry))
-    return pids
+    return job_processes(handle.metadata["stem"])
 
 
 def test_a_sigkilled_job_fails_137_and_its_rank_relaunches_alone(slurm, slurm_cluster):
@@ -42,6 +32,7 @@ def test_a_sigkilled_job_fails_137_and_its_rank_relaunches_alone(slurm, slurm_cl
     assert wait_for_status(executor, handles[1], {"failed"}, timeout=60) == "failed"
     (result,) = executor.collect([handles[1]], timeout=5)
     assert result.exit_code == 137 and "killed by SIGKILL" in result.error, result
+    assert "Reason=JobLaunchFailure" in scontrol(slurm_cluster, handles[1].metadata["job_id"])  # the batch shell too
     assert executor.poll(handles[0]) == "running"  # the other rank goes on
     again = launch(executor, 2, SLEEP, {"seconds": 1}, run_id=handles[0].run_id, ranks=[1], attempt=1)
     assert again[0].metadata["job_name"].endswith("-r1-a1") and again[0].metadata["job_id"] != handles[1].metadata["job_id"]
@@ -50,8 +41,13 @@ def test_a_sigkilled_job_fails_137_and_its_rank_relaunches_alone(slurm, slurm_cl
 
 
 def test_the_time_limit_fails_the_replica_with_124(slurm, slurm_cluster):
-    executor = slurm(time_limit=1)  # a minute: Slurm's smallest
+    executor = slurm(time_limit=5)
     (handle,) = launch(executor, 1, SLEEP, {"seconds": 600}, timeout=3000)
+    assert "sleeping" in wait_for_output(executor, handle, "sleeping", timeout=60)
+    # The limit reached now rather than in a minute (--time's smallest unit): Slurm's own
+    # enforcement ends the job (TIMEOUT, ExitCode 0:15), its time-limit warning signal first.
+    subprocess.run(["scontrol", "update", f"JobId={handle.metadata['job_id']}", "EndTime=now"], env=slurm_cluster.env,
+                   check=True)
     (result,) = executor.collect([handle], timeout=180)
     assert "JobState=TIMEOUT" in scontrol(slurm_cluster, handle.metadata["job_id"])
     assert (result.status, result.exit_code) == ("failed", 124), result

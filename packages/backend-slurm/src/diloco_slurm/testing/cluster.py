@@ -163,3 +163,23 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
         """End the ~120 s BeginTime hold Slurm puts on a requeued job."""
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=self.env, check=True,
                        capture_output=True)
+
+
+def job_processes(stem: str) -> list[int]:
+    """A replica job's processes on this one-node cluster: the replica (its environment names the
+    attempt's result file) and the batch shell that started it, so a test can SIGKILL the job whole."""
+    found: set[int] = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"DILOCO_RESULT_PATH={stem}.result.json".encode() not in f.read():
+                    continue
+            found.add(int(entry))
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{parent}/cmdline", "rb") as f:
+                if b"slurm_script" in f.read():
+                    found.add(parent)
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(found)
