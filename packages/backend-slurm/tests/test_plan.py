@@ -149,3 +149,20 @@ def test_a_file_rendezvous_is_refused_when_any_group_is_a_cluster_reached_over_s
     proc = dryrun(tmp_path, GROUPS.format(store=tmp_path / "store", extra='host = "me@login.example.edu"'))
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "do not see" in proc.stderr and "group 'cluster'" in proc.stderr, proc.stderr
+
+
+def test_an_unreachable_login_host_fails_a_launch_in_one_line_and_never_a_poll(tmp_path):
+    from diloco.protocol import ReplicaHandle
+    from diloco.testing import launch
+    from diloco_slurm.testing.cluster import free_port
+
+    config = tmp_path / "ssh_config"  # a port nothing listens on
+    config.write_text(f"Host nowhere\n  HostName 127.0.0.1\n  Port {free_port()}\n  StrictHostKeyChecking yes\n"
+                      f"  UserKnownHostsFile {tmp_path}/known_hosts\n")
+    executor = SlurmExecutor(host="nowhere", ssh_config=str(config), state_dir="/tmp/diloco-test")
+    with pytest.raises(UserError) as info:
+        launch(executor, 1, REPORT)
+    assert str(info.value).startswith("cannot reach nowhere over ssh:") and "\n" not in str(info.value)
+    handle = ReplicaHandle(0, "slurm", {"run_id": "r", "attempt": 0, "job_id": "12", "stem": "/tmp/diloco-test/x"})
+    assert executor.poll(handle) == "pending"  # no answer: the status last read (none yet) stands
+    assert "did not answer" in executor.status_detail(handle)

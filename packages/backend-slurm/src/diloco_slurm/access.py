@@ -44,6 +44,11 @@ class Answer:
     def ok(self) -> bool:
         return self.code == 0
 
+    @property
+    def unreachable(self) -> bool:
+        """ssh itself failed (exit 255): a poll keeps the status last read; a submit stops with `err`."""
+        return self.code == 255 and self.err.startswith("cannot reach ")
+
 
 class ClusterAccess:
     """Runs commands where the cluster's Slurm client lives: here, or over ssh on `host`."""
@@ -93,8 +98,8 @@ class ClusterAccess:
             return Answer(124, "", f"{command[0]} on {self.where} did not answer within {timeout:.0f}s")
         if self.host and done.returncode == 255:  # ssh's own failure: unreachable, refused, no key
             last = (done.stderr.decode(errors="replace").strip().splitlines() or ["no answer"])[-1]
-            raise UserError(f"cannot reach {self.host} over ssh: {last}; check that `ssh {self.host} true` works "
-                            f"without a prompt (your ssh config, agent and keys; diloco stores none)")
+            return Answer(255, "", f"cannot reach {self.host} over ssh: {last}; check that `ssh {self.host} true` "
+                                   f"works without a prompt (your ssh config, agent and keys; diloco stores none)")
         if done.returncode == 127 and b"not found" in done.stderr:
             raise UserError(f"`{command[0]}` is not found on {self.where}: Slurm's client commands must be on "
                             f"its PATH")
@@ -103,18 +108,21 @@ class ClusterAccess:
     def check(self, what: str, command: list[str], *, input: str | None = None) -> str:
         """Run `command`; its stdout, or a BackendError naming `what` and Slurm's own words."""
         answer = self.run(command, input=input)
+        if answer.unreachable:
+            raise UserError(answer.err)
         if not answer.ok:
             raise BackendError(f"{what} on {self.where} failed: {answer.err.strip() or answer.out.strip()}")
         return answer.out
 
     # -- files in the run directory (the cluster's shared filesystem) ---------------------------
 
-    def read_many(self, paths: list[str]) -> dict[str, str | None]:
-        """Several small files at once (one command, one ssh hop): each one's text, or None if absent."""
+    def read_many(self, paths: list[str]) -> dict[str, str | None] | None:
+        """Several small files at once (one command, one ssh hop): each one's text, or None if absent;
+        None for all of it when the read itself failed (ssh down, a timeout)."""
         done = self._run(["sh", "-c", _READ_MANY, "sh", *paths], None, COMMAND_TIMEOUT)
-        out: dict[str, str | None] = dict.fromkeys(paths)
         if isinstance(done, Answer) or done.returncode != 0:
-            return out
+            return None
+        out: dict[str, str | None] = dict.fromkeys(paths)
         data, at = done.stdout, 0
         for path in paths:
             end = data.find(b"\n", at)

@@ -30,6 +30,7 @@ from .access import ClusterAccess
 from .options import SlurmOptions
 
 SECRETS_FILE = "secrets.env"
+MAX_TIMEOUT = 365 * 86_400  # sbatch --time's range (time_limit's bound): a year
 
 
 def job_name(run_id: str, rank: int, attempt: int) -> str:
@@ -135,6 +136,9 @@ def batch_jobs(options: SlurmOptions, access: ClusterAccess, request: LaunchRequ
     if options.host and not options.state_dir:
         raise UserError("[backend] state_dir is needed with host: an absolute directory on the cluster's shared "
                         "filesystem (e.g. /home/you/diloco) for the jobs' logs and result files")
+    if request.timeout > MAX_TIMEOUT:
+        raise UserError(f"timeout = {request.timeout:g} s is longer than a Slurm job can run here (a year at most); "
+                        f"set a shorter timeout (the job's --time is derived from it)")
     if options.ssh_config and not options.host:
         raise UserError("[backend] ssh_config only applies with host = \"user@login\"; set host or drop ssh_config")
     directory = run_dir(options.state_dir or default_state_dir, request.run_id)

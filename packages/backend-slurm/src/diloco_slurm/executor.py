@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from diloco.errors import BackendError
+from diloco.errors import BackendError, UserError
 from diloco.failures import cause_from_log
 from diloco.options import options_from
 from diloco.protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
@@ -73,6 +73,8 @@ class SlurmExecutor:
         def start(rank: int) -> ReplicaHandle:
             job = jobs[rank]
             answer = self.access.run(_unwrap(self.access, job), input=batchscript.script_text(job["script"]))
+            if answer.unreachable:
+                raise UserError(answer.err)
             job_id = answer.out.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
             if not answer.ok or not job_id.isdigit():
                 raise BackendError(f"sbatch of {job['job_name']} on {self.access.where} failed: "
@@ -105,6 +107,8 @@ class SlurmExecutor:
         ended = view is None or view.state not in jobstate.WAITING | {"RUNNING"}
         names = [f"{stem}.cancelled", *([f"{stem}.result.json", f"{stem}.exit"] if ended else [])]
         files = self.access.read_many(names)
+        if files is None:  # the run directory could not be read just now: no answer
+            return None
         result = _json_object(files.get(f"{stem}.result.json"))
         exit_text = (files.get(f"{stem}.exit") or "").strip()
         return jobstate.JobFacts(str(md["job_id"]), view, result, int(exit_text) if exit_text.isdigit() else None,
@@ -172,6 +176,8 @@ class SlurmExecutor:
             return
         self.access.touch(f"{md['stem']}.cancelled")
         answer = self.access.run(self.access.slurm("scancel", str(md["job_id"])))
+        if answer.unreachable:
+            raise UserError(answer.err)
         if not answer.ok and "already completing or completed" not in answer.err and UNKNOWN_JOB not in answer.err:
             raise BackendError(f"scancel {md['job_id']} on {self.access.where} failed: {answer.err.strip()}")
 
