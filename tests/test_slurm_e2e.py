@@ -1,7 +1,10 @@
 """The tiny-LM main job on a real Slurm cluster (slurmctld + slurmd started here, Debian's 22.05): four
 replicas as four batch jobs meeting in a file:// store on the cluster's (here: this machine's)
-filesystem. One replica's job is SIGKILLed mid-run: the Slurm backend relaunches that rank alone
-as a new job, it rejoins from the store, and every replica ends holding the same global model."""
+filesystem. Mid-run, one job is SIGKILLed (relaunched alone as a new job, one restart spent), one
+gets the preemption signal (exits 75, relaunched without spending the budget) and one is requeued
+by Slurm (pending, then runs again under its job id: nothing relaunched, nothing spent); each
+rejoins from the store and every replica ends holding the same global model. Then one run over
+two Slurm clusters, one reached through a real sshd, and a local group, on one moto S3 store."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -41,35 +45,62 @@ def cli(state, *args, timeout=600):
                           env={**os.environ, "DILOCO_STATE_DIR": str(state)})
 
 
-def test_tiny_lm_on_four_slurm_jobs_survives_a_killed_job_and_ends_bit_identical(tmp_path, cluster):
-    state = tmp_path / "state"
-    spec = slurm_spec(tmp_path, cluster, steps=120, sync_every=20, restart="backoff = 0.2\nmax_restarts_per_rank = 3")
-    launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec)], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env={**os.environ, "DILOCO_STATE_DIR": str(state)})
-    run_id = launcher.stdout.readline().split()[1].rstrip(":")
+def disturb_three_ranks(state, run_id, cluster, launcher) -> list[dict]:
+    """After round 2: SIGKILL rank 1's job, send rank 2's the preemption signal, requeue rank 3's;
+    the four jobs' handles as they were."""
     try:
         wait_for_round(state, run_id, 2, timeout=240)
     except AssertionError:
         launcher.send_signal(signal.SIGINT)
         raise AssertionError(launcher.communicate(timeout=120)[0][-4000:]) from None
-    stem = record_of(state, run_id)["ranks"][1]["handle"]["metadata"]["stem"]
-    pids = job_processes(stem)  # the replica and its batch shell: the job, SIGKILLed
+    jobs = [r["handle"]["metadata"] for r in record_of(state, run_id)["ranks"]]
+    pids = job_processes(jobs[1]["stem"])  # rank 1: the replica and its batch shell, the job SIGKILLed
     assert pids
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
-    out, _ = launcher.communicate(timeout=600)
+    slurm = {"env": cluster.env, "check": True, "capture_output": True, "text": True}
+    subprocess.run(["scancel", "--batch", "--signal=USR1", jobs[2]["job_id"]], **slurm)  # rank 2: preempted
+    subprocess.run(["scontrol", "requeue", jobs[3]["job_id"]], **slurm)  # rank 3: requeued by Slurm
+    deadline = time.monotonic() + 60  # held until the launcher has seen it pending (a requeue is no failure)
+    while not any(e["event"] == "pending" and e.get("rank") == 3 for e in events_of(state, run_id)):
+        assert time.monotonic() < deadline and launcher.poll() is None, events_of(state, run_id)[-5:]
+        time.sleep(0.1)
+    cluster.release(jobs[3]["job_id"])  # end the ~120 s hold a requeue puts on a job
+    return jobs
+
+
+def test_tiny_lm_on_four_slurm_jobs_survives_a_kill_a_preemption_and_a_requeue_bit_identical(tmp_path, cluster):
+    state = tmp_path / "state"
+    spec = slurm_spec(tmp_path, cluster, steps=140, sync_every=20, restart="backoff = 0.2\nmax_restarts_per_rank = 3")
+    launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env={**os.environ, "DILOCO_STATE_DIR": str(state)})
+    try:
+        run_id = launcher.stdout.readline().split()[1].rstrip(":")
+        jobs = disturb_three_ranks(state, run_id, cluster, launcher)
+        out, _ = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:  # a failed check must not leave the launcher behind
+            launcher.kill()
+            launcher.wait()
     assert launcher.returncode == 0, out[-4000:]
 
     record = record_of(state, run_id)
     one_global_model(record)  # bit-identical θ on every replica
-    assert [r["restarts"] for r in record["ranks"]] == [0, 1, 0, 0]
-    attempts = record["ranks"][1]["attempts"]
-    assert [h["metadata"]["job_name"] for h in attempts] == [f"diloco-{run_id}-r1-a0", f"diloco-{run_id}-r1-a1"]
-    failed = [e for e in events_of(state, run_id) if e["event"] == "failed"]
+    ranks = record["ranks"]
+    assert [r["restarts"] for r in ranks] == [0, 1, 0, 0] and [r["preemptions"] for r in ranks] == [0, 0, 1, 0]
+    assert [h["metadata"]["job_name"] for h in ranks[1]["attempts"]] == [f"diloco-{run_id}-r1-a0",
+                                                                         f"diloco-{run_id}-r1-a1"]
+    assert [h["metadata"]["job_id"] for h in ranks[3]["attempts"]] == [jobs[3]["job_id"]]  # requeued, not relaunched
+    events = events_of(state, run_id)
+    failed = [e for e in events if e["event"] == "failed"]
     assert [e["rank"] for e in failed] == [1] and "killed by SIGKILL" in str(failed[0]), failed
-    logs = cli(state, "logs", run_id, "--rank", "1", "--attempt", "1", "-n", "2000").stdout
-    joined = [line for line in logs.splitlines() if "joined at round" in line]
-    assert joined and int(joined[-1].split("joined at round ")[1].split()[0]) >= 2, logs[-2000:]
+    assert [e["rank"] for e in events if e["event"] == "preempted"] == [2]
+    pending = [e for e in events if e["event"] == "pending" and e["rank"] == 3]
+    assert pending and "requeued" in str(pending[0]), [e for e in events if e.get("rank") == 3]
+    for rank, attempt in ((1, 1), (2, 1), (3, 0)):
+        logs = cli(state, "logs", run_id, "--rank", str(rank), "--attempt", str(attempt), "-n", "3000").stdout
+        joined = [line for line in logs.splitlines() if "joined at round" in line]
+        assert joined and int(joined[-1].split("joined at round ")[1].split()[0]) >= 2, (rank, logs[-2000:])
 
 
 @pytest.fixture
