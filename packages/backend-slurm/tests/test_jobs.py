@@ -107,3 +107,40 @@ def test_a_job_cancelled_outside_diloco_is_named_so(slurm, slurm_cluster):
     subprocess.run(["scancel", handle.metadata["job_id"]], env=slurm_cluster.env, check=True)
     (result,) = executor.collect([handle], timeout=60)
     assert result.status == "cancelled" and "cancelled outside diloco" in result.error, result
+
+
+def test_diloco_cancel_from_another_shell_stops_the_run_and_leaves_no_job(slurm_cluster, tmp_path):
+    import json
+    import sys
+
+    spec = tmp_path / "diloco.toml"
+    spec.write_text(f'entrypoint = "diloco.testing.entrypoints:sleep"\nreplicas = 2\ntimeout = 600\n[args]\n'
+                    f'seconds = 300\n[backend]\nname = "slurm"\nslurm_conf = "{slurm_cluster.conf}"\n'
+                    f'state_dir = "{tmp_path / "jobs"}"\n')
+    env = {**os.environ, "DILOCO_STATE_DIR": str(tmp_path / "state"), "DILOCO_PLUGINS": "diloco_slurm.plugin"}
+
+    def diloco(*args):
+        return subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True, env=env,
+                              timeout=120)
+
+    launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        run_id = launcher.stdout.readline().split()[1].rstrip(":")
+        live = lambda: json.loads(diloco("status", run_id, "--json").stdout or "{}").get("live") or {}  # noqa: E731
+        assert wait_for(lambda: set(live().values()) == {"running"} and len(live()) == 2, timeout=90), live()
+        handles = [r["handle"] for r in json.loads(diloco("status", run_id, "--json").stdout)["record"]["ranks"]]
+        cancelled = diloco("cancel", run_id)
+        assert cancelled.returncode == 0, cancelled.stderr
+        launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert set(live().values()) == {"cancelled"}, live()
+    ids = {h["metadata"]["job_id"] for h in handles}
+    for job_id in ids:
+        assert wait_for(lambda j=job_id: "JobState=CANCELLED" in scontrol(slurm_cluster, j))
+    assert wait_for(lambda: not any(job_processes(h["metadata"]["stem"]) for h in handles), timeout=30)
+    squeue = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster.env, capture_output=True, text=True)
+    assert not ids & set(squeue.stdout.split())
