@@ -21,8 +21,10 @@ class TestSlurmConformance(ExecutorConformance):
 
 
 class TestSlurmOverSshConformance(ExecutorConformance):
-    """The same kit with every Slurm command and file read going through ssh to a real sshd."""
+    """The same kit with every Slurm command and file read going through ssh to a real sshd (two
+    replicas where the kit launches several: the paths are the same, the suite shorter)."""
 
+    n_replicas = 2
     wait_timeout = 90.0
 
     @pytest.fixture(autouse=True)

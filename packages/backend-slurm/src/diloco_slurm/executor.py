@@ -100,6 +100,9 @@ class SlurmExecutor:
 
     def _facts(self, handle: ReplicaHandle) -> jobstate.JobFacts | None:
         md = handle.metadata
+        if not str(md.get("job_id", "")).isdigit() or not str(md.get("stem", "")).startswith("/"):
+            raise BackendError(f"rank {handle.rank}'s handle {dict(md)!r} names no Slurm job id and run directory: "
+                               f"the run record was edited or is not a slurm run's")
         view = self._slurm_view(str(md["job_id"]))
         if view is False:
             return None
