@@ -5,11 +5,14 @@ Debian's Slurm 22.05 packages (slurmctld, slurmd, slurm-client) run without syst
 `cons_tres` with `CR_Core_Memory` + `DefMemPerCPU` (without it each job takes all the memory and jobs
 run one at a time). No accounting: `sacct` is absent, as on many test clusters, so the backend's
 fallbacks (scontrol, then the run directory) are what is tested. Every daemon is stopped by its pid.
-Two clusters run side by side, each with its own `SLURM_CONF`.
+Two clusters run side by side, each with its own `SLURM_CONF`. The daemons run as the user running
+the tests (root on this project's machines; slurmd needs root to start jobs as other users, which
+these tests never do).
 """
 
 from __future__ import annotations
 
+import getpass
 import os
 import shutil
 import signal
@@ -66,8 +69,8 @@ class SlurmCluster:
 SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
-SlurmUser=root
-SlurmdUser=root
+SlurmUser={getpass.getuser()}
+SlurmdUser={getpass.getuser()}
 AuthType=auth/none
 CredType=cred/none
 StateSaveLocation={r}/state
