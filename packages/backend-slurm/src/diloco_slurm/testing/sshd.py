@@ -87,8 +87,13 @@ UsePAM no
                            f"see {self.root}/sshd.log")
 
     def stop(self) -> None:
+        """Close the shared connection the backend left open (ControlPersist), then stop sshd by its pid."""
         if self.pid is None:
             return
+        from diloco_slurm.access import control_dir
+
+        subprocess.run(["ssh", "-F", str(self.ssh_config), "-o", f"ControlPath={control_dir()}/%C", "-O", "exit",
+                        ALIAS], capture_output=True, timeout=30)
         pid, self.pid = self.pid, None
         try:
             os.kill(pid, signal.SIGTERM)
