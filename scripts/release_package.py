@@ -4,7 +4,7 @@
     python scripts/release_package.py --check-all        # every package's tag would be accepted
 
 Tags are `<folder>-v<version>` for a folder under packages/ (core-v*, replica-v*,
-backend-eks-v*, backend-modal-v*, backend-sagemaker-v*); the version must equal the one in that
+backend-eks-v*, backend-modal-v*, backend-sagemaker-v*, backend-slurm-v*); the version must equal the one in that
 package's pyproject.toml, so a tag can never publish a wheel whose version says something else.
 The release workflow (.github/workflows/release.yml) runs this before building.
 """

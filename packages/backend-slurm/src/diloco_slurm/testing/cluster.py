@@ -1,0 +1,188 @@
+"""A real one-node Slurm cluster for tests: slurmctld + slurmd on ports the OS picked, state in a temp dir.
+
+Debian's Slurm 22.05 packages (slurmctld, slurmd, slurm-client) run without systemd or munge with
+`auth/none` and `cred/none`; `proctrack/pgid` (linuxproc leaves orphans), `task/none`, and
+`cons_tres` with `CR_Core_Memory` + `DefMemPerCPU` (without it each job takes all the memory and jobs
+run one at a time). No accounting: `sacct` is absent, as on many test clusters, so the backend's
+fallbacks (scontrol, then the run directory) are what is tested. Every daemon is stopped by its pid.
+Two clusters run side by side, each with its own `SLURM_CONF`. The daemons run as the user running
+the tests (root on this project's machines; slurmd needs root to start jobs as other users, which
+these tests never do).
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DAEMONS = ("slurmctld", "slurmd")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def slurm_installed() -> bool:
+    return all(shutil.which(d) or Path(f"/usr/sbin/{d}").exists() for d in DAEMONS) and bool(shutil.which("sbatch"))
+
+
+def _daemon(name: str) -> str:
+    return shutil.which(name) or f"/usr/sbin/{name}"
+
+
+@dataclass
+class SlurmCluster:
+    """One cluster's files and daemons; `env` is what a Slurm client command needs to reach it."""
+
+    root: Path
+    name: str
+    cpus: int = 8
+    memory_mb: int = 8192
+    min_job_age: int = 300
+    pids: dict[str, int] = field(default_factory=dict)
+    up_seconds: float | None = None  # from starting slurmctld to the node answering idle
+    first_job_seconds: float | None = None  # from the first sbatch to that job running (a cold start)
+
+    @property
+    def conf(self) -> Path:
+        return self.root / "slurm.conf"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def write_conf(self) -> None:
+        r = self.root
+        for d in ("state", "spool", "log"):
+            (r / d).mkdir(parents=True, exist_ok=True)
+        host = socket.gethostname()
+        self.conf.write_text(f"""ClusterName={self.name}
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
+SlurmUser={getpass.getuser()}
+SlurmdUser={getpass.getuser()}
+AuthType=auth/none
+CredType=cred/none
+StateSaveLocation={r}/state
+SlurmdSpoolDir={r}/spool/%n
+SlurmctldPidFile={r}/slurmctld.pid
+SlurmdPidFile={r}/slurmd.pid
+SlurmctldLogFile={r}/log/slurmctld.log
+SlurmdLogFile={r}/log/slurmd.log
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+DefMemPerCPU=256
+MpiDefault=none
+ReturnToService=2
+SlurmdParameters=config_overrides
+SchedulerType=sched/backfill
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+JobAcctGatherType=jobacct_gather/none
+MinJobAge={self.min_job_age}
+KillWait=5
+InactiveLimit=0
+SlurmctldTimeout=30
+SlurmdTimeout=30
+NodeName={host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+""")
+
+    def start(self, timeout: float = 60.0) -> None:
+        self.write_conf()
+        began = time.monotonic()
+        env = self.env
+        log = open(self.root / "log" / "daemons.out", "ab")  # noqa: SIM115 - kept open by the daemons
+        for name, args in (("slurmctld", ["-D", "-i"]), ("slurmd", ["-D"])):
+            proc = subprocess.Popen([_daemon(name), *args], env=env, stdout=log, stderr=log,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            self.pids[name] = proc.pid
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            out = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True)
+            if out.returncode == 0 and out.stdout.strip() in ("idle", "mix", "alloc"):
+                self.up_seconds = time.monotonic() - began
+                self.first_job_seconds = self._first_job(deadline)
+                return
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"Slurm cluster {self.name} did not come up in {timeout}s; see {self.root}/log")
+
+    def _first_job(self, deadline: float) -> float:
+        """Run a job that does nothing and time it until it leaves PENDING: the cluster's cold start."""
+        began = time.monotonic()
+        job = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "--wrap=true"], env=self.env, check=True,
+                             capture_output=True, text=True).stdout.strip()
+        while time.monotonic() < deadline:
+            state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], env=self.env, capture_output=True,
+                                   text=True).stdout.strip()
+            if state != "PENDING":
+                return time.monotonic() - began
+            time.sleep(0.05)
+        raise RuntimeError(f"Slurm cluster {self.name}: its first job never started; see {self.root}/log")
+
+    def stop(self) -> None:
+        """SIGTERM each daemon by pid (slurmd first), SIGKILL what outlives a grace period."""
+        for name in reversed(DAEMONS):
+            pid = self.pids.pop(name, None)
+            if pid is None:
+                continue
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0]:
+                        break
+                except ChildProcessError:
+                    break
+                time.sleep(0.05)
+            else:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+
+    def __enter__(self) -> SlurmCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def release(self, job_id: str) -> None:
+        """End the ~120 s BeginTime hold Slurm puts on a requeued job."""
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=self.env, check=True,
+                       capture_output=True)
+
+
+def job_processes(stem: str) -> list[int]:
+    """A replica job's processes on this one-node cluster: the replica (its environment names the
+    attempt's result file) and the batch shell that started it, so a test can SIGKILL the job whole."""
+    found: set[int] = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"DILOCO_RESULT_PATH={stem}.result.json".encode() not in f.read():
+                    continue
+            found.add(int(entry))
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{parent}/cmdline", "rb") as f:
+                if b"slurm_script" in f.read():
+                    found.add(parent)
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(found)

@@ -1,0 +1,173 @@
+"""The tiny-LM main job on a real Slurm cluster (slurmctld + slurmd started here, Debian's 22.05): four
+replicas as four batch jobs meeting in a file:// store on the cluster's (here: this machine's)
+filesystem. Mid-run, one job is SIGKILLed (relaunched alone as a new job, one restart spent), one
+gets the preemption signal (exits 75, relaunched without spending the budget) and one is requeued
+by Slurm (pending, then runs again under its job id: nothing relaunched, nothing spent); each
+rejoins from the store and every replica ends holding the same global model. Then one run over
+two Slurm clusters, one reached through a real sshd, and a local group, on one moto S3 store."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, events_of, on_s3, one_global_model, record_of, tiny_spec, wait_for_round
+
+pytest.importorskip("diloco_slurm")
+from diloco_slurm.testing import SlurmCluster, job_processes, slurm_installed  # noqa: E402
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    if not slurm_installed():
+        pytest.fail("Slurm is not installed: apt-get install slurmctld slurmd slurm-client (.ci/run does it)")
+    with SlurmCluster(tmp_path / "slurm", "alpha") as c:
+        print(f"Slurm cluster up in {c.up_seconds:.2f}s, first job running after {c.first_job_seconds:.2f}s more")
+        yield c
+
+
+def slurm_spec(tmp_path, cluster, **kw):
+    spec = tiny_spec(tmp_path, **kw)
+    text = spec.read_text().replace('backend = "local"\n', "")
+    text += f'\n[backend]\nname = "slurm"\nslurm_conf = "{cluster.conf}"\nstate_dir = "{tmp_path / "jobs"}"\n'
+    spec.write_text(text)
+    return spec
+
+
+def cli(state, *args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "DILOCO_STATE_DIR": str(state)})
+
+
+def disturb_three_ranks(state, run_id, cluster, launcher) -> list[dict]:
+    """After round 2: SIGKILL rank 1's job, send rank 2's the preemption signal, requeue rank 3's;
+    the four jobs' handles as they were."""
+    try:
+        wait_for_round(state, run_id, 2, timeout=240)
+    except AssertionError:
+        launcher.send_signal(signal.SIGINT)
+        raise AssertionError(launcher.communicate(timeout=120)[0][-4000:]) from None
+    jobs = [r["handle"]["metadata"] for r in record_of(state, run_id)["ranks"]]
+    pids = job_processes(jobs[1]["stem"])  # rank 1: the replica and its batch shell, the job SIGKILLed
+    assert pids
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    slurm = {"env": cluster.env, "check": True, "capture_output": True, "text": True}
+    subprocess.run(["scancel", "--batch", "--signal=USR1", jobs[2]["job_id"]], **slurm)  # rank 2: preempted
+    subprocess.run(["scontrol", "requeue", jobs[3]["job_id"]], **slurm)  # rank 3: requeued by Slurm
+    deadline = time.monotonic() + 60  # held until the launcher has seen it pending (a requeue is no failure)
+    while not any(e["event"] == "pending" and e.get("rank") == 3 for e in events_of(state, run_id)):
+        assert time.monotonic() < deadline and launcher.poll() is None, events_of(state, run_id)[-5:]
+        time.sleep(0.1)
+    cluster.release(jobs[3]["job_id"])  # end the ~120 s hold a requeue puts on a job
+    return jobs
+
+
+def test_tiny_lm_on_four_slurm_jobs_survives_a_kill_a_preemption_and_a_requeue_bit_identical(tmp_path, cluster):
+    state = tmp_path / "state"
+    spec = slurm_spec(tmp_path, cluster, steps=140, sync_every=20, restart="backoff = 0.2\nmax_restarts_per_rank = 3")
+    launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env={**os.environ, "DILOCO_STATE_DIR": str(state)})
+    try:
+        run_id = launcher.stdout.readline().split()[1].rstrip(":")
+        jobs = disturb_three_ranks(state, run_id, cluster, launcher)
+        out, _ = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:  # a failed check must not leave the launcher behind
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, out[-4000:]
+
+    record = record_of(state, run_id)
+    one_global_model(record)  # bit-identical θ on every replica
+    ranks = record["ranks"]
+    assert [r["restarts"] for r in ranks] == [0, 1, 0, 0] and [r["preemptions"] for r in ranks] == [0, 0, 1, 0]
+    assert [h["metadata"]["job_name"] for h in ranks[1]["attempts"]] == [f"diloco-{run_id}-r1-a0",
+                                                                         f"diloco-{run_id}-r1-a1"]
+    assert [h["metadata"]["job_id"] for h in ranks[3]["attempts"]] == [jobs[3]["job_id"]]  # requeued, not relaunched
+    events = events_of(state, run_id)
+    failed = [e for e in events if e["event"] == "failed"]
+    assert [e["rank"] for e in failed] == [1] and "killed by SIGKILL" in str(failed[0]), failed
+    assert [e["rank"] for e in events if e["event"] == "preempted"] == [2]
+    pending = [e for e in events if e["event"] == "pending" and e["rank"] == 3]
+    assert pending and "requeued" in str(pending[0]), [e for e in events if e.get("rank") == 3]
+    for rank, attempt in ((1, 1), (2, 1), (3, 0)):
+        logs = cli(state, "logs", run_id, "--rank", str(rank), "--attempt", str(attempt), "-n", "3000").stdout
+        joined = [line for line in logs.splitlines() if "joined at round" in line]
+        assert joined and int(joined[-1].split("joined at round ")[1].split()[0]) >= 2, (rank, logs[-2000:])
+
+
+@pytest.fixture
+def two_clusters(tmp_path, cluster):
+    """A second cluster beside `cluster` (its own ports and SLURM_CONF), reached through a real sshd."""
+    from diloco_slurm.testing import LoopbackSshd, sshd_installed
+
+    if not sshd_installed():
+        pytest.fail("OpenSSH is not installed: apt-get install openssh-server (.ci/run does it)")
+    with SlurmCluster(tmp_path / "slurm-beta", "beta") as beta, LoopbackSshd(tmp_path / "sshd") as sshd:
+        yield cluster, beta, sshd
+
+
+def test_one_run_over_two_slurm_clusters_one_through_ssh_and_a_local_group_on_one_s3_store(tmp_path, s3,
+                                                                                          two_clusters):
+    import shlex
+
+    from diloco_slurm.testing import ALIAS
+
+    alpha, beta, sshd = two_clusters
+    state = tmp_path / "state"
+    spec = on_s3(tiny_spec(tmp_path, steps=60, sync_every=20), s3)
+    text = spec.read_text().replace('backend = "local"\n', "").replace("replicas = 4\n", "")
+    setup = [f"export PYTHONPATH={shlex.quote(os.environ['PYTHONPATH'])}"] if os.environ.get("PYTHONPATH") else []
+    head, sep, rest = text.partition("\n[")
+    text = head + sep + rest + f"""
+[[group]]
+name = "here"
+replicas = 1
+[group.backend]
+name = "local"
+
+[[group]]
+name = "alpha"
+replicas = 2
+[group.backend]
+name = "slurm"
+slurm_conf = "{alpha.conf}"
+state_dir = "{tmp_path / 'alpha-jobs'}"
+
+[[group]]
+name = "beta"
+replicas = 1
+[group.backend]
+name = "slurm"
+host = "{ALIAS}"
+ssh_config = "{sshd.ssh_config}"
+slurm_conf = "{beta.conf}"
+state_dir = "{tmp_path / 'beta-jobs'}"
+python = "{sys.executable}"
+workdir = "{ROOT / 'examples' / 'tiny-lm'}"
+setup = {json.dumps(setup)}
+"""
+    spec.write_text(text)
+    dry = cli(state, "dryrun", str(spec))
+    assert dry.returncode == 0, dry.stderr
+    assert "# group alpha: 2 × slurm, ranks 1-2" in dry.stdout and "# group beta: 1 × slurm, rank 3" in dry.stdout
+    assert "BatchMode=yes" in dry.stdout and s3["env"]["AWS_SECRET_ACCESS_KEY"] not in dry.stdout
+
+    proc = cli(state, "run", str(spec), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_id = proc.stdout.split()[1].rstrip(":")
+    record = record_of(state, run_id)
+    one_global_model(record)
+    assert [r["group"] for r in record["ranks"]] == ["here", "alpha", "alpha", "beta"]
+    assert record["ranks"][3]["handle"]["metadata"]["cluster"] == f"{ALIAS} (over ssh)"
+    keys = [o["Key"] for o in s3["client"].list_objects_v2(Bucket=s3["bucket"], Prefix=f"runs/{run_id}/")["Contents"]]
+    assert any("/reduced/" in k for k in keys)  # they met in S3
+    logs = cli(state, "logs", run_id, "--rank", "3").stdout
+    assert "round 3: loss" in logs, logs[-2000:]
