@@ -1,9 +1,9 @@
 """A round streamed shard by shard gives the very bits of the whole-vector round.
 
-`DiLoCo` now reads Δ from the model a shard at a time and applies each shard's outer step as
-its mean arrives (`diloco_replica.streaming`); the replicas' agreement rests on every replica
-computing the same floats, so the streamed path must equal the whole-vector one bit for bit,
-and must never materialise Δ or the mean whole (that was the memory it saves).
+The all-reduce reads Δ from a `DeltaSource` a shard at a time and hands each shard's mean to a
+sink as it arrives (`diloco_replica.streaming`; the exchanger applies the outer step there); the
+replicas' agreement rests on every replica computing the same floats, so the streamed path must
+equal the whole-vector one bit for bit, and must never materialise Δ or the mean whole.
 """
 
 from __future__ import annotations
@@ -17,7 +17,18 @@ from diloco.store import open_store
 from diloco_replica.allreduce import StoreAllReduce
 from diloco_replica.outer import outer_step
 from diloco_replica.storeaccess import shard_bounds
-from diloco_replica.streaming import LiveDelta
+
+
+class LiveDelta:
+    """Δ = θ − θ_local computed per slice (`read_local(a, b)` returns a new tensor); nothing kept."""
+
+    def __init__(self, theta: torch.Tensor, read_local):
+        self.theta, self.read_local = theta, read_local
+        self.numel = theta.numel()
+
+    def shard(self, a: int, b: int) -> torch.Tensor:
+        out = self.read_local(a, b)
+        return torch.sub(self.theta[a:b], out, out=out)
 
 
 def rounds(n: int, deltas: list[torch.Tensor], *, streamed: bool, codec: str = "fp32"):

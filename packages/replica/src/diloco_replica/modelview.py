@@ -9,14 +9,11 @@
 - Sharded parameters (FSDP2's `fully_shard`, DTensor): each process syncs exactly the shards it
   holds (`to_local()`), and writes them back; no traffic inside the replica at all.
 
-θ_global, the momentum and the transfer buffer stay off the accelerator (pinned host memory
-when the parameters are on CUDA, so copies to and from the device are DMA). Reads and writes
-go through `torch.no_grad` copies, so any device and dtype works and the fp32 outer step is
-the same bit-exact host computation on every replica.
-
-`read_part` / `write_part` move fragment p of K (`fragments`): the p-th of K contiguous slices
-of each lane, so a round that updates one fragment touches 1/K of the model and leaves the
-local progress of the others alone.
+A round reads its fragment with `gather_part` (one flat fp32 vector on the model's device, a
+device copy) and puts θ_global back with `write_part`, both through `torch.no_grad` copies, so
+any device and dtype works; θ_global and the outer momentum stay on the host (`transfers`).
+Fragment p of K (`fragments`) is the p-th of K contiguous slices of each lane, so a round that
+updates one fragment touches 1/K of the model and leaves the local progress of the others alone.
 """
 
 from __future__ import annotations
@@ -31,14 +28,8 @@ from .storeaccess import shard_bounds
 CHUNK = 1 << 22  # elements per broadcast piece (16 MB in fp32)
 
 
-def host_empty(numel: int, like: torch.Tensor | None = None) -> torch.Tensor:
-    """An fp32 host buffer, pinned when the model lives on CUDA."""
-    pin = like is not None and like.device.type == "cuda"
-    return torch.empty(numel, dtype=torch.float32, pin_memory=pin)
-
-
 class ModelView:
-    """The lane's parameters as a flat range: `read` into a host vector, `write` back."""
+    """The lane's parameters as a flat range: `gather_part` into a device vector, `write` back."""
 
     def __init__(self, params: list[torch.Tensor], start: int, stop: int):
         self.params = params
@@ -49,21 +40,6 @@ class ModelView:
     def tensors(self) -> list[torch.Tensor]:
         """The storage this process reads and writes: the parameters themselves."""
         return self.params
-
-    def read(self) -> torch.Tensor:
-        """This lane's parameters as a new fp32 host vector."""
-        return self.read_part(0, 1)
-
-    def read_part(self, part: int, parts: int) -> torch.Tensor:
-        """Fragment `part` of `parts` of this lane, as a new fp32 host vector."""
-        a, b = shard_bounds(self.numel, parts)[part]
-        return self._read(self.start + a, self.start + b)
-
-    def read_range(self, part: int, parts: int, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of fragment `part` of `parts` of this lane, as a new fp32 host vector
-        (a round reads the model a shard at a time: `streaming.LiveDelta`)."""
-        a, _ = shard_bounds(self.numel, parts)[part]
-        return self._read(self.start + a + lo, self.start + a + hi)
 
     @property
     def device(self) -> torch.device:
@@ -76,12 +52,6 @@ class ModelView:
         pieces = [t.detach().reshape(-1)[x:y].to(torch.float32)
                   for t, x, y, _ in self._pieces(self.start + a, self.start + b)]
         return torch.cat(pieces) if pieces else torch.empty(0, device=self.device)
-
-    def _read(self, start: int, stop: int) -> torch.Tensor:
-        out = host_empty(stop - start, self.tensors[0] if self.tensors else None)
-        for t, x, y, off in self._pieces(start, stop):
-            out[off - start: off - start + (y - x)].copy_(t.detach().reshape(-1)[x:y])
-        return out
 
     def write(self, theta: torch.Tensor) -> None:
         """Put this lane's θ into the model (and, where replicated, every other lane's too)."""

@@ -2,20 +2,18 @@
 
 A round used to hold its pseudo-gradient Δ and the mean as one model-sized buffer on top of
 θ_global and the momentum, and to download every contribution to a shard before averaging:
-4.6× the fp32 model of host memory at 100 MB. Streamed, it holds θ_global, the momentum and a
-few shards:
+4.6× the fp32 model of host memory at 100 MB. Streamed, it holds θ_global, the momentum, the
+round's snapshot (the local parameters, then Δ, written over in place) and a few shards:
 
-- **Δ, shard by shard** (`LiveDelta`): Δ_j = θ_global[j] − θ_local[j] is computed from the
-  model's parameters when shard j is encoded and uploaded, or contributed to its own mean, and
-  freed after. θ_global[j] changes only once shard j's mean is known, and the training loop is
-  blocked for a synchronous round, so every Δ_j computed in a round is the same.
+- **Δ, a shard at a time** (`DeltaSource`): the all-reduce asks for Δ[a:b] when shard j is
+  encoded and uploaded, or contributed to its own mean; a source may compute each slice on
+  demand and free it after (`WholeDelta` holds it whole: the round's snapshot, overwritten with
+  Δ by `exchanger`).
 - **Each mean where it goes** (`RoundSink`): the reducers' means reach the caller one shard at a
-  time, as they arrive; `DiLoCo` applies the outer step to that slice of θ_global and the
+  time, as they arrive; the exchanger applies the outer step to that slice of θ_global and the
   momentum in place, so no mean buffer exists.
 - **A window** (`Window`): at most `window` shards are being encoded, uploaded, downloaded or
   folded at once.
-
-`WholeDelta` keeps the whole-vector form (overlap's snapshot, tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -50,19 +48,6 @@ class WholeDelta:
 
     def shard(self, a: int, b: int) -> torch.Tensor:
         return self.delta[a:b]
-
-
-class LiveDelta:
-    """Δ = θ_global − θ_local computed per slice from the model (`read_local(a, b)` returns a new
-    host tensor of the local parameters [a, b) of the round's fragment); nothing kept."""
-
-    def __init__(self, theta: torch.Tensor, read_local: Callable[[int, int], torch.Tensor]):
-        self.theta, self.read_local = theta, read_local
-        self.numel = theta.numel()
-
-    def shard(self, a: int, b: int) -> torch.Tensor:
-        out = self.read_local(a, b)
-        return torch.sub(self.theta[a:b], out, out=out)
 
 
 def buffer_sink(out: torch.Tensor) -> RoundSink:
