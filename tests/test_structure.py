@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted(ROOT.glob("packages/*/src"))
 MAX_LINES = 400
 # Owned by issue 32 ("The sync, hidden on the GPU"), which splits them; they may only shrink.
-OVERSIZED = {"diloco_replica/allreduce.py": 464, "diloco_replica/diloco.py": 417}
+OVERSIZED = {"diloco_replica/diloco.py": 417}
 
 
 def modules() -> dict[str, Path]:
