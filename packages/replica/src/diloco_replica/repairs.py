@@ -34,8 +34,8 @@ from .finite import all_finite
 from .membership import Membership
 from .rounderrors import RoundFailed
 from .roundio import RoundIO
-from .storeaccess import reducer_of
 from .roundstate import Round
+from .storeaccess import reducer_of
 from .wire import CorruptObject, Unpacked
 
 # While a reducer waits, it looks for repair requests at most this often (and at the store's
