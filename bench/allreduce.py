@@ -36,11 +36,11 @@ FINITE = os.environ.get("BENCH_FINITE") == "1"
 
 def finite_checks(on: bool) -> None:
     """Switch the replica's finiteness checks on or off (off: every vector counts as finite)."""
-    from diloco_replica import allreduce, finite, repairs
+    from diloco_replica import finite, reduce, repairs
 
     real = finite.__dict__.setdefault("_real_all_finite", finite.all_finite)
     check = real if on else (lambda x: True)
-    for module in (finite, allreduce, repairs):
+    for module in (finite, reduce, repairs):
         module.all_finite = check
 
 

@@ -54,7 +54,7 @@ LATENCY_S = float(knob("BENCH_LATENCY_S", "0.02", "0.02"))
 BANDWIDTH = float(knob("BENCH_BANDWIDTH", "100e6", "100e6"))  # bytes/s of one connection
 PUT_RATE, GET_RATE = 3500, 5500
 IDLE_S = 0.004  # real seconds of idleness before the clock moves on
-REPLICA_MODULES = ("allreduce", "membership", "storeaccess", "repairs", "roundio")
+REPLICA_MODULES = ("allreduce", "gather", "membership", "storeaccess", "repairs", "roundio", "roundstate")
 
 
 class VirtualClock:
@@ -227,13 +227,15 @@ class SimulatedS3:
 
 def one(n: int) -> dict[str, Any]:
     import importlib
+    import importlib.util
 
     threading.stack_size(512 * 1024)  # up to 64 pool threads per replica, 256 replicas, one process
 
     import torch
 
     clock = VirtualClock()
-    patched = [importlib.import_module(f"diloco_replica.{m}") for m in REPLICA_MODULES]
+    patched = [importlib.import_module(f"diloco_replica.{m}") for m in REPLICA_MODULES
+               if importlib.util.find_spec(f"diloco_replica.{m}")]  # a BENCH_COMPARE revision may lack some
     for module in patched:
         module.time = clock
     repairs = importlib.import_module("diloco_replica.repairs")

@@ -19,6 +19,8 @@ from diloco.metrics import read_rounds
 from diloco.store import open_store
 from diloco_replica.allreduce import StoreAllReduce
 from diloco_replica.rounderrors import FellBehind
+from diloco_replica.roundstate import Round
+from diloco_replica.streaming import WholeDelta
 from diloco_replica.outer import outer_step
 from diloco_replica.wire import CorruptObject, Identity, encode_tensor, joined, pack, unpack
 
@@ -148,7 +150,8 @@ def test_a_takeover_after_the_reducer_published_and_cleaned_up_uses_the_publishe
     for m in range(n):  # the reducer's cleanup has run: inputs gone
         store.delete(f"{run}/r00000001/scatter/0/{m}")
     late = StoreAllReduce(store, run, 1, n, round_timeout=0.5, poll_interval=0.005)
-    got = late._reduce_shard(1, 0, (0, 5), [0, 1], lambda j: deltas[1][0:5], takeover=True, incidents=[])
+    rnd = Round(1, 10, n, 1, source=WholeDelta(deltas[1]), members=[0, 1])
+    got = late._reduce_shard(rnd, 0, takeover=True)
     late.close()
     assert torch.equal(got, results[0].mean[:5])
 
@@ -171,10 +174,10 @@ def test_only_one_replica_takes_over_a_slow_reducers_shard():
     store.get = counting_get
 
     class Slow(StoreAllReduce):
-        def _reduce_shard(self, r, j, *a, **kw):
-            if self.rank == 0 and not kw.get("takeover"):
+        def _reduce_shard(self, rnd, j, *, takeover):
+            if self.rank == 0 and not takeover:
                 time.sleep(2.5 * timeout)
-            return super()._reduce_shard(r, j, *a, **kw)
+            return super()._reduce_shard(rnd, j, takeover=takeover)
 
     def go(i):
         ar = Slow(store, run, i, n, round_timeout=timeout, poll_interval=0.005, poll_max=0.02)
@@ -298,19 +301,19 @@ def test_a_reducer_that_moved_on_still_repairs_the_shard_a_slow_reader_found_cor
     errors: list[BaseException] = []
 
     class Scenario(StoreAllReduce):
-        def _reduce_shard(self, r, j, *a, **kw):
-            mean = super()._reduce_shard(r, j, *a, **kw)
-            if r == 1 and self.rank == 1:  # damaged at rest after it was published
-                key = self.io.keys.reduced(r, self.io.sid(j))
+        def _reduce_shard(self, rnd, j, *, takeover):
+            mean = super()._reduce_shard(rnd, j, takeover=takeover)
+            if rnd.r == 1 and self.rank == 1:  # damaged at rest after it was published
+                key = self.io.keys.reduced(rnd.r, self.io.sid(j))
                 blob = bytearray(store.get(key))
                 blob[-1] ^= 0xFF
                 store.put(key, bytes(blob))
             return mean
 
-        def _gather(self, r, *a, **kw):
-            if r == 1 and self.rank == 0:
+        def _gather(self, rnd, sink, have):
+            if rnd.r == 1 and self.rank == 0:
                 time.sleep(1.0)  # the reader is slow: rank 1 is already in round 2 when it looks
-            return super()._gather(r, *a, **kw)
+            return super()._gather(rnd, sink, have)
 
     def go(i):
         ar = Scenario(store, run, i, n, round_timeout=timeout, poll_interval=0.005, poll_max=0.05)

@@ -66,7 +66,7 @@ def test_equal_step_counts_give_the_plain_mean():
 class StatesAnImpossibleStepCount(StoreAllReduce):
     """A replica whose contributions claim 10⁹ inner steps (a bug, or an attacker with store access)."""
 
-    def _scatter_meta(self):
+    def _scatter_meta(self, rnd):
         return {"steps": 10**9}
 
 

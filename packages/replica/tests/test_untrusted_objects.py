@@ -23,6 +23,8 @@ from diloco.store import open_store
 from diloco_replica.allreduce import StoreAllReduce
 from diloco_replica.codecs import sparsify
 from diloco_replica.globalstate import GlobalState
+from diloco_replica.roundstate import Round
+from diloco_replica.streaming import WholeDelta
 from diloco_replica.wire import Identity, encode_tensor, joined, pack, unpack
 
 from test_wire_and_faults import run_round
@@ -158,12 +160,11 @@ def test_a_takeover_meeting_a_wrong_length_contribution_leaves_it_out():
     plant(store, run, 1, 0, 1, torch.full((51,), 7.0))  # rank 1's part of shard 0: one element too many
     plant(store, run, 1, 0, 2, good)
     ar = StoreAllReduce(store, run, 2, 3, round_timeout=0.5, poll_interval=0.005)
-    incidents: list = []
-    got = ar._reduce_shard(1, 0, (0, 50), [0, 1, 2], lambda j: torch.zeros(50), takeover=True,
-                           incidents=incidents)
+    rnd = Round(1, 150, 3, 2, source=WholeDelta(torch.zeros(150)), members=[0, 1, 2])
+    got = ar._reduce_shard(rnd, 0, takeover=True)
     ar.close()
     assert torch.equal(got, torch.zeros(50))  # rank 2's own zeros; rank 0 is gone, rank 1's object is out
-    assert [i["writer"] for i in incidents] == [1] and "layout" in incidents[0]["problem"]
+    assert [i["writer"] for i in rnd.incidents] == [1] and "layout" in rnd.incidents[0]["problem"]
 
 
 def repacked(blob: bytes, *, extra: int = 0, nan: bool = False) -> bytes:
@@ -191,10 +192,10 @@ def test_a_bad_reduced_shard_is_repaired_not_a_crash(damage, problem):
     deltas = [torch.randn(2000, generator=torch.Generator().manual_seed(i)) for i in range(n)]
 
     class Scenario(StoreAllReduce):
-        def _reduce_shard(self, r, j, *a, **kw):
-            mean = super()._reduce_shard(r, j, *a, **kw)
+        def _reduce_shard(self, rnd, j, *, takeover):
+            mean = super()._reduce_shard(rnd, j, takeover=takeover)
             if self.rank == 1:  # a reducer bug: what it published is not what it holds
-                key = self.io.keys.reduced(r, self.io.sid(j))
+                key = self.io.keys.reduced(rnd.r, self.io.sid(j))
                 store.put(key, repacked(bytes(store.get(key)), extra=int(damage == "wrong length"),
                                         nan=damage == "non-finite"))
             return mean

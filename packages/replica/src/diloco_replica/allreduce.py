@@ -6,21 +6,17 @@ Round r, replica i with pseudo-gradient Δ_i split into N contiguous shards, sha
 1. scatter: upload shard j of Δ_i to ``r/scatter/j/i`` for every j ≠ i, then a tiny
    ``r/ready/i`` marker (so "ready" implies all its shards are in the store);
 2. membership (`membership.Membership`): one create-only ``members.json`` fixes who is in;
-3. reduce: the reducer of shard j (j itself if it is a member, else the member at position
-   j mod |members|) averages the members' contributions in rank order in fp32, encodes the mean
-   with the transport codec and create-only puts ``r/reduced/j``. A contribution that fails its
-   checksum twice, does not fit the round's layout (`wire.check_layout`) or holds NaN/Inf
-   (`finite`) is left out of that shard's mean, and the reduced object says so — who was left
-   out for non-finite values too, so every replica learns it and that sender resets itself. A
-   mean that would not be finite is never published (`finite.NonFinite` stops the run);
-4. gather: download the other N−1 reduced shards. One that does not appear within the timeout
-   (its reducer died) is taken over by exactly one waiting replica — whoever wins the
-   create-only ``r/claim/j.<g>`` — while the rest keep waiting for its result; a claimant that
-   dies too is replaced by generation g+1.
+3. reduce (`reduce.ShardReducer`): the reducer of shard j (j itself if it is a member, else the
+   member at position j mod |members|) averages the members' contributions in rank order in
+   fp32, encodes the mean with the transport codec and create-only puts ``r/reduced/j``; a
+   contribution it cannot use is left out, and the reduced object says so;
+4. gather (`gather.Gatherer`): download the other N−1 reduced shards. One that does not appear
+   within the timeout (its reducer died) is taken over by exactly one waiting replica.
 
 Every replica decodes the same reduced bytes (the reducer too), so the mean is bit-identical
 everywhere. A reduced shard that is corrupt in the store is re-published by its reducer
-(`repairs.RepairDesk`). Every step reaches the store through one `roundio.RoundIO`.
+(`repairs.RepairDesk`). Every step reaches the store through one `roundio.RoundIO`, and every
+step of a round reads and adds to one `roundstate.Round`; this module runs the steps in order.
 
 Per replica and round, with its shard reduced by itself: up S (N−1 shards out, one reduced
 shard), down 2(N−1)/N·S — the ring all-reduce bound; O(N) requests.
@@ -35,7 +31,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,36 +38,23 @@ import torch
 from diloco.settings import DilocoSettings
 from diloco.store import Store
 
+from .checkpoints import Checkpoints
 from .codecs import sparsify
 from .faults import Faults
-from .finite import NONFINITE, Contribution, NonFinite, accumulate, all_finite
-from .checkpoints import Checkpoints
+from .gather import Gatherer
 from .lanes import Lanes
-from .membership import Membership
-from .rounderrors import FellBehind, RoundFailed
 from .laps import Laps
+from .membership import Membership
+from .reduce import ShardReducer
 from .repairs import RepairDesk
+from .rounderrors import FellBehind, RoundFailed
 from .roundio import RoundIO
-from .storeaccess import CountingStore, LaneShards, RunKeys, Traffic, reducer_of, shard_bounds
-from .streaming import (DeltaSource, Prefetch, Published, ReadOnceThenRefetch, RoundSink, WholeDelta,
-                        Window, buffer_sink, pool_width, window_for)
+from .roundstate import Round, RoundResult
+from .storeaccess import CountingStore, LaneShards, RunKeys, reducer_of
+from .streaming import DeltaSource, RoundSink, WholeDelta, Window, buffer_sink, pool_width, window_for
 from .wire import Identity, decode_tensor, encode_tensor, pack
 
 __all__ = ["FellBehind", "RoundFailed", "RoundResult", "StoreAllReduce"]
-
-
-@dataclass
-class RoundResult:
-    round: int
-    members: list[int]
-    mean: torch.Tensor | None       # None when the round's means went to a sink, shard by shard
-    member: bool                    # whether this replica's update is in the mean
-    traffic: Traffic
-    seconds: float
-    takeovers: list[int] = field(default_factory=list)
-    incidents: list[dict[str, Any]] = field(default_factory=list)
-    phases: dict[str, float] = field(default_factory=dict)  # upload / wait / reduce / download seconds
-    nonfinite: list[int] = field(default_factory=list)  # ranks some shard's mean left out for NaN/Inf values
 
 
 class StoreAllReduce:
@@ -97,13 +79,14 @@ class StoreAllReduce:
         self.rank, self.n, self.lanes = rank, world_size, lanes
         self.codec, self.topk_density = codec, topk_density
         # Time-based rounds (`round_seconds`): each contribution states its inner steps (1..step_cap)
-        # and a shard's mean is FedNova's: mean_i(Δ_i / τ_i) · mean_i(τ_i) over the members in it.
+        # and a shard's mean is FedNova's (`reduce`).
         self.step_cap = step_cap
-        self._own_steps: int | None = None  # this replica's τ in the round it is in
         self.window = window_for(world_size, self.io.pool._max_workers)  # shards in flight (`streaming`)
         self.checkpoints = Checkpoints(self.io)
         self.membership = Membership(self.io, self.checkpoints, min_members=min_members)
         self.repairs = RepairDesk(self.io, self.membership)
+        self.reducer = ShardReducer(self.io, self.membership, self.repairs, window=self.window, step_cap=step_cap)
+        self.gatherer = Gatherer(self.io, self.membership, self.repairs, window=self.window)
         self._cleanup_due: tuple[int, list[int], list[int]] | None = None
         self._finished: tuple[int, float] | None = None  # (round, when) this replica last completed one
 
@@ -131,75 +114,62 @@ class StoreAllReduce:
         """
         if self.step_cap is not None and not (isinstance(steps, int) and 1 <= steps <= self.step_cap):
             raise ValueError(f"time-based rounds need the inner steps behind Δ (1..{self.step_cap}), not {steps!r}")
-        self._own_steps = steps if self.step_cap is not None else None
         io = self.io
-        t0, before = time.monotonic(), io.store.traffic.snapshot()
-        laps = Laps()
+        started, before, laps = time.monotonic(), io.store.traffic.snapshot(), Laps()  # Δ's copy to the host counts
         source = delta if hasattr(delta, "shard") else WholeDelta(delta.detach().to("cpu", torch.float32).reshape(-1))
-        bounds = shard_bounds(source.numel, self.n)
+        rnd = Round(r, source.numel, self.n, self.rank, source=source,
+                    steps=steps if self.step_cap is not None else None, laps=laps, traffic_before=before,
+                    started=started)
         mean = None
         if sink is None:
             mean = source.delta if in_place and isinstance(source, WholeDelta) else torch.empty(source.numel)
             sink = buffer_sink(mean)
         members = self.lanes.on_leader(lambda: self._decided_or_open(r))
-        sent: dict[int, list[memoryview]] = {}  # topk: each shard as encoded (what everyone decodes)
         if members is None:
             self.phase("upload", r)
             if self.codec == "topk":
-                sent = self._sparsify(source, bounds, residual)
+                rnd.sent = self._sparsify(rnd, residual)
             gate = Window(self.window)
 
             def put(j: int) -> None:
                 with gate:  # at most `window` shards of Δ exist at once
-                    a, b = bounds[j]
-                    self._put_scatter(r, j, None if j in sent else source.shard(a, b), sent.get(j), b - a)
+                    self._put_scatter(rnd, j)
 
             def upload() -> None:
                 for f in [io.pool.submit(put, j) for j in range(self.n) if j != self.rank]:
                     f.result()
 
             self.lanes.agree(upload)  # "ready" means every lane's shards are in the store
-            laps.lap("upload")
+            rnd.laps.lap("upload")
             self.phase("membership", r)
             with self.repairs.waiting():  # every lane: a reader stuck on last round's shard holds this up
                 members = self.lanes.on_leader(lambda: self._ready_and_decide(r))
-        laps.lap("wait")
+        rnd.laps.lap("wait")
+        rnd.members = members
         # The previous round's reduced shards stay servable until this round is formed: a reader
         # that found one corrupt is still finishing that round, and this round waits for it.
         self.repairs.next_round()
-        member = self.rank in members
-        if not member:
+        if not rnd.member:
             io.log(f"round {r}: not a member (members {members}); this replica's update is left out")
-
-        def own(j: int) -> torch.Tensor:
-            """This replica's contribution to shard j, as the others would decode it."""
-            a, b = bounds[j]
-            return decode_tensor(b"".join(sent[j]), "topk", b - a) if j in sent else source.shard(a, b)
-
-        incidents: list[dict[str, Any]] = []
-        nonfinite: set[int] = set()
-        mine = [j for j in range(self.n) if reducer_of(j, members) == self.rank] if member else []
+        mine = [j for j in range(self.n) if reducer_of(j, members) == self.rank] if rnd.member else []
         if mine:
             self.phase("reduce", r)
         for j in mine:
-            a, b = bounds[j]
-            sink(j, a, b, self._reduce_shard(r, j, bounds[j], members, own, takeover=False, incidents=incidents,
-                                             nonfinite=nonfinite))
-        laps.lap("reduce")
+            a, b = rnd.bounds[j]
+            sink(j, a, b, self._reduce_shard(rnd, j, takeover=False))
+        rnd.laps.lap("reduce")
         self.phase("gather", r)
         if mine:
             self.repairs.watch()  # a reader may find a shard published here corrupt while this replica gathers
         with self.repairs.waiting():
-            takeovers = self._gather(r, bounds, members, sink, set(mine), own if member else None, incidents,
-                                     nonfinite=nonfinite)
+            self._gather(rnd, sink, set(mine))
         self._run_cleanup()
         if mine:
             self._cleanup_due = (r, mine, members)  # inputs stay one round, for takeovers and repairs
             self.repairs.look_soon()
-        laps.lap("download")
+        rnd.laps.lap("download")
         self._finished = (r, time.monotonic())
-        return RoundResult(r, members, mean, member, io.store.traffic.since(before), time.monotonic() - t0,
-                           takeovers, incidents, {"upload": 0.0, **laps.seconds}, sorted(nonfinite))
+        return rnd.result(mean, io.store.traffic)
 
     def _decided_or_open(self, r: int) -> list[int] | None:
         """Round r's members if already decided (we are late); None if it is open to join.
@@ -225,20 +195,18 @@ class StoreAllReduce:
     def fetch(self, r: int, numel: int, *, sink: RoundSink | None = None) -> RoundResult:
         """Read round `r`'s result without contributing (replay, catching up); to `sink` shard by
         shard if given, else into `RoundResult.mean`."""
-        t0, before = time.monotonic(), self.io.store.traffic.snapshot()
+        rnd = Round(r, numel, self.n, self.rank, replay=True, traffic_before=self.io.store.traffic.snapshot())
         members = self.membership.read(r)
         if members is None:
             self.membership.check_not_collected(r)
             raise RoundFailed(f"round {r} has no membership record; it has not happened yet")
+        rnd.members = members
         mean = None
         if sink is None:
             mean = torch.empty(numel, dtype=torch.float32)
             sink = buffer_sink(mean)
-        incidents: list[dict[str, Any]] = []
-        takeovers = self._gather(r, shard_bounds(numel, self.n), members, sink, set(), None, incidents,
-                                 replay=True)
-        return RoundResult(r, members, mean, False, self.io.store.traffic.since(before), time.monotonic() - t0,
-                           takeovers, incidents)
+        self._gather(rnd, sink, set())
+        return rnd.result(mean, self.io.store.traffic)
 
     def round_complete(self, r: int) -> bool:
         """Whether every reduced shard of this lane for round `r` is in the store (one LIST request)."""
@@ -246,16 +214,15 @@ class StoreAllReduce:
 
     # -- steps -------------------------------------------------------------------------------
 
-    def _sparsify(self, source: DeltaSource, bounds: list[tuple[int, int]],
-                  residual: torch.Tensor | None) -> dict[int, list[memoryview]]:
+    def _sparsify(self, rnd: Round, residual: torch.Tensor | None) -> dict[int, list[memoryview]]:
         """topk: each shard of Δ (+ residual) → what is sent, encoded; the residual keeps the rest.
 
         The encoded shards are small (the density's share of Δ) and are what this replica
         contributes to every mean, its own shard's and a taken-over one's, as others decode it.
         """
         encoded = {}
-        for j, (a, b) in enumerate(bounds):
-            part = source.shard(a, b)
+        for j, (a, b) in enumerate(rnd.bounds):
+            part = rnd.source.shard(a, b)
             if residual is not None:
                 part += residual[a:b]
             parts = encode_tensor(sparsify(part, self.topk_density), "topk")
@@ -264,176 +231,27 @@ class StoreAllReduce:
             encoded[j] = parts
         return encoded
 
-    def _put_scatter(self, r: int, owner: int, part: torch.Tensor | None, encoded: list[memoryview] | None,
-                     numel: int) -> None:
-        io, sid = self.io, self.io.sid(owner)
-        ident = Identity(io.run_id, r, "scatter", sid, self.rank)
-        encoded = encoded if encoded is not None else encode_tensor(part, self.codec)
-        blob = pack(ident, encoded, codec=self.codec, numel=numel, meta=self._scatter_meta())
-        io.put(io.keys.scatter(r, sid, self.rank), blob, written=("scatter", r, sid, self.rank))
+    def _put_scatter(self, rnd: Round, owner: int) -> None:
+        """Upload this replica's part of shard `owner` (as sent, for topk; else encoded now)."""
+        io, sid, (a, b) = self.io, self.io.sid(owner), rnd.bounds[owner]
+        ident = Identity(io.run_id, rnd.r, "scatter", sid, self.rank)
+        encoded = rnd.sent[owner] if owner in rnd.sent else encode_tensor(rnd.source.shard(a, b), self.codec)
+        blob = pack(ident, encoded, codec=self.codec, numel=b - a, meta=self._scatter_meta(rnd))
+        io.put(io.keys.scatter(rnd.r, sid, self.rank), blob, written=("scatter", rnd.r, sid, self.rank))
 
-    def _scatter_meta(self) -> dict[str, Any] | None:
+    def _scatter_meta(self, rnd: Round) -> dict[str, Any] | None:
         """What a contribution states besides its values: its inner steps, in time-based rounds."""
-        return {"steps": self._own_steps} if self._own_steps is not None else None
+        return {"steps": rnd.steps} if rnd.steps is not None else None
 
-    def _reduce_shard(self, r: int, j: int, bound: tuple[int, int], members: list[int],
-                      own: Callable[[int], torch.Tensor] | None, *, takeover: bool, incidents: list[dict[str, Any]],
-                      nonfinite: set[int] | None = None) -> torch.Tensor:
-        """Average shard j over `members`, publish it (create-only), return the decoded mean.
+    def _reduce_shard(self, rnd: Round, j: int, *, takeover: bool) -> torch.Tensor:
+        """Shard j's mean, reduced here (`reduce.ShardReducer`): the reducer's own shards, and
+        takeovers from `_gather`."""
+        return self.reducer.reduce(rnd, j, takeover=takeover)
 
-        Contributions are folded into one shard-sized total in rank order as they arrive, at most
-        `window` downloads held at once (`streaming.Prefetch`); `own(j)` is this replica's part.
-        A contribution missing, unreadable, not of the round's layout or non-finite is left out
-        (an incident each). The published object names who was left out and why; `nonfinite`
-        collects who was left out for NaN/Inf, so that sender learns it and resets.
-        """
-        io = self.io
-        a, b = bound
-        sources = [m for m in members if m != self.rank or own is None]
-        if takeover and j in sources and j != self.rank:
-            sources.remove(j)  # a dead owner kept its own part of shard j locally: it is gone
-
-        def fetch(m: int):
-            return io.get_verified(io.keys.scatter(r, io.sid(j), m), Identity(io.run_id, r, "scatter", io.sid(j), m),
-                                   numel=b - a, codec=self.codec)
-
-        prefetch = Prefetch(io.pool, fetch, sources, self.window)
-        left_out: dict[str, str] = {}
-        steps_of: dict[int, int] = {}  # time-based rounds: each contribution's inner steps
-
-        def contributions():
-            for m in members:
-                key = io.keys.scatter(r, io.sid(j), m)  # for this replica's own part: the object it would be
-                if m == self.rank and own is not None:
-                    if self._own_steps is not None:
-                        steps_of[m] = self._own_steps
-                    yield Contribution(m, key, lambda: own(j), 1.0 / steps_of.get(m, 1))
-                elif m in sources:
-                    obj, problem = prefetch.next(m)
-                    if obj is None:
-                        if problem == "missing":
-                            self.membership.check_not_collected(r)
-                        published = self.repairs.published_or_none(r, j, b - a, nonfinite)
-                        if published is not None:  # reduced (and inputs cleaned) while we looked: use that
-                            raise Published(published)
-                        left_out[str(m)] = self._left_out(r, j, key, m, problem, incidents)
-                        continue
-                    if self.step_cap is not None:
-                        steps = obj.meta.get("steps")
-                        if type(steps) is not int or not 1 <= steps <= self.step_cap:
-                            left_out[str(m)] = self._left_out(r, j, key, m, f"its inner-step count {steps!r} is not "
-                                                              f"an integer in 1..{self.step_cap}", incidents)
-                            continue
-                        steps_of[m] = steps
-                    reader = ReadOnceThenRefetch(obj, lambda m=m: fetch(m))
-                    del obj  # this frame must not keep the download alive while the next one comes
-                    yield Contribution(m, key, reader.read, 1.0 / steps_of.get(m, 1))
-
-        try:
-            summed = accumulate(contributions(), b - a)
-        except Published as done:
-            return done.values
-        finally:
-            prefetch.cancel()
-        for m, problem in summed.corrupt.items():
-            left_out[str(m)] = self._left_out(r, j, io.keys.scatter(r, io.sid(j), m), m, problem, incidents)
-        for m in summed.nonfinite:
-            left_out[str(m)] = self._left_out(r, j, io.keys.scatter(r, io.sid(j), m), m, f"{NONFINITE} in its update",
-                                              incidents, nonfinite=True)
-        if not summed.used:
-            if summed.nonfinite and len(summed.nonfinite) == len(left_out):
-                raise NonFinite(f"round {r}: every contribution to shard {j} is non-finite (NaN or Inf), from ranks "
-                                f"{summed.nonfinite}: training diverged on every member, so no finite global state "
-                                f"can follow; lower the learning rate (or check the data) and start a new run")
-            raise RoundFailed(f"round {r}: no usable contribution to shard {j}")
-        mean = summed.total.div_(len(summed.used))  # in place: one shard-sized buffer (same rounding as total / n)
-        meta = {"members": summed.used, "left_out": left_out, "nonfinite": summed.nonfinite, "reducer": self.rank,
-                "takeover": takeover}
-        if self.step_cap is not None:  # FedNova: the mean of Δ_i/τ_i, scaled back by the mean τ
-            used_steps = [steps_of[m] for m in summed.used]
-            mean.mul_(sum(used_steps) / len(used_steps))
-            meta["steps"] = dict(zip(map(str, summed.used), used_steps))
-        ident = Identity(io.run_id, r, "reduced", io.sid(j), -1)
-        blob = pack(ident, encode_tensor(mean, self.codec), codec=self.codec, numel=b - a, meta=meta)
-        payload = blob[1] if len(blob) == 2 else b"".join(blob[1:])
-        decoded = decode_tensor(payload, self.codec, b - a)  # exactly what every reader decodes
-        # fp32 decodes to total / k exactly, finite with the total; another codec's range may overflow
-        if not (summed.finite and self.codec == "fp32" and self.step_cap is None) and not all_finite(decoded):
-            raise NonFinite(f"round {r}: the mean of shard {j} would be non-finite in transport {self.codec!r} "
-                            f"(it overflowed): training diverged; it is not published. Lower the learning rate and "
-                            f"start a new run")
-        if io.put(io.keys.reduced(r, io.sid(j)), blob, create_only=True, written=("reduced", r, io.sid(j))):
-            self.repairs.publish(r, j, blob)
-            if nonfinite is not None:
-                nonfinite.update(summed.nonfinite)
-            return decoded
-        return self.repairs.read_reduced(r, j, b - a, members, incidents, nonfinite)  # someone else won: use theirs
-
-    def _left_out(self, r: int, j: int, key: str, m: int, problem: str, incidents: list[dict[str, Any]], *,
-                  nonfinite: bool = False) -> str:
-        """Record that rank m's part of shard j is not in its mean (an incident); returns why."""
-        incident = {"round": r, "object": key, "writer": m, "problem": problem,
-                    "action": f"left out of shard {j}'s mean by rank {self.rank}"}
-        if nonfinite:
-            incident.update(replica=m, action=f"{incident['action']}; rank {m} resets to θ_global")
-        incidents.append(incident)
-        self.io.log(f"round {r}: {key} from rank {m}: {problem}; left out of shard {j}'s mean")
-        return problem
-
-    def _gather(self, r: int, bounds: list[tuple[int, int]], members: list[int], sink: RoundSink,
-                have: set[int], own: Callable[[int], torch.Tensor] | None, incidents: list[dict[str, Any]], *,
-                replay: bool = False, nonfinite: set[int] | None = None) -> list[int]:
-        """Hand `sink` every reduced shard not in `have`; one replica takes over any that never appears.
-
-        `replay`: the round is known complete, so a shard missing now was garbage-collected under
-        us: rejoin at once (FellBehind) instead of waiting out the timeout.
-
-        Each shard is fetched, verified, decoded and handed to `sink` on a pool thread, at most
-        `window` at once, so checksums and the outer step overlap with waiting for the others
-        and no more than `window` reduced shards are held.
-        """
-        io = self.io
-        prefix = io.keys.reduced(r)
-        wanted = [j for j in range(self.n) if j not in have]
-        taken_over: list[int] = []
-        generation = {j: 0 for j in wanted}
-        gate = Window(self.window)
-
-        def fetch(j: int) -> None:
-            a, b = bounds[j]
-            with gate:
-                sink(j, a, b, self.repairs.read_reduced(r, j, b - a, members, incidents, nonfinite))
-
-        pending = []
-        while wanted:
-            deadline = time.monotonic() + io.round_timeout
-            backoff = io.backoff()
-            waited = False
-            while wanted:
-                with io.store.polling(waited):  # re-listing after a wait is a poll
-                    present = io.present(prefix)
-                pending += [io.pool.submit(fetch, j) for j in wanted if j in present]
-                wanted = [j for j in wanted if j not in present]
-                if wanted and replay:
-                    self.membership.check_not_collected(r)
-                if wanted and not backoff.sleep(deadline):
-                    break
-                waited = True
-            for j in list(wanted):  # its reducer (or the last claimant) never published
-                if not io.put(io.keys.claim(r, io.sid(j), generation[j]), str(self.rank).encode(), create_only=True):
-                    generation[j] += 1  # someone else claimed it: wait for their result, then claim the next
-                    continue
-                io.log(f"round {r}: reduced shard {j} did not appear in {io.round_timeout:g}s; reducing it here")
-                a, b = bounds[j]
-                sink(j, a, b, self._reduce_shard(r, j, bounds[j], members, own, takeover=True, incidents=incidents,
-                                                 nonfinite=nonfinite))
-                taken_over.append(j)
-                wanted.remove(j)
-            if wanted and all(generation[j] > len(members) for j in wanted):
-                raise RoundFailed(f"round {r}: reduced shards {wanted} never appeared")
-        for f in pending:
-            f.result()
-        return taken_over
+    def _gather(self, rnd: Round, sink: RoundSink, have: set[int]) -> None:
+        """Every reduced shard not in `have` to `sink` (`gather.Gatherer`); a shard taken over is
+        reduced by `_reduce_shard`."""
+        self.gatherer.gather(rnd, sink, have, lambda j: self._reduce_shard(rnd, j, takeover=True))
 
     # -- after the round ---------------------------------------------------------------------
 

@@ -18,18 +18,13 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 
 import torch
 
-from diloco.store import ObjectExists
-
 from .finite import all_finite
+from .roundio import RoundIO
 from .storeaccess import shard_bounds
 from .wire import CorruptObject, Identity, check_layout, encode_tensor, pack, unpack
-
-if TYPE_CHECKING:
-    from .roundio import RoundIO
 
 VOID = "void"
 LOAD_WINDOW_BYTES = 64 << 20  # checkpoint shards up to this size are fetched four at a time
@@ -38,42 +33,35 @@ LOAD_WINDOW_BYTES = 64 << 20  # checkpoint shards up to this size are fetched fo
 class Checkpoints:
     def __init__(self, io: RoundIO):
         self.io = io
-        self.store, self.keys, self.shards, self.pool, self.log = io.store, io.keys, io.shards, io.pool, io.log
-        self.n = io.shards.n
 
     # -- low-water mark ----------------------------------------------------------------------
 
     def low_water(self) -> int:
         """The highest round GC has begun deleting (0: nothing deleted yet). One LIST."""
-        marks = [x for x in self.store.list_names(self.keys.low_water()) if x.startswith("gc-through-r")]
+        marks = [x for x in self.io.store.list_names(self.io.keys.low_water()) if x.startswith("gc-through-r")]
         return max((int(x.rsplit("r", 1)[1]) for x in marks if x.rsplit("r", 1)[1].isdigit()), default=0)
 
     def _mark_low_water(self, r: int) -> None:
-        try:
-            self.store.put(self.keys.low_water(r), b"{}", create_only=True)
-        except ObjectExists:
-            pass
+        self.io.put(self.io.keys.low_water(r), b"{}", create_only=True)  # a mark already there is as good
 
     # -- checkpoints -------------------------------------------------------------------------
 
     def put_shard(self, r: int, j: int, theta: torch.Tensor, buf: torch.Tensor | None, *,
                   digest: str | None = None) -> None:
         """Shard j of [θ ; momentum] (momentum None: zeros, as at round 0)."""
-        a, b = shard_bounds(theta.numel(), self.n)[j]
+        io = self.io
+        a, b = shard_bounds(theta.numel(), io.n)[j]
         parts = encode_tensor(theta[a:b], "fp32") + encode_tensor(buf[a:b] if buf is not None else torch.zeros(b - a),
                                                                   "fp32")  # written as two buffers, never joined
-        blob = pack(Identity(self.keys.run, r, "ckpt", self.shards.sid(j), -1), parts, codec="fp32",
+        blob = pack(Identity(io.run_id, r, "ckpt", io.sid(j), -1), parts, codec="fp32",
                     numel=2 * (b - a), meta={"numel": theta.numel(), "writer_digest": digest})
-        try:
-            self.store.put(self.keys.checkpoint(r, self.shards.sid(j)), blob, create_only=True)
-        except ObjectExists:
-            pass
+        io.put(io.keys.checkpoint(r, io.sid(j)), blob, create_only=True)  # a shard already there is the same
 
     def complete(self) -> list[int]:
         """Rounds with every checkpoint shard present and no void marker, oldest first."""
         counts: dict[int, int] = {}
         void: set[int] = set()
-        for name in self.store.list_names(self.keys.checkpoints()):
+        for name in self.io.store.list_names(self.io.keys.checkpoints()):
             head, _, leaf = name.partition("/")
             if not (head.startswith("r") and head[1:].isdigit()):
                 continue
@@ -81,44 +69,42 @@ class Checkpoints:
                 void.add(int(head[1:]))
             elif leaf.isdigit():
                 counts[int(head[1:])] = counts.get(int(head[1:]), 0) + 1
-        return sorted(r for r, c in counts.items() if c >= self.n * self.shards.lanes and r not in void)
+        return sorted(r for r, c in counts.items() if c >= self.io.n * self.io.shards.lanes and r not in void)
 
     def present(self, r: int) -> set[int]:
         """This lane's shards of checkpoint r already in the store (one LIST)."""
-        return self.shards.mine(self.store.list_names(self.keys.checkpoint(r)))
+        return self.io.present(self.io.keys.checkpoint(r))
 
     def void(self, rounds: list[int], why: str) -> None:
         """Mark checkpoints unusable (written from a diverged θ); create-only, idempotent."""
         for r in rounds:
-            try:
-                self.store.put(self.keys.checkpoint(r, VOID), json.dumps({"why": why}).encode(), create_only=True)
-            except ObjectExists:
-                pass
+            self.io.put(self.io.keys.checkpoint(r, VOID), json.dumps({"why": why}).encode(), create_only=True)
 
     def load(self, r: int, numel: int, *, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This lane's θ and momentum of checkpoint r; None if a shard vanished (GC raced us) or is corrupt."""
-        bounds = shard_bounds(numel, self.n)
-        keys = [self.keys.checkpoint(r, self.shards.sid(j)) for j in range(self.n)]
+        io = self.io
+        bounds = shard_bounds(numel, io.n)
+        keys = [io.keys.checkpoint(r, io.sid(j)) for j in range(io.n)]
         theta, buf = torch.empty(numel, pin_memory=pin), torch.empty(numel, pin_memory=pin)
         # Shards in flight are copied out and dropped as they come, so loading holds a few shards
         # beyond θ and the momentum, not the whole checkpoint twice: four small ones, or one large.
-        depth = 4 if 8 * numel // self.n <= LOAD_WINDOW_BYTES else 1
-        window = [self.pool.submit(self.store.get, k) for k in keys[:depth]]
+        depth = 4 if 8 * numel // io.n <= LOAD_WINDOW_BYTES else 1
+        window = [io.pool.submit(io.store.get, k) for k in keys[:depth]]
         for j, key in enumerate(keys):
             blob = window.pop(0).result()
             if j + depth < len(keys):
-                window.append(self.pool.submit(self.store.get, keys[j + depth]))
+                window.append(io.pool.submit(io.store.get, keys[j + depth]))
             if blob is None:
-                self.log(f"checkpoint shard {key} vanished while loading; trying the next checkpoint")
+                io.log(f"checkpoint shard {key} vanished while loading; trying the next checkpoint")
                 return None
             a, b = bounds[j]
             try:
-                got = unpack(blob, Identity(self.keys.run, r, "ckpt", self.shards.sid(j), -1), key)
+                got = unpack(blob, Identity(io.run_id, r, "ckpt", io.sid(j), -1), key)
                 if got.meta.get("numel") != numel:
                     from diloco.errors import UserError
 
                     raise UserError(f"{key} holds a model of {got.meta.get('numel')} parameters, this replica has "
-                                    f"{numel}: the rendezvous store already holds run {self.keys.run!r} of another "
+                                    f"{numel}: the rendezvous store already holds run {io.run_id!r} of another "
                                     f"model; use a new run or another rendezvous")
                 part = check_layout(got, numel=2 * (b - a), codec="fp32").tensor()
                 if not all_finite(part):
@@ -152,19 +138,20 @@ class Checkpoints:
                 return 0
             keep_from = max(older)
             self._mark_low_water(keep_from)
-            raw, run = self.store.store, self.keys.run
-            doomed = [d for d in raw.list_dirs(f"{run}/") if _round_below(d.rsplit("/", 1)[-1], keep_from + 1)]
-            doomed += [d for d in raw.list_dirs(self.keys.checkpoints()) if _round_below(d.rsplit("/", 1)[-1], keep_from)]
+            io = self.io
+            raw = io.store.store  # the listing is not counted; the deletes below are
+            doomed = [d for d in raw.list_dirs(f"{io.run_id}/") if _round_below(d.rsplit("/", 1)[-1], keep_from + 1)]
+            doomed += [d for d in raw.list_dirs(io.keys.checkpoints()) if _round_below(d.rsplit("/", 1)[-1], keep_from)]
             n = 0
             for prefix in doomed:
                 for meta in list(raw.list(prefix + "/")):
-                    self.store.delete(meta["path"])
+                    io.store.delete(meta["path"])
                     n += 1
             if n:
-                self.log(f"removed {n} objects of rounds before checkpoint {keep_from}")
+                io.log(f"removed {n} objects of rounds before checkpoint {keep_from}")
             return n
         except Exception as exc:  # storage hygiene must never stop training
-            self.log(f"garbage collection after round {newest} failed: {exc}")
+            self.io.log(f"garbage collection after round {newest} failed: {exc}")
             return 0
 
 

@@ -13,42 +13,30 @@ History is never rewritten: a round at or below the store's low-water mark (see
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
-
-from diloco.store import ObjectExists
 
 from .checkpoints import Checkpoints
 from .rounderrors import FellBehind, RoundFailed
-from .storeaccess import Backoff
-from .wire import CorruptObject, Identity, pack_json, unpack
-
-if TYPE_CHECKING:
-    from .roundio import RoundIO
+from .roundio import RoundIO
+from .wire import CorruptObject, Identity, pack_json
 
 
 class Membership:
     def __init__(self, io: RoundIO, checkpoints: Checkpoints, *, min_members: int):
-        self.store, self.keys, self.rank, self.n, self.checkpoints = io.store, io.keys, io.rank, io.n, checkpoints
-        self.round_timeout, self.min_members = io.round_timeout, min_members
-        self.poll_interval, self.poll_max, self.log = io.poll_interval, io.poll_max, io.log
+        self.io, self.checkpoints, self.min_members = io, checkpoints, min_members
 
     def read(self, r: int) -> list[int] | None:
         """The decided members of round r, or None if undecided (or deleted)."""
-        key = self.keys.members(r)
-        raw = self.store.get(key)
-        if raw is None:
-            return None
-        try:
-            got = unpack(raw, Identity(self.keys.run, r, "members"), key)
-        except CorruptObject:
-            raw = self.store.get(key)  # a torn read in transit heals on a second read; damage at rest does not
-            if raw is None:
+        io = self.io
+        key = io.keys.members(r)
+        got, problem = io.get_verified(key, Identity(io.run_id, r, "members"))
+        if got is None:
+            if problem == "missing":
                 return None
-            got = unpack(raw, Identity(self.keys.run, r, "members"), key)
+            raise CorruptObject(problem)
         members = got.meta.get("members")
-        if not isinstance(members, list) or not members or not all(isinstance(m, int) and 0 <= m < self.n
+        if not isinstance(members, list) or not members or not all(isinstance(m, int) and 0 <= m < io.n
                                                                    for m in members) or members != sorted(set(members)):
-            raise CorruptObject(f"{key}: malformed membership record (members must be distinct ranks below {self.n})")
+            raise CorruptObject(f"{key}: malformed membership record (members must be distinct ranks below {io.n})")
         return members
 
     def check_not_collected(self, r: int) -> None:
@@ -60,33 +48,32 @@ class Membership:
 
     def decide(self, r: int) -> list[int]:
         """Wait for the others, then fix round r's members (or adopt whoever decided first)."""
-        deadline = time.monotonic() + self.round_timeout
-        backoff = Backoff(self.poll_interval, self.poll_max)
-        prefix = self.keys.ready(r)
+        io = self.io
+        deadline = time.monotonic() + io.round_timeout
+        backoff = io.backoff()
+        prefix = io.keys.ready(r)
         waited = False  # the first LIST is the protocol's; every re-check after a wait is a poll
         while True:
-            with self.store.polling(waited):
-                ready = sorted(int(x) for x in self.store.list_names(prefix) if x.isdigit() and int(x) < self.n)
-            if len(ready) == self.n:
+            with io.store.polling(waited):
+                ready = sorted(int(x) for x in io.store.list_names(prefix) if x.isdigit() and int(x) < io.n)
+            if len(ready) == io.n:
                 break
-            with self.store.polling():
+            with io.store.polling():
                 decided = self.read(r) if len(ready) > 1 else None
             if decided is not None:
                 return decided
             if not backoff.sleep(deadline):
                 break
             waited = True
-        if len(ready) < self.n:  # paused past the history (even our own ready marker went): rejoin
+        if len(ready) < io.n:  # paused past the history (even our own ready marker went): rejoin
             self.check_not_collected(r)  # (with every marker there, this round is not collected)
         if len(ready) < self.min_members:
-            raise RoundFailed(f"round {r}: only {len(ready)} of {self.n} replicas ready within "
-                              f"{self.round_timeout:g}s, below min_members={self.min_members}")
-        record = pack_json(Identity(self.keys.run, r, "members"), {"members": ready, "decided_by": self.rank})
-        try:
-            self.store.put(self.keys.members(r), record, create_only=True)
-        except ObjectExists:
+            raise RoundFailed(f"round {r}: only {len(ready)} of {io.n} replicas ready within "
+                              f"{io.round_timeout:g}s, below min_members={self.min_members}")
+        record = pack_json(Identity(io.run_id, r, "members"), {"members": ready, "decided_by": io.rank})
+        if not io.put(io.keys.members(r), record, create_only=True):
             return self.read(r) or ready
-        if len(ready) < self.n:
-            self.log(f"round {r}: proceeding with {len(ready)} of {self.n} replicas {ready} after "
-                     f"{self.round_timeout:g}s")
+        if len(ready) < io.n:
+            io.log(f"round {r}: proceeding with {len(ready)} of {io.n} replicas {ready} after "
+                   f"{io.round_timeout:g}s")
         return ready

@@ -17,7 +17,7 @@ from diloco.metrics import RoundMetrics, RoundReader, RoundSummary, metrics_key,
 from diloco.store import ObjectExists
 
 from .allreduce import StoreAllReduce
-from .storeaccess import Backoff, reducer_of
+from .storeaccess import reducer_of
 
 
 class Recorder:
@@ -39,7 +39,7 @@ class Recorder:
     def _summarize(self, r: int, members: list[int]) -> None:
         prefix = f"{self.io.run_id}/metrics/r{r:08d}/"
         deadline = time.monotonic() + self.io.round_timeout
-        backoff = Backoff(self.io.poll_interval, self.io.poll_max)
+        backoff = self.io.backoff()
         # The raw store, not the counting one: this runs in the background, often inside the next
         # round's exchange, whose row must count the exchange alone (diloco.estimate counts summaries
         # with the run's bookkeeping).

@@ -34,8 +34,9 @@ from .finite import all_finite
 from .membership import Membership
 from .rounderrors import RoundFailed
 from .roundio import RoundIO
+from .roundstate import Round
 from .storeaccess import reducer_of
-from .wire import CorruptObject, Identity, Unpacked
+from .wire import CorruptObject, Unpacked
 
 # While a reducer waits, it looks for repair requests at most this often (and at the store's
 # poll_max, if longer): a stuck reader is served within about a second of the reducer's next wait.
@@ -58,19 +59,24 @@ class RepairDesk:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def published_or_none(self, r: int, j: int, numel: int, nonfinite: set[int] | None = None) -> torch.Tensor | None:
-        if self.io.store.get(self.io.keys.reduced(r, self.io.sid(j))) is None:
+    def published_or_none(self, rnd: Round, j: int) -> torch.Tensor | None:
+        """Shard j's mean if it is published already (a reducer that finds its inputs gone looks
+        here: someone else reduced the shard and its inputs were cleaned up), else None."""
+        if not self.io.exists(self.io.keys.reduced(rnd.r, self.io.sid(j))):
             return None
-        return self.read_reduced(r, j, numel, None, [], nonfinite)
+        return self._read(rnd.r, j, rnd.size(j), None, [], rnd.nonfinite)
 
-    def read_reduced(self, r: int, j: int, numel: int, members: list[int] | None, incidents: list[dict[str, Any]],
-                     nonfinite: set[int] | None = None) -> torch.Tensor:
-        """Shard j's published mean (`numel` values), verified; a corrupt one is replaced by its
-        reducer's re-publication. `nonfinite` gathers whom the reducer left out for NaN/Inf."""
+    def read_reduced(self, rnd: Round, j: int) -> torch.Tensor:
+        """Shard j's published mean, verified; a corrupt one is replaced by its reducer's
+        re-publication (an incident of `rnd`). `rnd.nonfinite` gathers whom the reducer left out
+        for NaN/Inf."""
+        return self._read(rnd.r, j, rnd.size(j), rnd.members, rnd.incidents, rnd.nonfinite)
+
+    def _read(self, r: int, j: int, numel: int, members: list[int] | None, incidents: list[dict[str, Any]],
+              nonfinite: set[int]) -> torch.Tensor:
         io = self.io
-        ident = Identity(io.run_id, r, "reduced", io.sid(j), -1)
+        obj, problem = io.get_reduced(r, j, numel)
         key = io.keys.reduced(r, io.sid(j))
-        obj, problem = io.get_verified(key, ident, numel=numel, codec=io.codec)
         if obj is not None:
             try:
                 return self._usable(obj, nonfinite)
@@ -94,7 +100,7 @@ class RepairDesk:
         return mean
 
     def _repaired(self, r: int, j: int, key: str, numel: int, problem: str, members: list[int] | None,
-                  incidents: list[dict[str, Any]], nonfinite: set[int] | None) -> torch.Tensor:
+                  incidents: list[dict[str, Any]], nonfinite: set[int]) -> torch.Tensor:
         io = self.io
         members = members or self.membership.read(r) or []
         writer = reducer_of(j, members) if members else None
@@ -105,15 +111,14 @@ class RepairDesk:
             return self._await_repair(r, j, key, numel, problem, writer, incidents, nonfinite)
 
     def _await_repair(self, r: int, j: int, key: str, numel: int, problem: str, writer: int | None,
-                      incidents: list[dict[str, Any]], nonfinite: set[int] | None) -> torch.Tensor:
+                      incidents: list[dict[str, Any]], nonfinite: set[int]) -> torch.Tensor:
         io = self.io
-        ident = Identity(io.run_id, r, "reduced", io.sid(j), -1)
         deadline = time.monotonic() + io.round_timeout
         backoff = io.backoff()
         waited = False
         while True:
             with io.store.polling(waited):  # every look after the first is a poll
-                obj, _ = io.get_verified(io.keys.repaired(r, io.sid(j)), ident, numel=numel, codec=io.codec)
+                obj, _ = io.get_reduced(r, j, numel, repaired=True)
             waited = True
             if obj is not None:
                 try:

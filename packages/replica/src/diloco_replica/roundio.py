@@ -4,9 +4,13 @@ Membership, reduce, gather, repairs, checkpoints, the recorder and the global st
 write the same store, under the same keys, counting the same traffic, with the same timeouts and
 polling and the same fault-injection hooks. `RoundIO` is that one object, made once per replica
 (per lane) by `StoreAllReduce` and handed to each part, so none of them reaches into another
-for it. Not all of them keep to its methods yet: `Membership` and `Checkpoints` copy its store,
-keys and settings into their own fields, and the repairs ask its store directly whether a reduced
-shard exists.
+for it, and none copies its store, keys or settings into fields of its own. Every object of
+the protocol is read and checked one way (`get_verified`; `get_scatter` and `get_reduced` name
+a contribution and a reduced shard by round and shard). What still reaches past its methods:
+the recorder writes metrics rows and round summaries under keys of its own (`diloco.metrics`),
+the summary straight to the store beneath (uncounted); garbage collection lists the run's round
+directories there (uncounted, its deletes counted); checkpoint loading reads shards without
+`get_verified`'s retry (a corrupt shard voids the checkpoint).
 
 It also holds the incidents met outside a round — a corrupt checkpoint or reduced shard found
 while rejoining or catching up (`report`) — until the replica's next metrics row carries them
@@ -18,16 +22,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from diloco.store import ObjectExists
 
 from .faults import Faults
+from .lanes import Lanes
 from .storeaccess import Backoff, CountingStore, LaneShards, RunKeys
-from .wire import CorruptObject, Identity, unpack
-
-if TYPE_CHECKING:  # lanes imports membership, which takes a RoundIO
-    from .lanes import Lanes
+from .wire import CorruptObject, Identity, Unpacked, unpack
 
 
 @dataclass
@@ -35,7 +37,7 @@ class RoundIO:
     store: CountingStore
     keys: RunKeys
     shards: LaneShards
-    lanes: "Lanes"
+    lanes: Lanes
     pool: ThreadPoolExecutor
     run_id: str
     rank: int
@@ -70,10 +72,16 @@ class RoundIO:
         """This lane's shard indices among the objects under `prefix` (one LIST)."""
         return self.shards.mine(self.store.list_names(prefix))
 
-    def get_verified(self, key: str, ident: Identity, *, numel: int | None = None, codec: str | None = None):
-        """(unpacked, None), (None, "missing") or (None, reason): a corrupt read is retried once,
-        since a torn transfer heals on a second read and damage at rest does not. `numel` and
-        `codec`: the layout the object must have (`wire.check_layout`)."""
+    def exists(self, key: str) -> bool:
+        """Whether `key` is in the store (one GET: the store interface has no HEAD)."""
+        return self.store.get(key) is not None
+
+    def get_verified(self, key: str, ident: Identity, *, numel: int | None = None,
+                     codec: str | None = None) -> tuple[Unpacked | None, str | None]:
+        """The one way an object is read and checked: (unpacked, None), (None, "missing") or
+        (None, reason). A corrupt read is retried once, since a torn transfer heals on a second
+        read and damage at rest does not. `ident`: who the object must claim to be; `numel` and
+        `codec`: the layout it must have (`wire.check_layout`)."""
         for _ in range(2):
             blob = self.store.get(key)
             if blob is None:
@@ -83,6 +91,21 @@ class RoundIO:
             except CorruptObject as exc:
                 reason = str(exc)
         return None, reason
+
+    def get_scatter(self, r: int, j: int, writer: int, numel: int) -> tuple[Unpacked | None, str | None]:
+        """`writer`'s part of shard j in round r, verified (`get_verified`) in the run's codec."""
+        sid = self.sid(j)
+        return self.get_verified(self.keys.scatter(r, sid, writer), Identity(self.run_id, r, "scatter", sid, writer),
+                                 numel=numel, codec=self.codec)
+
+    def reduced_identity(self, r: int, j: int) -> Identity:
+        """Who shard j's mean of round r claims to be, as published and as re-published."""
+        return Identity(self.run_id, r, "reduced", self.sid(j), -1)
+
+    def get_reduced(self, r: int, j: int, numel: int, *, repaired: bool = False) -> tuple[Unpacked | None, str | None]:
+        """Shard j's mean of round r (`repaired`: its reducer's re-publication), verified (`get_verified`)."""
+        key = self.keys.repaired(r, self.sid(j)) if repaired else self.keys.reduced(r, self.sid(j))
+        return self.get_verified(key, self.reduced_identity(r, j), numel=numel, codec=self.codec)
 
     def report(self, incident: dict[str, Any]) -> None:
         """An incident met outside a round (rejoin, catch-up): kept for the next metrics row."""

@@ -1,0 +1,81 @@
+"""Gathering a round's reduced shards, taking over any whose reducer died.
+
+Every replica downloads the reduced shards it did not reduce itself. One that does not appear
+within the round timeout (its reducer died) is taken over by exactly one waiting replica —
+whoever wins the create-only ``r/claim/j.<g>`` — while the rest keep waiting for its result; a
+claimant that dies too is replaced by generation g+1. A corrupt shard is repaired by its reducer
+(`repairs.RepairDesk.read_reduced`).
+
+Each shard is fetched, verified, decoded and handed to the round's sink on a pool thread, at
+most `window` at once, so checksums and the outer step overlap with waiting for the others and
+no more than `window` reduced shards are held.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from .membership import Membership
+from .repairs import RepairDesk
+from .rounderrors import RoundFailed
+from .roundio import RoundIO
+from .roundstate import Round
+from .streaming import RoundSink, Window
+
+
+class Gatherer:
+    """Brings every reduced shard of a round to its sink (one per replica and lane)."""
+
+    def __init__(self, io: RoundIO, membership: Membership, repairs: RepairDesk, *, window: int):
+        self.io, self.membership, self.repairs, self.window = io, membership, repairs, window
+
+    def gather(self, rnd: Round, sink: RoundSink, have: set[int], take_over: Callable[[int], torch.Tensor]) -> None:
+        """Hand `sink` every reduced shard of `rnd` not in `have`; a shard that never appears and
+        whose claim this replica wins is reduced here by `take_over(j)` (added to `rnd.takeovers`).
+
+        A replay (`rnd.replay`) knows the round complete, so a shard missing now was
+        garbage-collected under it: it rejoins at once (`FellBehind`) instead of waiting out the
+        timeout.
+        """
+        io, r = self.io, rnd.r
+        prefix = io.keys.reduced(r)
+        wanted = [j for j in range(rnd.n) if j not in have]
+        generation = {j: 0 for j in wanted}
+        gate = Window(self.window)
+
+        def read_to_sink(j: int) -> None:
+            a, b = rnd.bounds[j]
+            with gate:
+                sink(j, a, b, self.repairs.read_reduced(rnd, j))
+
+        pending = []
+        while wanted:
+            deadline = time.monotonic() + io.round_timeout
+            backoff = io.backoff()
+            waited = False
+            while wanted:
+                with io.store.polling(waited):  # re-listing after a wait is a poll
+                    present = io.present(prefix)
+                pending += [io.pool.submit(read_to_sink, j) for j in wanted if j in present]
+                wanted = [j for j in wanted if j not in present]
+                if wanted and rnd.replay:
+                    self.membership.check_not_collected(r)
+                if wanted and not backoff.sleep(deadline):
+                    break
+                waited = True
+            for j in list(wanted):  # its reducer (or the last claimant) never published
+                if not io.put(io.keys.claim(r, io.sid(j), generation[j]), str(io.rank).encode(), create_only=True):
+                    generation[j] += 1  # someone else claimed it: wait for their result, then claim the next
+                    continue
+                io.log(f"round {r}: reduced shard {j} did not appear in {io.round_timeout:g}s; reducing it here")
+                a, b = rnd.bounds[j]
+                sink(j, a, b, take_over(j))
+                rnd.takeovers.append(j)
+                wanted.remove(j)
+            if wanted and all(generation[j] > len(rnd.members) for j in wanted):
+                raise RoundFailed(f"round {r}: reduced shards {wanted} never appeared")
+        for f in pending:
+            f.result()

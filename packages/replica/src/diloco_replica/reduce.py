@@ -1,0 +1,130 @@
+"""Reducing one shard: average the members' contributions, publish the mean once, return it.
+
+The store cannot add, so shard j's reducer downloads the members' parts of it, folds them into
+one shard-sized total in rank order in fp32 as they arrive (at most `window` downloads held at
+once, `streaming.Prefetch`), encodes the mean with the transport codec and create-only puts
+``r/reduced/j``. It returns the mean as every reader decodes it, so the reducer holds the same
+bytes as everyone else.
+
+A contribution that is missing, fails its checksum twice, does not fit the round's layout
+(`wire.check_layout`), holds NaN/Inf (`finite`) or, in time-based rounds, states an impossible
+inner-step count is left out of the mean: an incident each, and the published object names who
+was left out and why — the NaN/Inf senders too, so every replica learns it and they reset. A
+mean that would not be finite is never published (`finite.NonFinite` stops the run).
+
+Time-based rounds (`step_cap` set): each contribution states its inner steps τ_i (1..step_cap)
+and the mean is FedNova's, mean_i(Δ_i / τ_i) · mean_i(τ_i) over the members in it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .finite import NONFINITE, Contribution, NonFinite, accumulate, all_finite
+from .membership import Membership
+from .repairs import RepairDesk
+from .rounderrors import RoundFailed
+from .roundio import RoundIO
+from .roundstate import Round
+from .streaming import Prefetch, Published, ReadOnceThenRefetch
+from .wire import decode_tensor, encode_tensor, pack
+
+
+class ShardReducer:
+    """Reduces the shards this replica is the reducer of, or takes over (one per replica and lane)."""
+
+    def __init__(self, io: RoundIO, membership: Membership, repairs: RepairDesk, *, window: int,
+                 step_cap: int | None):
+        self.io, self.membership, self.repairs = io, membership, repairs
+        self.window, self.step_cap = window, step_cap
+
+    def reduce(self, rnd: Round, j: int, *, takeover: bool) -> torch.Tensor:
+        """Average shard j of `rnd` over its members, publish it (create-only), return the decoded mean.
+
+        `takeover`: shard j's reducer died, so its owner's own part (never uploaded) is gone too.
+        If another replica publishes shard j meanwhile, its mean is returned instead.
+        """
+        io, r, numel = self.io, rnd.r, rnd.size(j)
+        sources = [m for m in rnd.members if m != io.rank or not rnd.member]
+        if takeover and j in sources and j != io.rank:
+            sources.remove(j)  # a dead owner kept its own part of shard j locally: it is gone
+        prefetch = Prefetch(io.pool, lambda m: io.get_scatter(r, j, m, numel), sources, self.window)
+        left_out: dict[str, str] = {}
+        steps_of: dict[int, int] = {}  # time-based rounds: each contribution's inner steps
+
+        def leave_out(m: int, problem: str, *, nonfinite: bool = False) -> None:
+            key = io.keys.scatter(r, io.sid(j), m)  # for this replica's own part: the object it would be
+            rnd.left_out(j, key, m, problem, nonfinite=nonfinite)
+            io.log(f"round {r}: {key} from rank {m}: {problem}; left out of shard {j}'s mean")
+            left_out[str(m)] = problem
+
+        def contributions():
+            for m in rnd.members:
+                key = io.keys.scatter(r, io.sid(j), m)
+                if m == io.rank and rnd.member:
+                    if rnd.steps is not None:
+                        steps_of[m] = rnd.steps
+                    yield Contribution(m, key, lambda: rnd.own(j), 1.0 / steps_of.get(m, 1))
+                elif m in sources:
+                    obj, problem = prefetch.next(m)
+                    if obj is None:
+                        if problem == "missing":
+                            self.membership.check_not_collected(r)
+                        published = self.repairs.published_or_none(rnd, j)
+                        if published is not None:  # reduced (and inputs cleaned) while we looked: use that
+                            raise Published(published)
+                        leave_out(m, problem)
+                        continue
+                    if self.step_cap is not None:
+                        steps = obj.meta.get("steps")
+                        if type(steps) is not int or not 1 <= steps <= self.step_cap:
+                            leave_out(m, f"its inner-step count {steps!r} is not an integer in 1..{self.step_cap}")
+                            continue
+                        steps_of[m] = steps
+                    reader = ReadOnceThenRefetch(obj, lambda m=m: io.get_scatter(r, j, m, numel))
+                    del obj  # this frame must not keep the download alive while the next one comes
+                    yield Contribution(m, key, reader.read, 1.0 / steps_of.get(m, 1))
+
+        try:
+            summed = accumulate(contributions(), numel)
+        except Published as done:
+            return done.values
+        finally:
+            prefetch.cancel()
+        for m, problem in summed.corrupt.items():
+            leave_out(m, problem)
+        for m in summed.nonfinite:
+            leave_out(m, f"{NONFINITE} in its update", nonfinite=True)
+        if not summed.used:
+            if summed.nonfinite and len(summed.nonfinite) == len(left_out):
+                raise NonFinite(f"round {r}: every contribution to shard {j} is non-finite (NaN or Inf), from ranks "
+                                f"{summed.nonfinite}: training diverged on every member, so no finite global state "
+                                f"can follow; lower the learning rate (or check the data) and start a new run")
+            raise RoundFailed(f"round {r}: no usable contribution to shard {j}")
+        mean = summed.total.div_(len(summed.used))  # in place: one shard-sized buffer (same rounding as total / n)
+        meta = {"members": summed.used, "left_out": left_out, "nonfinite": summed.nonfinite, "reducer": io.rank,
+                "takeover": takeover}
+        if self.step_cap is not None:  # FedNova: the mean of Δ_i/τ_i, scaled back by the mean τ
+            used_steps = [steps_of[m] for m in summed.used]
+            mean.mul_(sum(used_steps) / len(used_steps))
+            meta["steps"] = dict(zip(map(str, summed.used), used_steps))
+        return self._publish(rnd, j, mean, meta, finite_total=summed.finite, flagged=summed.nonfinite)
+
+    def _publish(self, rnd: Round, j: int, mean: torch.Tensor, meta: dict, *, finite_total: bool,
+                 flagged: list[int]) -> torch.Tensor:
+        """Encode and create-only put shard j's mean; the decoded bytes, or the winner's if another
+        replica published first."""
+        io, r, numel = self.io, rnd.r, rnd.size(j)
+        blob = pack(io.reduced_identity(r, j), encode_tensor(mean, io.codec), codec=io.codec, numel=numel, meta=meta)
+        payload = blob[1] if len(blob) == 2 else b"".join(blob[1:])
+        decoded = decode_tensor(payload, io.codec, numel)  # exactly what every reader decodes
+        # fp32 decodes to total / k exactly, finite with the total; another codec's range may overflow
+        if not (finite_total and io.codec == "fp32" and self.step_cap is None) and not all_finite(decoded):
+            raise NonFinite(f"round {r}: the mean of shard {j} would be non-finite in transport {io.codec!r} "
+                            f"(it overflowed): training diverged; it is not published. Lower the learning rate and "
+                            f"start a new run")
+        if io.put(io.keys.reduced(r, io.sid(j)), blob, create_only=True, written=("reduced", r, io.sid(j))):
+            self.repairs.publish(r, j, blob)
+            rnd.nonfinite.update(flagged)
+            return decoded
+        return self.repairs.read_reduced(rnd, j)  # someone else won: use theirs
