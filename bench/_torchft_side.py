@@ -128,8 +128,7 @@ def wait_for(ready: Callable[[], bool], procs: dict[int, subprocess.Popen], tmp:
 
 def summarise(tmp: Path, replicas: int, killed_at: float | None, startup_s: float) -> dict:
     """The workers' events as bench/peers.py compares them: the median inner step, each committed
-    round's sync seconds per replica (the sync step's time less that replica's median inner
-    step), eval loss, and after a kill the seconds until the restarted replica's first committed
+    round's sync seconds per replica (the time in DiLoCo's post-step hook), eval loss, and after a kill the seconds until the restarted replica's first committed
     round."""
     finals, inner, syncs = [], [], {}
     for rank in range(replicas):
@@ -138,7 +137,7 @@ def summarise(tmp: Path, replicas: int, killed_at: float | None, startup_s: floa
         finals.append(done)
         inner.append(done["inner_step_s"])
         for e in (e for events in attempts for e in events if e["event"] == "round" and e["committed"]):
-            syncs.setdefault(e["round"], []).append(e["step_s"] - done["inner_step_s"])
+            syncs.setdefault(e["round"], []).append(e["sync_s"])
     if len({d["theta_crc32"] for d in finals}) != 1:
         raise SystemExit("torchft replicas disagree on the global model")
     result = {"system": "torchft", "replicas": replicas, "startup_s": round(startup_s, 2),
@@ -146,11 +145,12 @@ def summarise(tmp: Path, replicas: int, killed_at: float | None, startup_s: floa
               "eval_loss": finals[0]["eval_loss"], "train_s": max(d["wall_s"] for d in finals)}
     if killed_at is not None:
         restart = events_of(tmp / f"events-{replicas - 1}-1.jsonl")
-        up = next(e["t"] for e in restart if e["event"] == "up")
+        up = next(e for e in restart if e["event"] == "up")
         back = next(e["t"] for e in restart
                     if e["event"] == "round" and e["committed"] and e["participants"] == replicas)
         discarded = sum(1 for r in range(replicas - 1) for e in events_of(tmp / f"events-{r}-0.jsonl")
                         if e["event"] == "round" and not e["committed"])
-        result.update(rejoin_s=round(back - killed_at, 2), restarted_up_s=round(up - killed_at, 2),
+        result.update(rejoin_s=round(back - killed_at, 2), restarted_up_s=round(up["t"] - killed_at, 2),
+                      restart_imports_s=round(up["imports_s"], 2),
                       survivor_rounds_discarded=discarded)
     return result

@@ -18,12 +18,15 @@ scheduler would (torchft leaves relaunching to the user).
 
 from __future__ import annotations
 
+import time
+
+STARTED = time.time()  # before the imports: a restart's seconds to rejoin are mostly theirs
+
 import argparse
 import inspect
 import json
 import statistics
 import sys
-import time
 import tomllib
 import zlib
 from datetime import timedelta
@@ -76,6 +79,7 @@ def main() -> None:
     def emit(kind: str, **fields) -> None:
         events.write(json.dumps({"event": kind, "t": time.time(), **fields}) + "\n")
 
+    imported = time.time()
     torch.set_num_threads(c.threads)
     train_data, eval_data = tiny_lm.load_corpus(c.max_bytes)
     model = tiny_lm.build(c.seed, c.context, c.dim, c.layers)
@@ -98,14 +102,19 @@ def main() -> None:
         return commits[-1]
 
     manager.should_commit = should_commit
-    emit("up", rejoin=a.rejoin)
+    emit("up", rejoin=a.rejoin, imports_s=imported - STARTED, since_start_s=time.time() - STARTED)
     while not a.rejoin and not a.go.exists():  # every Manager up before anyone trains, or the first
         time.sleep(0.02)                       # to ask forms a quorum of one
     rounds, H = c.steps // c.H, c.H
     inner_s: list[float] = []
     local = 0  # inner steps since the last sync, as DiLoCo counts them
     started = time.monotonic()
+    # DiLoCo syncs inside its post-step hook of the inner optimizer: hooks registered before and
+    # after it time exactly that (quorum, Δ, all-reduce, commit, outer step)
+    marks: list[float] = []
+    inner.register_step_post_hook(lambda *_: marks.append(time.monotonic()))
     with DiLoCo(manager, [model], inner, outer, sync_every=H):
+        inner.register_step_post_hook(lambda *_: marks.append(time.monotonic()))
         while manager.current_step() < rounds:
             step = manager.current_step() * H + local
             t0 = time.monotonic()
@@ -124,7 +133,8 @@ def main() -> None:
                 continue
             local = 0
             emit("round", round=manager.current_step(), committed=any(commits),
-                 participants=manager.num_participants(), step_s=seconds, loss=loss.item())
+                 participants=manager.num_participants(), step_s=seconds, sync_s=marks[-1] - marks[-2],
+                 loss=loss.item())
             commits.clear()
     wall = time.monotonic() - started
     eval_loss = tiny_lm.evaluate(model, eval_data, c.context) if a.replica == 0 else None

@@ -7,11 +7,12 @@ it in a venv of its own (`_torchft_side.py`: a lighthouse, a Manager per replica
 process group, `DiLoCo(...)` around the loop; `_torchft_worker.py` imports tiny_lm's functions).
 
 Per N and side, a clean run gives the median inner step, what a round costs the training loop
-beyond its inner steps (diloco: each row's `sync_s`; torchft: the sync step's time less that
-replica's median inner step), over the rounds after the first, as two medians over rounds: of
+beyond its inner steps (diloco: each row's `sync_s`; torchft: the time spent in DiLoCo's
+post-step hook on the inner optimizer, where its sync runs), over the rounds after the first, as two medians over rounds: of
 the replicas' mean (`sync_s_per_round`: waiting for the slowest included) and of their minimum
 (`sync_s_exchange`: the last to arrive waits for nobody, so that is the exchange and the outer
-step themselves), and the global model's eval loss at the same step count. A second run SIGKILLs the last replica half a round after it
+step themselves), each also in the run's own inner steps (the machine is shared: when its load
+moves between runs, both move alike), and the global model's eval loss at the same step count. A second run SIGKILLs the last replica half a round after it
 finished round `BENCH_KILL_ROUND` and measures the seconds until it is back in a round (its first
 round applied as a member): diloco's supervisor relaunches it (the spec's [restart] policy, its
 default 1 s backoff) and it rejoins from the store; torchft leaves relaunching to the user's
@@ -129,6 +130,9 @@ def summary(raw: dict) -> dict:
     row["sync_s_per_round"] = round(statistics.median(statistics.fmean(v) for v in rounds), 4)
     row["sync_s_exchange"] = round(statistics.median(min(v) for v in rounds), 4)
     row["rounds_measured"] = len(rounds)
+    # in the run's own inner steps: both scale alike when the shared machine's load moves
+    row["sync_per_round_in_inner_steps"] = round(row["sync_s_per_round"] / row["inner_step_s"], 3)
+    row["sync_exchange_in_inner_steps"] = round(row["sync_s_exchange"] / row["inner_step_s"], 3)
     return row
 
 
@@ -141,6 +145,10 @@ def compare(d: dict, t: dict) -> dict:
     out = {"replicas": d["replicas"], "inner_step": round(d["inner_step_s"] / t["inner_step_s"], 3),
            "sync_s_per_round": round(d["sync_s_per_round"] / t["sync_s_per_round"], 3),
            "sync_s_exchange": round(d["sync_s_exchange"] / t["sync_s_exchange"], 3),
+           "sync_per_round_in_inner_steps": round(d["sync_per_round_in_inner_steps"]
+                                                  / t["sync_per_round_in_inner_steps"], 3),
+           "sync_exchange_in_inner_steps": round(d["sync_exchange_in_inner_steps"]
+                                                 / t["sync_exchange_in_inner_steps"], 3),
            "train_s": round(d["train_s"] / t["train_s"], 3),
            "eval_loss": round(d["eval_loss"] / t["eval_loss"] - 1, 4)}
     if "kill_run" in d:
