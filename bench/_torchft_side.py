@@ -47,7 +47,7 @@ def torchft_python() -> Path:
 def start_lighthouse(stack: ExitStack, log: Path) -> str:
     """torchft's lighthouse on a free loopback port, min_replicas 1 (survivors of a kill go on), the
     rest torchft's defaults; its address once it says it is listening."""
-    out = log.open("w")
+    out = stack.enter_context(log.open("w"))
     proc = subprocess.Popen([str(VENV / "bin" / "torchft_lighthouse"), "--bind", "127.0.0.1:0", "--min_replicas", "1"],
                             stdout=out, stderr=subprocess.STDOUT)
     stack.callback(lambda: (proc.kill(), proc.wait()))
@@ -89,14 +89,15 @@ def run(spec: Path, replicas: int, tmp: Path, kill_after_round: int | None = Non
             cmd = [str(python), str(WORKER), "--spec", str(spec), "--replica", str(rank), "--timeout-s", str(TIMEOUT_S),
                    "--lighthouse", lighthouse, "--events", str(tmp / f"events-{rank}-{attempt}.jsonl"),
                    "--go", str(go), *(["--rejoin"] if attempt else [])]
-            proc = subprocess.Popen(cmd, stdout=(tmp / f"worker-{rank}-{attempt}.log").open("w"),
-                                    stderr=subprocess.STDOUT)
+            log = stack.enter_context((tmp / f"worker-{rank}-{attempt}.log").open("w"))
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
             stack.callback(lambda: proc.poll() is None and (proc.kill(), proc.wait()))
             return proc
 
         t0 = time.monotonic()
         procs = {rank: launch(rank, 0) for rank in range(replicas)}
-        wait_for(lambda: all(events_of(tmp / f"events-{r}-0.jsonl") for r in procs), procs, tmp, 120)
+        # imports alone took 5-45 s on the loaded 2-core development machine
+        wait_for(lambda: all(events_of(tmp / f"events-{r}-0.jsonl") for r in procs), procs, tmp, 300)
         startup_s = time.monotonic() - t0
         go.touch()
         killed_at = None

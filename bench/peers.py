@@ -67,9 +67,9 @@ def run_diloco(spec: Path, replicas: int, tmp: Path, kill_after_round: int | Non
 
     state, log = tmp / "state", tmp / "diloco-run.log"
     tmp.mkdir(parents=True)
-    proc = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec), "--on-interrupt", "cancel"],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "DILOCO_STATE_DIR": str(state)})
+    with log.open("w") as out:  # the child holds its own copy of the descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec), "--on-interrupt", "cancel"],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "DILOCO_STATE_DIR": str(state)})
     try:
         run_id = wait_until(lambda: first_line(log), proc, log).split()[1].rstrip(":")
         run_dir, victim, killed_at = state / "runs" / run_id, replicas - 1, None
