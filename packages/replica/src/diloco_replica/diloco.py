@@ -117,6 +117,7 @@ class DiLoCo:
         # time-based rounds: a round closes round_seconds after it began here, or at H steps if sooner
         self.round_seconds = float(s.round_seconds) if s.round_seconds is not None else None
         self.faults = Faults(self.ctx.rank, self.lanes.index)  # fault injection; off by default
+        self._store = store
         if s.exchange == "process" and _process_reachable(store, self.ctx.rendezvous):  # else: a thread here
             import os
 
@@ -146,6 +147,12 @@ class DiLoCo:
     def round(self) -> int:
         """Rounds of the global model completed (the one this replica holds)."""
         return self._round
+
+    @property
+    def store(self):
+        """The run's store (the one given, else the rendezvous): for what a training function writes
+        beside the rounds, such as its report (`report.write_run_report`)."""
+        return self._store if self._store is not None else self.ctx.store
 
     @property
     def theta(self) -> torch.Tensor:
