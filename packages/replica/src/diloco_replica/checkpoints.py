@@ -80,12 +80,12 @@ class Checkpoints:
         for r in rounds:
             self.io.put(self.io.keys.checkpoint(r, VOID), json.dumps({"why": why}).encode(), create_only=True)
 
-    def load(self, r: int, numel: int, *, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def load(self, r: int, numel: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This lane's θ and momentum of checkpoint r; None if a shard vanished (GC raced us) or is corrupt."""
         io = self.io
         bounds = shard_bounds(numel, io.n)
         keys = [io.keys.checkpoint(r, io.sid(j)) for j in range(io.n)]
-        theta, buf = torch.empty(numel, pin_memory=pin), torch.empty(numel, pin_memory=pin)
+        theta, buf = torch.empty(numel), torch.empty(numel)
         # Shards in flight are copied out and dropped as they come, so loading holds a few shards
         # beyond θ and the momentum, not the whole checkpoint twice: four small ones, or one large.
         depth = 4 if 8 * numel // io.n <= LOAD_WINDOW_BYTES else 1
