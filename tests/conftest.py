@@ -74,6 +74,12 @@ secrets = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AW
 """
 
 
+def placed_by_groups(spec: Path) -> str:
+    """The spec's text without its top-level backend and replica count: the [[group]] tables a
+    test appends say where each replica runs."""
+    return spec.read_text().replace('backend = "local"\n', "").replace("replicas = 4\n", "")
+
+
 def on_s3(spec: Path, s3: dict) -> Path:
     """Point a spec at the moto S3 server the way a user would on a cloud backend."""
     text = spec.read_text()

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, events_of, one_global_model, record_of, tiny_spec, wait_for_round
+from conftest import ROOT, events_of, one_global_model, placed_by_groups, record_of, tiny_spec, wait_for_round
 
 pytest.importorskip("diloco_eks")
 pytest.importorskip("diloco_sagemaker")
@@ -59,7 +59,7 @@ def clouds(tmp_path, s3):
 def four_clouds_spec(tmp_path, s3, clouds, **kw):
     """The tiny-LM main job with its four replicas in four groups, one per backend."""
     spec = tiny_spec(tmp_path, **kw)
-    text = spec.read_text().replace('backend = "local"\n', "").replace("replicas = 4\n", "")
+    text = placed_by_groups(spec)
     text = text.replace("round_timeout = 120", "round_timeout = 15\ncheckpoint_every = 2")
     head, sep, rest = text.partition("\n[")
     text = head + f'\nrendezvous = "{s3["uri"]}"\nstore_region = "us-east-1"\n' + SECRETS + sep + rest

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, events_of, on_s3, one_global_model, record_of, tiny_spec, wait_for_round
+from conftest import ROOT, events_of, on_s3, one_global_model, placed_by_groups, record_of, tiny_spec, wait_for_round
 
 pytest.importorskip("diloco_slurm")
 from diloco_slurm.testing import SlurmCluster, job_processes, slurm_installed  # noqa: E402
@@ -123,10 +123,8 @@ def test_one_run_over_two_slurm_clusters_one_through_ssh_and_a_local_group_on_on
     alpha, beta, sshd = two_clusters
     state = tmp_path / "state"
     spec = on_s3(tiny_spec(tmp_path, steps=60, sync_every=20), s3)
-    text = spec.read_text().replace('backend = "local"\n', "").replace("replicas = 4\n", "")
     setup = [f"export PYTHONPATH={shlex.quote(os.environ['PYTHONPATH'])}"] if os.environ.get("PYTHONPATH") else []
-    head, sep, rest = text.partition("\n[")
-    text = head + sep + rest + f"""
+    text = placed_by_groups(spec) + f"""
 [[group]]
 name = "here"
 replicas = 1

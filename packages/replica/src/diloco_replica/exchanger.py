@@ -97,14 +97,6 @@ class Exchanger:
         self._pending: Future | None = None           # the last round's record, being written
         self._unrecorded: dict[int, RoundMetrics] = {}  # rows waiting for the training loop's timings
 
-    @property
-    def theta(self) -> torch.Tensor:
-        return self.state.theta
-
-    @property
-    def round(self) -> int:
-        return self.state.round
-
     def join(self, initial: Callable[[], torch.Tensor] | None) -> int:
         """Adopt the run's global state (`initial()`: θ_0 from the model, read only if the run is new)."""
         return self.state.bootstrap(initial)

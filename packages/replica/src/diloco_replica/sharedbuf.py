@@ -62,7 +62,3 @@ def pin(t: torch.Tensor) -> bool:
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
     return int(err) == 0
 
-
-def unpin(t: torch.Tensor) -> None:
-    if torch.cuda.is_available() and t.numel():
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
