@@ -124,7 +124,7 @@ class SyncProcess:
         self.conn = Connection(ours.detach())
         self._in_flight = False
         try:
-            send(self.conn, "start", numel=numel, theta=theta_path, snapshot=snapshot_path, lanes_file=lanes_file,
+            self._send("start", numel=numel, theta=theta_path, snapshot=snapshot_path, lanes_file=lanes_file,
                  threads=threads, settings=asdict(settings),
                  ctx={"rank": ctx.rank, "world_size": ctx.world_size, "run_id": ctx.run_id, "attempt": ctx.attempt,
                       "rendezvous": ctx.rendezvous, "lane": ctx.lane, "lanes": ctx.lanes})
@@ -136,11 +136,11 @@ class SyncProcess:
     # -- the requests ------------------------------------------------------------------------
 
     def join(self, initial: bool) -> int:
-        send(self.conn, "join", initial=initial)
+        self._send("join", initial=initial)
         return int(self._expect("joined")["round"])
 
     def start(self, r: int, work: Work) -> None:
-        send(self.conn, "round", round=r, work=asdict(work))
+        self._send("round", round=r, work=asdict(work))
         self._in_flight = True
 
     def arrived(self) -> bool:
@@ -154,7 +154,7 @@ class SyncProcess:
                        exchange_s=float(msg["exchange_s"]))
 
     def applied(self, r: int, **timings: float) -> None:
-        send(self.conn, "applied", round=r, **timings)
+        self._send("applied", round=r, **timings)
 
     def check(self) -> None:
         """Between rounds nothing is expected from the sync process: anything readable is its end."""
@@ -162,13 +162,13 @@ class SyncProcess:
             self._expect("nothing")
 
     def settle(self) -> None:
-        send(self.conn, "settle")
+        self._send("settle")
         self._expect("settled")
 
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                send(self.conn, "close")
+                self._send("close")
                 self._expect("closed")
             finally:
                 self._reap()
@@ -176,19 +176,28 @@ class SyncProcess:
 
     # -- the answers -------------------------------------------------------------------------
 
+    def _send(self, op: str, **fields: Any) -> None:
+        try:
+            send(self.conn, op, **fields)
+        except OSError:  # it died between our requests: the same one line as a death seen on a read
+            self._gone()
+
     def _expect(self, op: str) -> dict[str, Any]:
         try:
             msg = receive(self.conn)
         except (EOFError, OSError):
-            self._reap()
-            raise RoundFailed(f"the sync process (pid {self.proc.pid}) {self._how_it_ended()}; this replica stops "
-                              f"rather than train without it") from None
+            self._gone()
         if msg["op"] == "error":
             self._reap()
             raise _RAISED.get(msg.get("kind"), RoundFailed)(str(msg.get("message")))
         if msg["op"] != op:
             raise RoundFailed(f"the sync process answered {msg['op']!r} where {op!r} was due")
         return msg
+
+    def _gone(self) -> None:
+        self._reap()
+        raise RoundFailed(f"the sync process (pid {self.proc.pid}) {self._how_it_ended()}; this replica stops "
+                          f"rather than train without it") from None
 
     def _reap(self) -> None:
         try:
