@@ -17,6 +17,7 @@ plain call and nothing is exchanged.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -27,6 +28,16 @@ from .finite import NonFinite
 from .rounderrors import FellBehind, RoundFailed
 
 T = TypeVar("T")
+
+
+class PeerLost(RoundFailed):
+    """Another process of this replica died: torchrun is about to stop this one."""
+
+    def wait_to_be_stopped(self) -> None:
+        """Sleep on the main thread, where torchrun's SIGTERM ends the process at once (a thread
+        asleep here would hold the interpreter's exit until SIGKILL), then raise."""
+        time.sleep(PEER_LOST_WAIT_S)
+        raise self
 
 
 class Retry(Exception):
@@ -97,10 +108,13 @@ class Lanes:
         return [json.loads(bytes(t[:int(s)].tolist())) for t, s in zip(out, sizes)]
 
     def peer_lost(self, exc: BaseException) -> None:
-        """A collective failed because another process of the replica died: wait to be stopped."""
+        """A collective failed because another process of the replica died: wait to be stopped
+        (on the main thread; a round's thread raises `PeerLost` for the main thread to wait)."""
         self.log("another process of this replica stopped; waiting for torchrun to stop this one")
-        time.sleep(PEER_LOST_WAIT_S)
-        raise RoundFailed(f"another process of this replica stopped: {str(exc).splitlines()[0]}") from None
+        lost = PeerLost(f"another process of this replica stopped: {str(exc).splitlines()[0]}")
+        if threading.current_thread() is threading.main_thread():
+            lost.wait_to_be_stopped()
+        raise lost from None
 
     def agree(self, fn: Callable[[], T]) -> T:
         """Every lane runs `fn`; if any lane failed, every lane raises (its own error, or the first one's kind)."""

@@ -10,8 +10,11 @@ When the reducer looks is event-driven, not a continuous watch: a reader stuck o
 shard holds up the next round, so the reducer meets it while it waits itself — for the next
 round's members, for reduced shards, or for a repair of its own — and looks then (`waiting()`),
 at most once every `REPAIR_LOOK_EVERY` seconds (polls, counted as `repair_looks`); and once when
-the next round is formed. A healthy round costs one LIST for repairs, not one every few seconds
-of the inner phase (~20 LISTs a round on S3 before).
+the next round is formed. Between rounds it also looks 1, 3, 7, 15, … seconds after its own
+round ended (`look_soon`, the gap doubling): a reader that asks t seconds after that is served
+within another t at most, so within its round timeout whenever it asked within it, while a
+healthy inner phase of T seconds costs about log2(T) LISTs, not one every few seconds (~20 a
+round on S3 before).
 
 "Corrupt" is anything a reader cannot use: a bad checksum, an object that does not fit the
 round's layout (shard length, codec), non-finite values (a reducer never publishes them), or a
@@ -55,7 +58,8 @@ class RepairDesk:
         self._lock = threading.Lock()
         self._waiters = 0
         self._waiting = threading.Event()  # set while this replica waits in the store protocol
-        self._look_at: float | None = None  # one look this long after a round ended (readers a bit behind)
+        self._look_at: float | None = None  # the next look after a round ended (readers behind it)
+        self._look_gap = REPAIR_LOOK_EVERY  # and the gap before the one after, doubling
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -185,7 +189,8 @@ class RepairDesk:
                 due = self._look_at is not None and time.monotonic() >= self._look_at
                 if not (self._waiting.wait(0.05) or due) or stop.is_set():
                     continue
-                self._look_at = None
+                if due:
+                    self._look_at, self._look_gap = time.monotonic() + self._look_gap, 2 * self._look_gap
                 try:
                     with io.store.polling(repair=True):  # a look costs what the wait costs: polls
                         if self.serve_once():
@@ -198,9 +203,10 @@ class RepairDesk:
         self._watcher.start()
 
     def look_soon(self) -> None:
-        """This replica's round is done: look once, a moment from now, for readers just behind it
-        (the last round of a run has no next round to wait in)."""
-        self._look_at = time.monotonic() + max(REPAIR_LOOK_EVERY, self.io.poll_max)
+        """This replica's round is done: look a moment from now for readers behind it, then at
+        doubling gaps until the next round (the last round of a run has no next round to wait in)."""
+        first = max(REPAIR_LOOK_EVERY, self.io.poll_max)
+        self._look_at, self._look_gap = time.monotonic() + first, 2 * first
 
     def next_round(self) -> None:
         """A new round is formed: stop watching, answer late requests once, forget what was published."""

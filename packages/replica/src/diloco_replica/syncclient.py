@@ -43,7 +43,7 @@ from diloco.settings import DilocoSettings
 from . import sharedbuf
 from .exchanger import Exchanger, Outcome, Work
 from .finite import NonFinite
-from .lanes import Lanes
+from .lanes import Lanes, PeerLost
 from .rounderrors import FellBehind, RoundFailed
 from .syncwire import receive, send
 
@@ -83,7 +83,11 @@ class InThread:
 
     def outcome(self) -> Outcome:
         future, self._future = self._future, None
-        return future.result()
+        try:
+            return future.result()
+        except PeerLost as lost:
+            lost.wait_to_be_stopped()
+            raise
 
     def applied(self, r: int, **timings: float) -> None:
         self.exchanger.applied(r, **timings)
