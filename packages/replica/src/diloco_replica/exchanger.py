@@ -230,4 +230,5 @@ class Exchanger:
 
     def close(self) -> None:
         self.settle()
+        self.recorder.closing.set()
         self.allreduce.close()

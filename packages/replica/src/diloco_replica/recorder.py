@@ -1,8 +1,9 @@
 """Writing a round's record: each replica's metrics row, and the round's summary once per round.
 
 The summary (`diloco.metrics.RoundSummary`) is written by the round's recorder — the reducer of
-shard 0 — once every member's row is in (or `round_timeout` has passed), create-only, on a
-background thread so training goes on. It carries the cross-replica checks: θ digests that
+shard 0 — once every member's row is in (or `round_timeout` has passed, or this replica closes:
+a member killed mid-round never writes its row, and leaving must not wait for it), create-only,
+on a background thread so training goes on. It carries the cross-replica checks: θ digests that
 disagree (`diverged`), and the incidents members met. Every replica reads the summaries that
 appeared since its last look (one LIST, one GET per new round) to learn whether its own state
 is in the minority.
@@ -10,6 +11,7 @@ is in the minority.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -24,6 +26,7 @@ class Recorder:
     def __init__(self, ar: StoreAllReduce, log: Callable[[str], None]):
         self.io, self.log = ar.io, log
         self.reader: RoundReader | None = None
+        self.closing = threading.Event()  # the replica leaves: write summaries from the rows that are in
 
     def write_row(self, row: RoundMetrics) -> None:
         try:
@@ -50,7 +53,7 @@ class Recorder:
 
         try:
             names = names_now()
-            while not {f"rank-{m}.json" for m in members} <= set(names) and backoff.sleep(deadline):
+            while not {f"rank-{m}.json" for m in members} <= set(names) and backoff.sleep(deadline, self.closing):
                 names = names_now()
             rows = []
             for name in names:

@@ -100,12 +100,15 @@ class Backoff:
     def __init__(self, first: float, cap: float = 1.0):
         self.delay, self.cap = first, cap
 
-    def sleep(self, deadline: float) -> bool:
-        """Sleep the next interval; False if the deadline has passed."""
+    def sleep(self, deadline: float, wake: threading.Event | None = None) -> bool:
+        """Sleep the next interval; False if the deadline has passed (or `wake` is set)."""
         now = time.monotonic()
-        if now >= deadline:
+        if now >= deadline or (wake is not None and wake.is_set()):
             return False
-        time.sleep(min(self.delay, deadline - now))
+        if wake is None:
+            time.sleep(min(self.delay, deadline - now))
+        elif wake.wait(min(self.delay, deadline - now)):
+            return False
         self.delay = min(self.delay * 1.5, self.cap)
         return True
 
