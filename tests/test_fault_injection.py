@@ -170,20 +170,24 @@ def test_random_sigkills_never_break_the_run(tmp_path, reference, run_index):
 
 # Every sync-hiding mode, with a SIGKILL aimed at the gather: with overlap that is the background
 # round, while the training loop goes on with inner steps (in the first, in a sync process: the
-# kill lands on the training process, and its sync process dies with it).
+# kill lands on the training process, and its sync process dies with it). Each runs long enough
+# for the kill (about round 2) and several rounds after the rejoin: with 5 fragments a round
+# closes every 5 steps, so 60 steps are 12 rounds.
 SYNC_MODES = {
-    "overlap+fragments+int4, sync process": 'overlap = true\nfragments = 5\ntransport = "int4"\nexchange = "process"',
-    "overlap+topk": 'overlap = true\ntransport = "topk"',
-    "fragments+topk": 'fragments = 5\ntransport = "topk"',
-    "round_seconds+int8": 'round_seconds = 0.15\ntransport = "int8"',  # time-based rounds: a round is 0.15 s, not H steps
+    "overlap+fragments+int4, sync process": ('overlap = true\nfragments = 5\ntransport = "int4"\nexchange = "process"',
+                                             60),
+    "overlap+topk": ('overlap = true\ntransport = "topk"', STEPS // 2),
+    "fragments+topk": ('fragments = 5\ntransport = "topk"', 60),
+    "round_seconds+int8": ('round_seconds = 0.15\ntransport = "int8"', STEPS // 2),  # a round is 0.15 s, not H steps
 }
 
 
 @pytest.mark.parametrize("mode", SYNC_MODES)
 def test_a_replica_killed_mid_round_rejoins_in_every_sync_mode(tmp_path, mode):
     spec = spec_for(tmp_path)
-    text = spec.read_text().replace('transport = "fp32"', SYNC_MODES[mode])
-    spec.write_text(text.replace(f"total_steps = {STEPS}", f"total_steps = {STEPS // 2}"))  # enough rounds after the kill
+    settings, steps = SYNC_MODES[mode]
+    text = spec.read_text().replace('transport = "fp32"', settings)
+    spec.write_text(text.replace(f"total_steps = {STEPS}", f"total_steps = {steps}"))
     state, phase_dir = tmp_path / "state", tmp_path / "phases"
     phase_dir.mkdir()
     env = {"DILOCO_FAULT_PHASE_FILE": str(phase_dir / "phase-{rank}"), "DILOCO_FAULT_PHASE_DELAY": "0.15"}
