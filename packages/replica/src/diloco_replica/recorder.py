@@ -1,9 +1,12 @@
 """Writing a round's record: each replica's metrics row, and the round's summary once per round.
 
 The summary (`diloco.metrics.RoundSummary`) is written by the round's recorder — the reducer of
-shard 0 — once every member's row is in (or `round_timeout` has passed, or this replica closes:
-a member killed mid-round never writes its row, and leaving must not wait for it), create-only,
-on a background thread so training goes on. It carries the cross-replica checks: θ digests that
+shard 0 — once every member's row is in (or `round_timeout` has passed), create-only, on a
+background thread so training goes on. A recorder that closes while rows are still missing (a
+member killed mid-round never writes its row; at the end of a run the others' last rows may
+still be on their way) writes nothing, rather than wait up to `round_timeout` or write a summary
+short of rows that are coming: readers rebuild a round without a summary from its rows
+(`diloco.metrics.RoundReader`). It carries the cross-replica checks: θ digests that
 disagree (`diverged`), and the incidents members met. Every replica reads the summaries that
 appeared since its last look (one LIST, one GET per new round) to learn whether its own state
 is in the minority.
@@ -26,7 +29,7 @@ class Recorder:
     def __init__(self, ar: StoreAllReduce, log: Callable[[str], None]):
         self.io, self.log = ar.io, log
         self.reader: RoundReader | None = None
-        self.closing = threading.Event()  # the replica leaves: write summaries from the rows that are in
+        self.closing = threading.Event()  # the replica leaves: stop waiting for rows
 
     def write_row(self, row: RoundMetrics) -> None:
         try:
@@ -53,8 +56,11 @@ class Recorder:
 
         try:
             names = names_now()
-            while not {f"rank-{m}.json" for m in members} <= set(names) and backoff.sleep(deadline, self.closing):
+            expected = {f"rank-{m}.json" for m in members}
+            while not expected <= set(names) and backoff.sleep(deadline, self.closing):
                 names = names_now()
+            if self.closing.is_set() and not expected <= set(names):
+                return  # leaving: readers rebuild this round from its rows
             rows = []
             for name in names:
                 raw = store.get(prefix + name)
