@@ -20,7 +20,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from diloco.errors import UserError
 
@@ -33,7 +33,7 @@ T = TypeVar("T")
 class PeerLost(RoundFailed):
     """Another process of this replica died: torchrun is about to stop this one."""
 
-    def wait_to_be_stopped(self) -> None:
+    def wait_to_be_stopped(self) -> NoReturn:
         """Sleep on the main thread, where torchrun's SIGTERM ends the process at once (a thread
         asleep here would hold the interpreter's exit until SIGKILL), then raise."""
         time.sleep(PEER_LOST_WAIT_S)

@@ -2,14 +2,15 @@
 
 The summary (`diloco.metrics.RoundSummary`) is written by the round's recorder — the reducer of
 shard 0 — once every member's row is in (or `round_timeout` has passed), create-only, on a
-background thread so training goes on. A recorder that closes while rows are still missing (a
-member killed mid-round never writes its row; at the end of a run the others' last rows may
-still be on their way) writes nothing, rather than wait up to `round_timeout` or write a summary
-short of rows that are coming: readers rebuild a round without a summary from its rows
-(`diloco.metrics.RoundReader`). It carries the cross-replica checks: θ digests that
+background thread so training goes on. It carries the cross-replica checks: θ digests that
 disagree (`diverged`), and the incidents members met. Every replica reads the summaries that
 appeared since its last look (one LIST, one GET per new round) to learn whether its own state
 is in the minority.
+
+A recorder that closes while rows are still missing (a member killed mid-round never writes its
+row; at the end of a run the others' last rows may still be on their way) writes nothing, rather
+than wait up to `round_timeout` or write a summary short of rows that are coming: readers
+rebuild a round without a summary from its rows (`diloco.metrics.RoundReader`).
 """
 
 from __future__ import annotations

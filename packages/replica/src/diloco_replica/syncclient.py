@@ -87,7 +87,6 @@ class InThread:
             return future.result()
         except PeerLost as lost:
             lost.wait_to_be_stopped()
-            raise
 
     def applied(self, r: int, **timings: float) -> None:
         self.exchanger.applied(r, **timings)
