@@ -59,14 +59,16 @@ def test_a_requeued_job_reads_pending_then_runs_again_under_the_same_id(slurm, s
     executor = slurm()
     (handle,) = launch(executor, 1, SLEEP, {"seconds": 300}, timeout=600)
     job_id = handle.metadata["job_id"]
-    assert wait_for_status(executor, handle, {"running"}) == "running"
+    # requeued once the replica runs (a requeue while slurmd still launches the batch step is another case)
+    assert "sleeping" in wait_for_output(executor, handle, "sleeping", timeout=60)
     subprocess.run(["scontrol", "requeue", job_id], env=slurm_cluster.env, check=True)
     assert wait_for_status(executor, handle, {"pending"}, timeout=30) == "pending"
     detail = executor.status_detail(handle)
     assert detail and "requeued (restart 1)" in detail, detail
     wait_for(lambda: "JobState=PENDING" in scontrol(slurm_cluster, job_id), timeout=30)
     slurm_cluster.release(job_id)  # the ~120 s BeginTime hold Slurm puts on a requeued job
-    assert wait_for_status(executor, handle, {"running"}, timeout=60) == "running"
+    again = wait_for_status(executor, handle, {"running"}, timeout=60)
+    assert again == "running", (again, scontrol(slurm_cluster, job_id), executor.stream_logs(handle))
     assert "restart 1" in wait_for_output(executor, handle, "(restart 1)", timeout=30)
     executor.cancel(handle)
     assert wait_for_status(executor, handle, {"cancelled"}) == "cancelled"
