@@ -97,6 +97,20 @@ def test_a_preemption_spends_only_the_preemption_budget():
         Decision(Action.GANG_RESTART, delay=2.0, preempted=True)
 
 
+
+@pytest.mark.parametrize("exit_code, error, preempted", [
+    (EXIT_PREEMPTED, "preempted: the platform sent SIGINT to take the replica's machine away", True),
+    # killed at the end of the platform's grace period, after the runner took the notice
+    (137, "preempted: the platform sent SIGUSR1 to take the replica's machine away\nlast output:\n...", True),
+    (137, "\n  preempted: the platform sent SIGTERM to take the replica's machine away", True),
+    (137, "killed by SIGKILL (exit code 137)\npreempted: the platform sent SIGINT ...", False),  # not its cause
+    (1, "ValueError: preempted: the platform sent SIGINT (at global step 3)", False),
+    (137, None, False),
+])
+def test_a_replica_killed_after_taking_the_preemption_notice_is_preempted(exit_code, error, preempted):
+    d = ask(settings(max_restarts_per_rank=0), failure(exit_code, error))
+    assert (d.preempted, d.action) == (preempted, Action.RELAUNCH if preempted else Action.GIVE_UP)
+
 # -- budgets: what each answer spends, and when ----------------------------------------------
 
 @pytest.mark.parametrize("table, f, kwargs, action, spent", [

@@ -10,6 +10,10 @@ from __future__ import annotations
 from .errors import EXIT_CONFIG, EXIT_PREEMPTED
 
 STEP_MARK = " (at global step "
+# what the in-replica runner prints before a failed replica's cause line, its last words, for
+# backends that only have logs (`cause_from_log`); a spec or store mistake gets the second
+CAUSE_PREFIX = "diloco: replica failed: "
+USER_ERROR_PREFIX = "diloco: error: "
 
 
 def cause(error: str | None) -> str:
@@ -25,9 +29,18 @@ def is_config_error(exit_code: int | None) -> bool:
     return exit_code == EXIT_CONFIG
 
 
-def is_preemption(exit_code: int | None) -> bool:
-    """A replica the platform took away (exit 75): relaunch it, do not count it as a failure."""
-    return exit_code == EXIT_PREEMPTED
+PREEMPTED_CAUSE = "preempted: the platform sent {signal} to take the replica's machine away"
+_PREEMPTED_HEAD = PREEMPTED_CAUSE.split("{", 1)[0]
+
+
+def is_preemption(exit_code: int | None, error: str | None = None) -> bool:
+    """A replica the platform took away: relaunch it, do not count it as a failure.
+
+    Exit 75, or the runner's preemption cause as the error's first line with any exit code: a
+    replica that took the platform's notice but was killed at the end of its grace period (a
+    round still in flight, a slow machine) exits 137, and it was preempted all the same.
+    """
+    return exit_code == EXIT_PREEMPTED or cause(error).startswith(_PREEMPTED_HEAD)
 
 
 def code_failure_signature(error: str | None) -> str | None:
@@ -61,8 +74,6 @@ def shorten(text: str | None, limit: int = 2000) -> str | None:
 
 def cause_from_log(tail: str) -> str | None:
     """The cause line the in-replica bootstrap prints last, for backends that only have logs."""
-    from .runner import CAUSE_PREFIX, USER_ERROR_PREFIX
-
     for line in reversed(tail.splitlines()):
         for prefix in (CAUSE_PREFIX, USER_ERROR_PREFIX):
             if line.startswith(prefix):

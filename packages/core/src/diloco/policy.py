@@ -102,7 +102,7 @@ class Decision:
 def decide(s: RestartSettings, failure: Failure, *, rank: int, restarts: int, restarts_used: int,
            preemptions_used: int, peers: Sequence[Peer]) -> Decision:
     """The answer to one failed attempt of `rank` (which has been relaunched `restarts` times)."""
-    if is_preemption(failure.exit_code):
+    if is_preemption(failure.exit_code, failure.error):
         if s.policy == "never":
             return Decision(Action.GIVE_UP, preempted=True, reason="restart policy is never")
         if preemptions_used >= s.max_preemptions:

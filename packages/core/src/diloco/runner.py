@@ -25,6 +25,7 @@ import time
 
 from . import envvars as v
 from .context import ReplicaContext
+from .failures import CAUSE_PREFIX, PREEMPTED_CAUSE, USER_ERROR_PREFIX
 
 
 def write_text_atomic(path: str, text: str) -> None:
@@ -127,7 +128,6 @@ def _run_command(cmd: list[str], outcome: _Outcome) -> int:
     return 1
 
 
-CAUSE_PREFIX = "diloco: replica failed: "
 RESULT_PREFIX = "diloco: replica result: "
 
 
@@ -142,7 +142,6 @@ def result_from_log(tail: str) -> object:
             except (ValueError, AttributeError):
                 return None
     return None
-USER_ERROR_PREFIX = "diloco: error: "
 
 
 def failure_cause(exc: BaseException, ctx: ReplicaContext) -> str:
@@ -160,9 +159,6 @@ def lane_result_path(path: str, lane: int) -> str:
     """Where process `lane` of a multi-process replica writes its result; `diloco_replica.torchrun`
     turns the lanes' results into the replica's one result at `path`."""
     return f"{path}.lane-{lane}"
-
-
-PREEMPTED_CAUSE = "preempted: the platform sent {signal} to take the replica's machine away"
 
 
 def preemption_signal() -> signal.Signals | None:

@@ -22,7 +22,8 @@ import sys
 
 from diloco import envvars
 from diloco.errors import EXIT_PREEMPTED
-from diloco.runner import CAUSE_PREFIX, PREEMPTED_CAUSE, lane_result_path, preemption_signal, write_text_atomic
+from diloco.failures import CAUSE_PREFIX, PREEMPTED_CAUSE
+from diloco.runner import lane_result_path, preemption_signal, write_text_atomic
 
 
 def _read(path: str) -> dict | None:
