@@ -4,10 +4,7 @@ Debian's Slurm 22.05 packages (slurmctld, slurmd, slurm-client) run without syst
 `auth/none` and `cred/none`; `proctrack/pgid` (linuxproc leaves orphans), `task/none`, and
 `cons_tres` with `CR_Core_Memory` + `DefMemPerCPU` (without it each job takes all the memory and jobs
 run one at a time). No accounting: `sacct` is absent, as on many test clusters, so the backend's
-fallbacks (scontrol, then the run directory) are what is tested. The schedulers run every second
-(`sched_interval=1,bf_interval=1`, against 60 and 30 s by default): a job that misses the attempt
-slurmctld makes when it is submitted or released (a node still registering, a busy machine) starts
-a second later, not a minute later. Every daemon is stopped by its pid.
+fallbacks (scontrol, then the run directory) are what is tested. Every daemon is stopped by its pid.
 Two clusters run side by side, each with its own `SLURM_CONF`. The daemons run as the user running
 the tests (root on this project's machines; slurmd needs root to start jobs as other users, which
 these tests never do).
@@ -91,7 +88,6 @@ MpiDefault=none
 ReturnToService=2
 SlurmdParameters=config_overrides
 SchedulerType=sched/backfill
-SchedulerParameters=sched_interval=1,bf_interval=1
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 JobAcctGatherType=jobacct_gather/none
