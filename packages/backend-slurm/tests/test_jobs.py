@@ -66,6 +66,9 @@ def test_a_requeued_job_reads_pending_then_runs_again_under_the_same_id(slurm, s
     detail = executor.status_detail(handle)
     assert detail and "requeued (restart 1)" in detail, detail
     wait_for(lambda: "JobState=PENDING" in scontrol(slurm_cluster, job_id), timeout=30)
+    # the hold keeps the job off the node until its first run has ended there; released early, it
+    # may only start once that run's processes are gone (else slurmd refuses the second launch)
+    assert wait_for(lambda: not job_pids(handle), timeout=60)
     slurm_cluster.release(job_id)  # the ~120 s BeginTime hold Slurm puts on a requeued job
     again = wait_for_status(executor, handle, {"running"}, timeout=60)
     assert again == "running", (again, scontrol(slurm_cluster, job_id), executor.stream_logs(handle))
