@@ -14,11 +14,16 @@ the machine's disk. Per mode and H, in the same run:
 - step_inflation: the median inner step while a round was being exchanged over the median one
   while none was, minus 1 (overlap; a synchronous round runs no inner steps while it exchanges).
 - raw_transfer_s: the same bytes as a round moves (up S, down 2(N−1)/N·S) by plain puts and gets
-  through the same store, all replicas at once; blocked_vs_raw: blocked_s_per_round over it.
+  through the same store, all replicas at once (the median of 3); blocked_vs_raw: blocked_s_per_round over it.
+- step_bound_tokens_per_s: N replicas' tokens per step over the median inner step taken while no
+  round was in flight (the issue's "compute alone": no data loading stalls, no stragglers);
+  share_of_step_bound: tokens_per_s over it.
 - eval_loss: θ_global's loss on held-out text at the end (equal steps for every row).
 
 Rows named "… (process)" run the exchange in a sync process beside each training process
-(`exchange = "process"`); the others on a thread of the training process (the default).
+(`exchange = "process"`); the others on a thread of the training process (the default). Rows
+named "… fragments5" sync the model in 5 fragments (`fragments = 5`, a round every H/5 steps;
+their blocked share is of those shorter rounds).
 
 Without CUDA the bench runs a proxy of what the GPU sees (`device: "cpu-proxy"`): an inner step is
 BENCH_PROXY_STEP_S of sleep (the GPU's compute: it holds no interpreter) after BENCH_PROXY_LAUNCHES
@@ -60,6 +65,8 @@ MODES: dict[str, dict | None] = {
     "overlap int4": {"overlap": True, "transport": "int4"},
     "overlap int4 (process)": {"overlap": True, "transport": "int4", "exchange": "process"},
     "overlap int4 no-feedback": {"overlap": True, "transport": "int4", "error_feedback": False},
+    "overlap fp32 fragments5": {"overlap": True, "fragments": 5},
+    "overlap int4 fragments5": {"overlap": True, "transport": "int4", "fragments": 5},
 }
 ROWS = [r for r in knob("BENCH_ROWS", ",".join(MODES), "compute-only,sync fp32,overlap int4 (process)").split(",") if r]
 HS = [int(h) for h in knob("BENCH_H", "50", "10").split(",")]
@@ -154,22 +161,26 @@ def worker(spec: dict) -> dict:
     return out
 
 
-def raw_transfer(ctx, nbytes: int, spec: dict) -> float:
+def raw_transfer(ctx, nbytes: int, spec: dict, repeats: int = 3) -> float:
     """A round's bytes by plain puts and gets, every replica at once: N shards of S/N up (N−1 to
-    the others, one reduced), then 2(N−1) down, 8 requests in flight."""
+    the others, one reduced), then 2(N−1) down, 8 requests in flight. The median of `repeats`
+    (one transfer of a few hundred MB varies by 2× on a shared disk)."""
     from concurrent.futures import ThreadPoolExecutor
 
     n = spec["replicas"]
     shard = os.urandom(max(1, nbytes // n))
-    key = lambda i: f"raw/{ctx.rank}/{i}"  # noqa: E731
-    barrier(spec["dir"], f"raw-{ctx.rank}", n)
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda i: ctx.store.put(key(i), shard), range(n)))
-        barrier(spec["dir"], f"raw-up-{ctx.rank}", n)
-        others = [f"raw/{(ctx.rank + 1 + k) % n}/{i}" for k in range(max(1, n - 1)) for i in range(2)]
-        list(pool.map(ctx.store.get, others))
-    return time.perf_counter() - t0
+    times = []
+    for k in range(repeats):
+        key = lambda i, rank=ctx.rank, k=k: f"raw{k}/{rank}/{i}"  # noqa: E731
+        barrier(spec["dir"], f"raw{k}-{ctx.rank}", n)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda i: ctx.store.put(key(i), shard), range(n)))
+            barrier(spec["dir"], f"raw{k}-up-{ctx.rank}", n)
+            others = [f"raw{k}/{(ctx.rank + 1 + j) % n}/{i}" for j in range(max(1, n - 1)) for i in range(2)]
+            list(pool.map(ctx.store.get, others))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def barrier(where: str, name: str, count: int) -> None:
@@ -209,15 +220,17 @@ def run_mode(name: str, H: int, device: str, tmp: Path) -> dict:
 def summarise(name: str, H: int, device: str, outs: list[dict]) -> dict:
     tokens = sum(o["tokens"] for o in outs)
     loop = max(o["loop_s"] for o in outs)
+    idle = [s for o in outs for s in o["idle_steps"]]
+    step_bound = N * SHAPE["batch"] * SHAPE["context"] / statistics.median(idle)
     row = {"device": device, "mode": name, "replicas": N, "H": H, "steps": STEPS, "tokens_per_s": round(tokens / loop),
+           "step_bound_tokens_per_s": round(step_bound), "share_of_step_bound": round(tokens / loop / step_bound, 3),
            "parameters": outs[0]["parameters"], "eval_loss": outs[0].get("eval_loss")}
     if name == "compute-only":
         return row
     assert len({o["theta_crc32"] for o in outs}) == 1, f"{name}: replicas disagree on θ_global"
     rounds = [r for o in outs for r in o["rows"]]
     blocked = statistics.mean(r["sync_s"] for r in rounds) if rounds else 0.0
-    round_s = loop / max(1, STEPS / H)
-    idle = [s for o in outs for s in o["idle_steps"]]
+    round_s = loop / max(1, STEPS * MODES[name].get("fragments", 1) / H)  # a round every H/K steps
     busy = [s for o in outs for s in o["busy_steps"]]
     raw = statistics.mean(o["raw_transfer_s"] for o in outs)
     row.update({"drain_s": round(max(o["drain_s"] for o in outs), 3), "blocked_s_per_round": round(blocked, 4), "blocked_share": round(blocked / round_s, 4),

@@ -116,6 +116,22 @@ def worker(rank: int, n: int, uri: str, env: dict, src: list[str], run: str, bar
                "bytes_up": rows[-1].bytes_up, "bytes_down": rows[-1].bytes_down})
 
 
+def _result(queue, procs, limit: float = 1800.0) -> dict:
+    """The next worker's result; a worker that died without one stops the bench at once (its
+    traceback is on stderr) instead of leaving it waiting out `limit`."""
+    import queue as queues
+
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            return queue.get(timeout=1.0)
+        except queues.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise SystemExit(f"round_cost: a replica worker died (exit {dead[0].exitcode}); see its traceback above")
+    raise SystemExit(f"round_cost: no result from the replicas in {limit:g}s")
+
+
 def one(uri: str, env: dict, n: int, src: list[str], run: str) -> dict:
     import torch.multiprocessing as mp
 
@@ -124,7 +140,7 @@ def one(uri: str, env: dict, n: int, src: list[str], run: str) -> dict:
     procs = [ctx.Process(target=worker, args=(i, n, uri, env, src, run, barrier, queue)) for i in range(n)]
     for p in procs:
         p.start()
-    got = [queue.get(timeout=1800) for _ in procs]
+    got = [_result(queue, procs) for _ in procs]
     for p in procs:
         p.join(60)
     size = MB * 1024 * 1024

@@ -78,7 +78,6 @@ def test_a_damaged_or_malformed_header_is_a_corrupt_object():
 def test_objects_of_wire_version_2_written_by_an_older_diloco_are_still_read():
     """Version 3 hashes with XXH3-64; a store holding version-2 objects (CRC-32) stays readable,
     and damage in one is still caught by its own checksum."""
-    import json
     import struct
     import zlib
 

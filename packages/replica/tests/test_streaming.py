@@ -9,6 +9,7 @@ equal the whole-vector one bit for bit, and must never materialise Δ or the mea
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import torch
@@ -31,10 +32,27 @@ class LiveDelta:
         return torch.sub(self.theta[a:b], out, out=out)
 
 
+def at_once(n: int, go) -> dict[int, BaseException]:
+    """go(i) for replicas 0..n−1, each on a thread of its own, all at once; back when all are done,
+    with what each that failed raised."""
+    errors = {}
+
+    def run(i: int) -> None:
+        try:
+            go(i)
+        except BaseException as exc:  # noqa: BLE001 - the caller asserts on it
+            errors[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    return errors
+
+
 def rounds(n: int, deltas: list[torch.Tensor], *, streamed: bool, codec: str = "fp32"):
     """Each replica's round-1 mean: whole (RoundResult.mean) or gathered from the sink."""
     store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-stream"
-    out, sizes, errors = {}, {i: [] for i in range(n)}, []
+    out, sizes = {}, {i: [] for i in range(n)}
 
     def go(i: int) -> None:
         ar = StoreAllReduce(store, run, i, n, codec=codec, round_timeout=10, poll_interval=0.002, poll_max=0.02)
@@ -57,14 +75,10 @@ def rounds(n: int, deltas: list[torch.Tensor], *, streamed: bool, codec: str = "
                 out[i] = got
             else:
                 out[i] = ar.run_round(1, deltas[i].clone()).mean
-        except BaseException as exc:  # noqa: BLE001 - asserted below
-            errors.append(exc)
         finally:
             ar.close()
 
-    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
+    errors = at_once(n, go)
     assert not errors, errors
     return out, sizes
 
@@ -94,3 +108,57 @@ def test_the_outer_step_applied_shard_by_shard_is_bit_identical_to_the_whole_ste
         for a, z in reversed(shard_bounds(numel, n)):  # any order, as shards arrive
             assert outer_step(t[a:z], b[a:z], grad[a:z], lr=0.7, momentum=0.9, nesterov=True)
         assert torch.equal(t, whole_t) and torch.equal(b, whole_b)
+
+
+def test_a_reducers_own_mean_is_applied_while_it_gathers_and_the_round_waits_for_it():
+    """The outer step of a replica's own shard (the sink) runs beside the gather of the others'
+    shards, not before it, and `run_round` returns only once that sink is done: the caller's
+    buffers are never written after the round has returned."""
+    n, numel = 2, 1_000
+    store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-own-sink"
+    spans, returned = {i: {} for i in range(n)}, {}
+    gathering = [threading.Event() for _ in range(n)]
+
+    def go(i: int) -> None:
+        ar = StoreAllReduce(store, run, i, n, round_timeout=10, poll_interval=0.002, poll_max=0.02)
+
+        def sink(j, a, b, mean):
+            start = time.monotonic()
+            if j == i:  # the own shard's outer step lasts until the other shard arrives (or 10 s)
+                gathering[i].wait(10)
+            else:
+                gathering[i].set()
+            spans[i][j] = (start, time.monotonic())
+
+        try:
+            ar.run_round(1, torch.full((numel,), float(i + 1)), sink=sink)
+            returned[i] = time.monotonic()
+        finally:
+            ar.close()
+
+    errors = at_once(n, go)
+    assert not errors, errors
+    for i in range(n):
+        own, other = spans[i][i], spans[i][1 - i]
+        assert other[0] < own[1], f"replica {i} gathered only after its own shard's sink: {spans[i]}"
+        assert returned[i] >= own[1], f"replica {i}'s round returned while its own sink was still running"
+
+
+def test_an_error_applying_the_own_shard_fails_the_round():
+    n, numel = 2, 1_000
+    store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-own-sink-error"
+
+    def go(i: int) -> None:
+        ar = StoreAllReduce(store, run, i, n, round_timeout=10, poll_interval=0.002, poll_max=0.02)
+
+        def sink(j, a, b, mean):
+            if j == i:
+                raise RuntimeError(f"outer step of shard {j} failed")
+
+        try:
+            ar.run_round(1, torch.ones(numel), sink=sink)
+        finally:
+            ar.close()
+
+    errors = {i: repr(exc) for i, exc in at_once(n, go).items()}
+    assert errors == {i: repr(RuntimeError(f"outer step of shard {i} failed")) for i in range(n)}

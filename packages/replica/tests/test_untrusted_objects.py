@@ -10,7 +10,6 @@ import struct
 import threading
 import time
 import uuid
-import zlib
 
 import pytest
 import xxhash

@@ -154,15 +154,25 @@ class StoreAllReduce:
         mine = [j for j in range(self.n) if reducer_of(j, members) == self.rank] if rnd.member else []
         if mine:
             self.phase("reduce", r)
-        for j in mine:
-            a, b = rnd.bounds[j]
-            sink(j, a, b, self._reduce_shard(rnd, j, takeover=False))
-        rnd.laps.lap("reduce")
-        self.phase("gather", r)
-        if mine:
-            self.repairs.watch()  # a reader may find a shard published here corrupt while this replica gathers
-        with self.repairs.waiting():
-            self._gather(rnd, sink, set(mine))
+        # Each own mean goes to the sink on a pool thread, so its outer step overlaps the gather's
+        # downloads instead of delaying them (it costs no memory: `repairs` keeps the published
+        # mean through the gather anyway).
+        applying = []
+        try:
+            for j in mine:
+                a, b = rnd.bounds[j]
+                applying.append(io.pool.submit(sink, j, a, b, self._reduce_shard(rnd, j, takeover=False)))
+            rnd.laps.lap("reduce")
+            self.phase("gather", r)
+            if mine:
+                self.repairs.watch()  # a reader may find a shard published here corrupt while this replica gathers
+            with self.repairs.waiting():
+                self._gather(rnd, sink, set(mine))
+        finally:  # never return (or fail) while a sink still writes into the caller's buffers
+            errors = [f.exception() for f in applying]
+        for error in errors:
+            if error is not None:
+                raise error
         self._run_cleanup()
         if mine:
             self._cleanup_due = (r, mine, members)  # inputs stay one round, for takeovers and repairs

@@ -70,34 +70,46 @@ def accumulate(parts: list[Contribution], numel: int) -> Sum:
     finite, each contribution is checked on its own and the total is summed again without the
     non-finite ones (the same order, so the same rounding as if they had never been there).
     """
-    out = Sum(torch.zeros(numel, dtype=torch.float32))
+    out = Sum(torch.empty(numel, dtype=torch.float32))
     readable = []
     for part in parts:
         try:
-            _add(out.total, part.read(), part.scale)
+            values = part.read()
         except CorruptObject as exc:
             out.corrupt[part.rank] = str(exc)
             continue
+        _add(out.total, values, part.scale, first=not readable)
         readable.append(part)
     out.used = [p.rank for p in readable]
+    if not readable:
+        out.total.zero_()
     if all_finite(out.total):
         return out
     out.finite = False
-    out.total.zero_()
     out.used = []
     for part in readable:
         values = part.read()
         if all_finite(values):
-            _add(out.total, values, part.scale)
+            _add(out.total, values, part.scale, first=not out.used)
             out.used.append(part.rank)
         else:
             out.nonfinite.append(part.rank)
+    if not out.used:
+        out.total.zero_()
     out.finite = all_finite(out.total)  # False: no culprit, the sum overflowed; the caller refuses to publish it
     return out
 
 
-def _add(total: torch.Tensor, values: torch.Tensor, scale: float) -> None:
-    if scale == 1.0:
-        total += values  # the plain mean's sum, bit for bit what it always was
+def _add(total: torch.Tensor, values: torch.Tensor, scale: float, *, first: bool) -> None:
+    """total ← values·scale (the first term) or total + values·scale. The first term is copied,
+    not added to zeros: the same sum (0 + x = x; only a zero's sign may differ), one pass over fresh memory fewer — zeroing a
+    shard-sized buffer costs as much as the fold itself."""
+    if first:
+        if scale == 1.0:
+            total.copy_(values)
+        else:
+            torch.mul(values, scale, out=total)
+    elif scale == 1.0:
+        total += values
     else:
         total.add_(values, alpha=scale)
