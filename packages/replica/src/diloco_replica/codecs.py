@@ -49,15 +49,21 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 
 
 def _rows(x: torch.Tensor, size: int) -> torch.Tensor:
-    """x zero-padded to whole blocks, as (blocks, size)."""
-    return torch.nn.functional.pad(x.float(), (0, (-x.numel()) % size)).view(-1, size)
+    """x zero-padded to whole blocks, as (blocks, size): a view of x (read-only use) when it is
+    whole blocks already, so a shard is not copied just to be looked at in blocks."""
+    x = x.float()
+    if x.numel() % size == 0 and x.is_contiguous():
+        return x.view(-1, size)
+    return torch.nn.functional.pad(x, (0, (-x.numel()) % size)).view(-1, size)
 
 
 def _absmax_scale(rows: torch.Tensor, levels: int) -> torch.Tensor:
     """A block's absmax / levels; 1 for an all-zero block. A block holding NaN or Inf keeps its
     NaN or Inf scale, so it decodes non-finite and the reducer leaves it out (a scale of 1 would
-    launder a diverged replica's NaN into finite numbers)."""
-    scale = rows.abs().amax(dim=1) / levels
+    launder a diverged replica's NaN into finite numbers). The absmax is max(max, −min): two
+    reductions, no block-sized |x| made."""
+    low, high = torch.aminmax(rows, dim=1)
+    scale = torch.maximum(high, low.neg_()).div_(levels)
     return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
@@ -96,13 +102,7 @@ def encode(x: torch.Tensor, codec: str) -> list[memoryview]:
         q = torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:x.numel()]
         return [_as_bytes(scale), _as_bytes(q)]
     if codec == "int4":
-        rows = _rows(x, INT4_BLOCK)
-        scale = _absmax_scale(rows, 7).to(torch.float16).float()  # the scale as the reader will see it
-        q = (torch.round(rows / scale[:, None]).clamp_(-7, 7) + 8).to(torch.uint8).reshape(-1)[:x.numel()]
-        if q.numel() % 2:
-            q = torch.cat([q, q.new_full((1,), 8)])
-        packed = q[0::2] | (q[1::2] << 4)  # two values per byte, low nibble first
-        return [_as_bytes(scale.to(torch.float16)), _as_bytes(packed)]
+        return _encode_int4(x)
     if codec == "topk":
         return _encode_sparse(x)
     raise ValueError(f"unknown codec {codec!r}; use one of {CODECS}")
@@ -124,15 +124,53 @@ def decode(payload: memoryview | bytes, codec: str, numel: int) -> torch.Tensor:
         rows = _rows(q, INT8_CHUNK) * scale[:, None]
         return rows.reshape(-1)[:numel].contiguous()
     if codec == "int4":
-        n_blocks = _blocks(numel, INT4_BLOCK)
-        scale = _scales(buf, torch.float16, n_blocks)
-        packed = torch.frombuffer(buf, dtype=torch.uint8, count=(numel + 1) // 2, offset=2 * n_blocks)
-        q = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:numel].float() - 8
-        rows = _rows(q, INT4_BLOCK) * scale[:, None]
-        return rows.reshape(-1)[:numel].contiguous()
+        return _decode_int4(buf, numel)
     if codec == "topk":
         return _decode_sparse(buf, numel)
     raise ValueError(f"unknown codec {codec!r}; use one of {CODECS}")
+
+
+# -- int4 ------------------------------------------------------------------------------------
+#
+#   scales fp16 × blocks | values, two per byte (low nibble first), each q + 8 for q in -7..7
+#
+# Written to make few block-sized temporaries (in-place steps, no padded copy of a whole shard):
+# the codec runs on the host beside the training loop every round, so its passes over memory are
+# what an overlapped round takes from the inner steps. Each step is the same elementwise
+# operation as ever, so the bytes and the decoded floats are too.
+
+# The smallest positive fp16 (a subnormal). A block whose absmax / 7 is below it would get a
+# scale of 0 in fp16, which no reader accepts (`_scales`); its values are then rounded at this
+# scale instead, off by at most half of it.
+_INT4_MIN_SCALE = 2.0 ** -24
+
+
+def _encode_int4(x: torch.Tensor) -> list[memoryview]:
+    n = x.numel()
+    rows = _rows(x, INT4_BLOCK)
+    scale = _absmax_scale(rows, 7).to(torch.float16).clamp_(min=_INT4_MIN_SCALE)  # NaN and Inf stay
+    q = torch.div(rows, scale.float()[:, None])  # by the scale as the reader will see it
+    q.round_().clamp_(-7, 7).add_(8)
+    q = q.view(-1)[:n].to(torch.uint8)
+    if n % 2:
+        q = torch.cat([q, q.new_full((1,), 8)])
+    pairs = q.view(-1, 2)
+    packed = pairs[:, 1] << 4
+    packed |= pairs[:, 0]
+    return [_as_bytes(scale), _as_bytes(packed)]
+
+
+def _decode_int4(buf: memoryview, numel: int) -> torch.Tensor:
+    n_blocks = _blocks(numel, INT4_BLOCK)
+    scale = _scales(buf, torch.float16, n_blocks)
+    packed = torch.frombuffer(buf, dtype=torch.uint8, count=(numel + 1) // 2, offset=2 * n_blocks)
+    out = torch.empty(n_blocks * INT4_BLOCK, dtype=torch.float32)
+    pairs = out[:2 * packed.numel()].view(-1, 2)
+    pairs[:, 0].copy_(packed & 0x0F)
+    pairs[:, 1].copy_(packed >> 4)
+    out[2 * packed.numel():] = 8  # the last block's padding decodes to 0
+    out.sub_(8).view(-1, INT4_BLOCK).mul_(scale[:, None])
+    return out[:numel]
 
 
 # -- topk ------------------------------------------------------------------------------------

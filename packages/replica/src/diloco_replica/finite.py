@@ -102,8 +102,8 @@ def accumulate(parts: list[Contribution], numel: int) -> Sum:
 
 def _add(total: torch.Tensor, values: torch.Tensor, scale: float, *, first: bool) -> None:
     """total ← values·scale (the first term) or total + values·scale. The first term is copied,
-    not added to zeros: the same sum (0 + x = x; only a zero's sign may differ), one pass over fresh memory fewer — zeroing a
-    shard-sized buffer costs as much as the fold itself."""
+    not added to zeros: the same sum (0 + x = x; only a zero's sign may differ) with one pass
+    over fresh memory fewer — zeroing a shard-sized buffer costs as much as the fold itself."""
     if first:
         if scale == 1.0:
             total.copy_(values)
