@@ -137,7 +137,8 @@ def decode(payload: memoryview | bytes, codec: str, numel: int) -> torch.Tensor:
 # Written to make few block-sized temporaries (in-place steps, no padded copy of a whole shard):
 # the codec runs on the host beside the training loop every round, so its passes over memory are
 # what an overlapped round takes from the inner steps. Each step is the same elementwise
-# operation as ever, so the bytes and the decoded floats are too.
+# operation as the plain formulas, so the bytes and the decoded floats are theirs
+# (test_int4_codec.py), save the scale floor below and which NaN a non-finite block's scale holds.
 
 # The smallest positive fp16 (a subnormal). A block whose absmax / 7 is below it would get a
 # scale of 0 in fp16, which no reader accepts (`_scales`); its values are then rounded at this
