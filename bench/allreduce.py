@@ -6,6 +6,10 @@ reduce-scatter + all-gather through files) on the same tensor. Per configuration
 a round is the slowest replica's; the median over repeats is reported. Prints JSON.
 Target: store/gloo ratio ≤ 1.0 at 100 MB, N = 4.
 
+BENCH_PART_MB (default "65536,32"): the store round once per `[diloco] part_mb`, alternating in
+each repeat (`store_file_s_by_part_mb`; the last is `store_file_s`): one object per shard against
+shards over 32 MiB cut into parts that pipeline.
+
 BENCH_FINITE=1 also times each store round with the finiteness checks (`diloco_replica.finite`:
 every contribution, every mean, every reduced shard read) switched off, interleaved with the
 checked rounds, and reports `finite_check_ratio` = checked / unchecked; and, since a busy
@@ -32,6 +36,10 @@ REPEATS = int(knob("BENCH_REPEATS", "3", "1"))
 SIZES_MB = [int(x) for x in knob("BENCH_SIZES_MB", "1,10,100", "1").split(",")]
 WORLDS = [int(x) for x in knob("BENCH_WORLDS", "2,4", "2").split(",")]
 FINITE = os.environ.get("BENCH_FINITE") == "1"
+# `[diloco] part_mb` of the store rounds, alternating in each repeat: 65536 sends each shard as one
+# object (P = 1), the default 32 cuts a shard over 32 MiB into parts that pipeline. The last is
+# the row's `store_file_s`.
+PART_MBS = [float(x) for x in knob("BENCH_PART_MB", "65536,32", "32").split(",")]
 
 
 def finite_checks(on: bool) -> None:
@@ -113,20 +121,22 @@ def worker(rank: int, world: int, numel: int, port: int, store_dir: str, queue) 
         dist.all_reduce(y)
         gloo.append(time.perf_counter() - t0)
     store = open_store(f"file://{store_dir}")
-    unchecked = []
+    unchecked, store_times = [], {part_mb: [] for part_mb in PART_MBS}
     for rep in range(REPEATS + 1):
-        for on in (True, False) if FINITE else (True,):
-            finite_checks(on)
-            ar = StoreAllReduce(store, f"bench-{rep}-{int(on)}", rank, world, round_timeout=120, poll_interval=0.002,
-                                poll_max=0.02)
-            dist.barrier()
-            t0 = time.perf_counter()
-            ar.run_round(1, x)
-            (store_times if on else unchecked).append(time.perf_counter() - t0)
-            ar.close()
+        for k, part_mb in enumerate(PART_MBS):
+            last = k == len(PART_MBS) - 1
+            for on in (True, False) if FINITE and last else (True,):
+                finite_checks(on)
+                ar = StoreAllReduce(store, f"bench-{rep}-{k}-{int(on)}", rank, world, round_timeout=120,
+                                    poll_interval=0.002, poll_max=0.02, part_mb=part_mb)
+                dist.barrier()
+                t0 = time.perf_counter()
+                ar.run_round(1, x)
+                (store_times[part_mb] if on else unchecked).append(time.perf_counter() - t0)
+                ar.close()
     dist.barrier()
     dist.destroy_process_group()
-    queue.put((rank, gloo[1:], store_times[1:], unchecked[1:]))  # first of each is warm-up
+    queue.put((rank, gloo[1:], {m: t[1:] for m, t in store_times.items()}, unchecked[1:]))  # first: warm-up
 
 
 def free_port() -> int:
@@ -148,10 +158,12 @@ def run(world: int, mb: int, port: int) -> dict:
         for p in procs:
             p.join()
     gloo = [max(r[1][i] for r in rows) for i in range(REPEATS)]
-    store = [max(r[2][i] for r in rows) for i in range(REPEATS)]
-    g, s = statistics.median(gloo), statistics.median(store)
+    g = statistics.median(gloo)
+    by_part = {m: statistics.median(max(r[2][m][i] for r in rows) for i in range(REPEATS)) for m in PART_MBS}
+    s = by_part[PART_MBS[-1]]
     row = {"world": world, "mb": mb, "gloo_s": round(g, 4), "store_file_s": round(s, 4),
-           "ratio_store_vs_gloo": round(s / g, 2)}
+           "ratio_store_vs_gloo": round(s / g, 2),
+           "store_file_s_by_part_mb": {f"{m:g}": round(t, 4) for m, t in by_part.items()}}
     if FINITE:
         u = statistics.median(max(r[3][i] for r in rows) for i in range(REPEATS))
         row.update(store_unchecked_s=round(u, 4), finite_check_ratio=round(s / u, 3),

@@ -20,7 +20,9 @@ per (store, N), in the same run:
   reduce, gather, outer step) against the same bytes moved by plain puts and gets with the
   same parallelism and no protocol, measured right after in the same processes.
 
-`BENCH_COMPARE=<git rev>` also runs every row on that revision's code (a `git worktree` of it,
+`BENCH_PART_MB` (default "65536,32"): each row once per `[diloco] part_mb`, in the same run —
+65536 sends every shard as one object (P = 1), 32 cuts a shard over 32 MiB into parts whose
+fold, upload and download pipeline. `BENCH_COMPARE=<git rev>` also runs every row on that revision's code (a `git worktree` of it,
 workers import its packages), alternating with the current code, so "before" and "after" come
 from the same run on the same machine. `BENCH_QUICK=1`: 4 MB, N = 2 and 4 (a smoke run).
 
@@ -48,6 +50,9 @@ MB = float(knob("BENCH_MB", "100", "4"))
 REPLICAS = [int(x) for x in knob("BENCH_REPLICAS", "2,4,8", "2,4").split(",")]
 STORES = os.environ.get("BENCH_STORES", "file,s3").split(",")
 COMPARE = os.environ.get("BENCH_COMPARE", "")
+# `[diloco] part_mb` per row: 65536 sends each shard as one object (P = 1, the layout before
+# parts), the default 32 cuts shards over 32 MiB into parts that pipeline; both in the same run.
+PART_MBS = [float(x) for x in knob("BENCH_PART_MB", "65536,32", "32").split(",")]
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -77,7 +82,8 @@ def raw_round(store, run: str, rank: int, n: int, numel: int, barrier) -> float:
     return elapsed
 
 
-def worker(rank: int, n: int, uri: str, env: dict, src: list[str], run: str, barrier, queue) -> None:
+def worker(rank: int, n: int, uri: str, env: dict, src: list[str], run: str, part_mb: float | None, barrier,
+           queue) -> None:
     os.environ.update(env)
     sys.path[:0] = src  # the code under test (a baseline worktree's packages, or nothing: the installed ones)
     import torch
@@ -94,7 +100,7 @@ def worker(rank: int, n: int, uri: str, env: dict, src: list[str], run: str, bar
     before = rss_kb()
     ctx = ReplicaContext(rank, n, run, rendezvous=uri,
                          settings={"sync_every": 1, "round_timeout": 600, "checkpoint_every": 1000,
-                                   "exchange": "thread"})  # the whole replica in this process: its RSS is all of it
+                                   "exchange": "thread", **({} if part_mb is None else {"part_mb": part_mb})})  # the whole replica in this process: its RSS is all of it
     diloco = DiLoCo(model, None, ctx)
     built = rss_kb()  # θ_global and the momentum (2×) plus what the runtime itself holds (obstore, threads)
     reset_peak_rss()
@@ -132,12 +138,12 @@ def _result(queue, procs, limit: float = 1800.0) -> dict:
     raise SystemExit(f"round_cost: no result from the replicas in {limit:g}s")
 
 
-def one(uri: str, env: dict, n: int, src: list[str], run: str) -> dict:
+def one(uri: str, env: dict, n: int, src: list[str], run: str, part_mb: float | None) -> dict:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue, barrier = ctx.Queue(), ctx.Barrier(n)
-    procs = [ctx.Process(target=worker, args=(i, n, uri, env, src, run, barrier, queue)) for i in range(n)]
+    procs = [ctx.Process(target=worker, args=(i, n, uri, env, src, run, part_mb, barrier, queue)) for i in range(n)]
     for p in procs:
         p.start()
     got = [_result(queue, procs) for _ in procs]
@@ -163,9 +169,9 @@ def main() -> None:
     os.environ.update(REPLICA_ENV_DEFAULTS)  # what a launcher gives every replica (glibc reads it at exec)
     out = {"model_mb": MB, "cpu_count": os.cpu_count(), "rows": []}
     with ExitStack() as stack:
-        codes = [("current", [])]
-        if COMPARE:
-            codes.insert(0, (f"baseline {COMPARE}", baseline_sources(stack, COMPARE)))
+        codes = [(f"current, part_mb {part_mb:g}", [], part_mb) for part_mb in PART_MBS]  # (label, sources, part_mb)
+        if COMPARE:  # code from before parts: no `part_mb` setting
+            codes.insert(0, (f"baseline {COMPARE}", baseline_sources(stack, COMPARE), None))
         for store in STORES:
             if store == "file":
                 uri, env = f"file://{stack.enter_context(tempfile.TemporaryDirectory())}/store", {}
@@ -175,9 +181,9 @@ def main() -> None:
                 s3 = stack.enter_context(moto_s3())
                 uri, env = s3["uri"], s3["env"]
             for n in REPLICAS:
-                for label, src in codes:
+                for label, src, part_mb in codes:
                     run = f"cost-{n}-{len(out['rows'])}"
-                    row = {"store": store, "code": label, **one(uri, env, n, src, run)}
+                    row = {"store": store, "code": label, "part_mb": part_mb, **one(uri, env, n, src, run, part_mb)}
                     out["rows"].append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
     if os.environ.get("BENCH_PNG"):

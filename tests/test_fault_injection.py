@@ -179,7 +179,11 @@ SYNC_MODES = {
     "overlap+topk": ('overlap = true\ntransport = "topk"', STEPS // 2),
     "fragments+topk": ('fragments = 5\ntransport = "topk"', 60),
     "round_seconds+int8": ('round_seconds = 0.15\ntransport = "int8"', STEPS // 2),  # a round is 0.15 s, not H steps
+    # each replica's shard sent as 4 parts (470k parameters, 4 replicas); killed while it reduces
+    # them, so the others take over all four
+    "parts, killed reducing": ('part_mb = 0.125\ntransport = "fp32"', STEPS // 2),
 }
+KILL_PHASE = {"parts, killed reducing": "reduce"}  # the rest: "gather"
 
 
 @pytest.mark.parametrize("mode", SYNC_MODES)
@@ -194,11 +198,11 @@ def test_a_replica_killed_mid_round_rejoins_in_every_sync_mode(tmp_path, mode):
     proc, run_id = start(spec, state, env)
     try:
         time.sleep(4.0)
-        hit = kill_in_phase(state, run_id, phase_dir, random.Random(7), "gather")
+        hit = kill_in_phase(state, run_id, phase_dir, random.Random(7), KILL_PHASE.get(mode, "gather"))
         out, _ = proc.communicate(timeout=900)
     finally:
         proc.kill()
-    assert hit == "gather"
+    assert hit == KILL_PHASE.get(mode, "gather")
     record, events, results = recovered(proc, out, state, run_id)
     assert any(e["event"] == "failed" for e in events) and sum(e["event"] == "launch" for e in events) >= 2
     assert all(r["rounds"] == results[0]["rounds"] for r in results)  # the relaunched one caught up

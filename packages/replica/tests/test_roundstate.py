@@ -42,7 +42,7 @@ def test_a_replica_is_a_member_when_it_contributes_and_was_let_in(source, member
 
 
 def test_own_part_is_the_shard_of_delta_or_what_topk_sent():
-    rnd = a_round(source=WholeDelta(DELTA.clone()), members=[0, 1, 2])
+    rnd = a_round(source=WholeDelta(DELTA.clone()), members=[0, 1, 2], codec="topk")
     assert torch.equal(rnd.own(1), DELTA[4:7])
     sent = encode_tensor(sparsify(DELTA[7:10].clone(), 0.5), "topk")
     rnd.sent = {2: sent}  # topk: shard 2 as the others decode it, not Δ itself
@@ -82,3 +82,12 @@ def test_result_carries_the_rounds_record(replay, phases, nonfinite):
     assert res.takeovers == [1] and [i["writer"] for i in res.incidents] == [0]
     assert set(res.phases) == phases
     assert res.nonfinite == nonfinite and res.seconds >= 0
+
+
+def test_a_round_of_parts_has_n_times_p_shards_each_owned_by_the_replica_it_came_from():
+    rnd = Round(1, 14, 2, 0, 3, members=[0, 1])
+    assert rnd.count == 6 and rnd.bounds == [(0, 3), (3, 6), (6, 8), (8, 10), (10, 12), (12, 14)]
+    assert [rnd.owner(j) for j in range(6)] == [0, 0, 0, 1, 1, 1]
+    assert [rnd.reducer(j) for j in range(6)] == [0, 0, 0, 1, 1, 1]
+    rnd.members = [0]  # replica 1 is gone: its parts fall to the members left
+    assert [rnd.reducer(j) for j in range(6)] == [0] * 6

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
-from .wiresize import MARKER_NBYTES, MEMBERS_NBYTES, OBJECT_OVERHEAD, Traffic, expected_payload_nbytes
+from .wiresize import MARKER_NBYTES, MEMBERS_NBYTES, OBJECT_OVERHEAD, Traffic, expected_payload_nbytes, parts_per_shard
 
 ENV_PRICES = "DILOCO_PRICES"
 ROW_NBYTES = 1500  # one replica's metrics row for a round (JSON)
@@ -146,27 +146,30 @@ def placement(group: Any, store_uri: str | None, store_region: str | None,
     return "cross_region", f"{region}, the store is in {store_region}"
 
 
-def exchange(n: int, lanes: int, numel: int, transport: str, density: float, *, first: bool = False,
-             bulk_delete: int = 1) -> Traffic:
+def exchange(n: int, lanes: int, numel: int, transport: str, density: float, *, part_mb: float,
+             first: bool = False, bulk_delete: int = 1) -> Traffic:
     """One replica's all-reduce traffic for a round syncing `numel` elements (its lanes together).
 
-    `first`: the run's first round (or the first after a rejoin): the replica checks whether the
-    round was decided or collected without it (a GET of members.json, a LIST of the low-water
-    mark), which a replica fresh from the previous round skips, and has nothing to delete or to
-    look for repairs of yet. `bulk_delete`: keys one delete request takes on the store.
+    Each lane's N shards go as P objects each (`parts_per_shard`). `first`: the run's first round
+    (or the first after a rejoin): the replica checks whether the round was decided or collected
+    without it (a GET of members.json, a LIST of the low-water mark), which a replica fresh from
+    the previous round skips, and has nothing to delete or to look for repairs of yet.
+    `bulk_delete`: keys one delete request takes on the store.
     """
     per_lane = numel / lanes
-    shard = per_lane / n
-    scatter = OBJECT_OVERHEAD + expected_payload_nbytes(round(shard), transport, density=density)
-    reduced = OBJECT_OVERHEAD + expected_payload_nbytes(round(shard), transport, density=density, union_of=n)
+    parts = parts_per_shard(round(per_lane), n, part_mb)
+    objects = lanes * parts  # a replica's parts of one shard, over its lanes
+    part = per_lane / n / parts
+    scatter = OBJECT_OVERHEAD + expected_payload_nbytes(round(part), transport, density=density)
+    reduced = OBJECT_OVERHEAD + expected_payload_nbytes(round(part), transport, density=density, union_of=n)
     loser = (n - 1) / n  # every replica tries to write members.json; all but one read the winner's
     return Traffic(
-        bytes_up=lanes * ((n - 1) * scatter + reduced) + MARKER_NBYTES + MEMBERS_NBYTES,
-        bytes_down=lanes * (n - 1) * (scatter + reduced) + loser * MEMBERS_NBYTES,
-        puts=lanes * (n - 1) + 1 + 1 + lanes,               # shards, ready marker, members.json, reduced shard
-        gets=(1 if first else 0) + loser + 2 * lanes * (n - 1),  # [members.json, absent], the winner's, shards in
+        bytes_up=objects * ((n - 1) * scatter + reduced) + MARKER_NBYTES + MEMBERS_NBYTES,
+        bytes_down=objects * (n - 1) * (scatter + reduced) + loser * MEMBERS_NBYTES,
+        puts=objects * (n - 1) + 1 + 1 + objects,               # parts, ready marker, members.json, reduced parts
+        gets=(1 if first else 0) + loser + 2 * objects * (n - 1),  # [members.json, absent], the winner's, parts in
         lists=(1 if first else 0) + 1 + lanes + (0 if first else lanes),  # [low-water], ready; reduced; repairs
-        deletes=0 if first else lanes * -(-(n - 1) // bulk_delete))  # the previous round's inputs it reduced
+        deletes=0 if first else lanes * -(-(n - 1) * parts // bulk_delete))  # the previous round's inputs it reduced
 
 
 def estimate(spec: Any, *, parameters: int | None = None, parameters_from: str | None = None,
@@ -194,8 +197,10 @@ def estimate(spec: Any, *, parameters: int | None = None, parameters_from: str |
     from .store import BULK_DELETE, CLOUD_SCHEMES, scheme_of
 
     bulk = BULK_DELETE.get(CLOUD_SCHEMES.get(scheme_of(uri), ""), 1)  # local: one delete a key
-    est.round = exchange(n, lanes, numel, d["transport"], density, bulk_delete=bulk)
-    est.first_round = exchange(n, lanes, numel, d["transport"], density, first=True, bulk_delete=bulk)
+    est.round = exchange(n, lanes, numel, d["transport"], density, part_mb=float(d["part_mb"]),
+                         bulk_delete=bulk)
+    est.first_round = exchange(n, lanes, numel, d["transport"], density, part_mb=float(d["part_mb"]),
+                               first=True, bulk_delete=bulk)
     if rounds:
         ckpts = rounds // int(d["checkpoint_every"])
         summary = OBJECT_OVERHEAD + n * ROW_NBYTES

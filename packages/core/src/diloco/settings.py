@@ -64,6 +64,9 @@ class DilocoSettings:
                                                 "many, and the estimate and the ETA count on it", min=1, max=10**12)
     parameters: int | None = option(None, help="the model's parameter count, for the estimate before launch (without "
                                                "it the replica measures it at round 1)", min=1, max=10**14)
+    part_mb: float = option(32.0, help="a round's shards are sent as objects of at most this many MiB of fp32, so "
+                                       "folding, uploading and downloading pipeline (docs/sync-modes.md)",
+                            min=0.001, max=65_536)
     round_timeout: float = option(300.0, help="seconds a sync round waits for its members", min=0.1, max=86_400)
     min_members: int = option(1, help="fewest replicas a sync round may average over", min=1, max=4096)
     checkpoint_every: int = option(10, help="rounds between checkpoints of the global state", min=1, max=1_000_000)

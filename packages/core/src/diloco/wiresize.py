@@ -21,6 +21,18 @@ MARKER_NBYTES = 2          # a replica's "ready" marker
 MEMBERS_NBYTES = 13 + 200  # a round's members.json
 
 
+def parts_per_shard(numel: int, n: int, part_mb: float) -> int:
+    """P: how many objects each of a round's N shards of `numel` fp32 values is sent as.
+
+    A shard of at most `part_mb` MiB (as fp32, whatever the codec) is one object; a larger one is
+    cut into P near-equal parts, so a reducer folds one part while the next downloads and readers
+    fetch the parts already published (`diloco_replica.allreduce`). Every replica computes the
+    same P from the same numel and N, so it is never agreed on or stored.
+    """
+    shard_bytes = 4 * -(-numel // n)
+    return max(1, -(-shard_bytes // max(1, int(part_mb * 2**20))))
+
+
 @dataclass
 class Traffic:
     """Bytes and requests through the store: what a replica counts (`diloco_replica.storeaccess`)

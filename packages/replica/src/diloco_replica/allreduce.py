@@ -13,13 +13,19 @@ Round r, replica i with pseudo-gradient Δ_i split into N contiguous shards, sha
 4. gather (`gather.Gatherer`): download the other N−1 reduced shards. One that does not appear
    within the timeout (its reducer died) is taken over by exactly one waiting replica.
 
+A shard over `part_mb` MiB of fp32 is cut into P parts, each an object of its own and a shard
+of the round in every step above: N·P shards, replica i owning i·P … i·P + P − 1
+(`roundstate.Round.owner`; a dead owner's parts are spread over the members). With P > 1 a
+replica's own parts are reduced on two threads beside its gather, so folding part k, uploading
+its mean and downloading the peers' finished parts overlap instead of running one after another.
+
 Every replica decodes the same reduced bytes (the reducer too), so the mean is bit-identical
 everywhere. A reduced shard that is corrupt in the store is re-published by its reducer
 (`repairs.RepairDesk`). Every step reaches the store through one `roundio.RoundIO`, and every
 step of a round reads and adds to one `roundstate.Round`; this module runs the steps in order.
 
 Per replica and round, with its shard reduced by itself: up S (N−1 shards out, one reduced
-shard), down 2(N−1)/N·S — the ring all-reduce bound; O(N) requests.
+shard), down 2(N−1)/N·S — the ring all-reduce bound; O(N·P) requests.
 
 With the `topk` transport a replica sparsifies each shard of Δ + its error-feedback residual
 (`codecs.sparsify`), keeps what it does not send in the residual, and contributes exactly what the
@@ -30,13 +36,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
 
 from diloco.settings import DilocoSettings
 from diloco.store import Store
+from diloco.wiresize import parts_per_shard
 
 from .checkpoints import Checkpoints
 from .codecs import sparsify
@@ -50,7 +57,7 @@ from .repairs import RepairDesk
 from .rounderrors import FellBehind, RoundFailed
 from .roundio import RoundIO
 from .roundstate import Round, RoundResult
-from .storeaccess import CountingStore, LaneShards, RunKeys, reducer_of
+from .storeaccess import CountingStore, LaneShards, RunKeys
 from .streaming import DeltaSource, RoundSink, WholeDelta, Window, buffer_sink, pool_width, window_for
 from .wire import Identity, decode_tensor, encode_tensor, pack
 
@@ -65,23 +72,26 @@ class StoreAllReduce:
                  round_timeout: float = 300.0, min_members: int = 1, poll_interval: float = 0.05,
                  poll_max: float = 1.0, workers: int | None = None, log: Callable[[str], None] | None = None,
                  lanes: Lanes | None = None, topk_density: float = DilocoSettings.topk_density,
-                 step_cap: int | None = None):
+                 step_cap: int | None = None, part_mb: float = DilocoSettings.part_mb):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         lanes = lanes or Lanes()
         self.io = RoundIO(store=CountingStore(store), keys=RunKeys(run_id),
-                          shards=LaneShards(lanes.index, world_size, lanes.count), lanes=lanes,
-                          pool=ThreadPoolExecutor(max_workers=max(2, min(workers or pool_width(world_size),
-                                                                          2 * world_size))),
+                          shards=LaneShards(lanes.index, lanes.count), lanes=lanes,
+                          pool=ThreadPoolExecutor(max_workers=max(2, workers or pool_width(world_size))),
                           run_id=run_id, rank=rank, n=world_size, round_timeout=round_timeout,
                           poll_interval=poll_interval, poll_max=poll_max, log=log or (lambda msg: None),
                           faults=Faults(rank, lanes.index), codec=codec)
         self.rank, self.n, self.lanes = rank, world_size, lanes
-        self.codec, self.topk_density = codec, topk_density
+        self.codec, self.topk_density, self.part_mb = codec, topk_density, part_mb
         # Time-based rounds (`round_seconds`): each contribution states its inner steps (1..step_cap)
         # and a shard's mean is FedNova's (`reduce`).
         self.step_cap = step_cap
-        self.window = window_for(world_size, self.io.pool._max_workers)  # shards in flight (`streaming`)
+        self.window = window_for(world_size, self.io.pool._max_workers)  # whole shards in flight (`streaming`)
+        # With parts, the gather and a replica's own reductions run on threads of their own, beside
+        # each other (the gather and two reductions: one folds while the other downloads), never
+        # on the pool their downloads queue on.
+        self.beside = ThreadPoolExecutor(max_workers=3, thread_name_prefix="diloco-round")
         self.checkpoints = Checkpoints(self.io)
         self.membership = Membership(self.io, self.checkpoints, min_members=min_members)
         self.repairs = RepairDesk(self.io, self.membership)
@@ -100,7 +110,7 @@ class StoreAllReduce:
 
     def run_round(self, r: int, delta: torch.Tensor | DeltaSource, *, in_place: bool = False,
                   residual: torch.Tensor | None = None, sink: RoundSink | None = None,
-                  steps: int | None = None) -> RoundResult:
+                  steps: int | None = None, encoded: dict[int, list[memoryview]] | None = None) -> RoundResult:
         """Take part in round `r` with `delta` (fp32, CPU, flat; or a `DeltaSource` read a shard at
         a time); return the members' mean, or hand it to `sink` shard by shard (`streaming`).
 
@@ -111,13 +121,16 @@ class StoreAllReduce:
         `sink(j, a, b, mean_j)`: called once per shard as its mean is known (on pool threads, for
         distinct shards at once); no mean buffer is made and `RoundResult.mean` is None.
         `steps`: the inner steps behind `delta` (time-based rounds, `step_cap` set: required).
+        `encoded`: shards already encoded in the run's codec from exactly these values (error
+        feedback's quantising, `feedback`), uploaded as they are instead of encoded again.
         """
         if self.step_cap is not None and not (isinstance(steps, int) and 1 <= steps <= self.step_cap):
             raise ValueError(f"time-based rounds need the inner steps behind Δ (1..{self.step_cap}), not {steps!r}")
         io = self.io
         started, before, laps = time.monotonic(), io.store.traffic.snapshot(), Laps()  # Δ's copy to the host counts
         source = delta if hasattr(delta, "shard") else WholeDelta(delta.detach().to("cpu", torch.float32).reshape(-1))
-        rnd = Round(r, source.numel, self.n, self.rank, source=source,
+        rnd = Round(r, source.numel, self.n, self.rank, self.parts(source.numel), source=source, codec=self.codec,
+                    sent=dict(encoded or {}),
                     steps=steps if self.step_cap is not None else None, laps=laps, traffic_before=before,
                     started=started)
         mean = None
@@ -129,17 +142,19 @@ class StoreAllReduce:
             self.phase("upload", r)
             if self.codec == "topk":
                 rnd.sent = self._sparsify(rnd, residual)
-            gate = Window(self.window)
+            gate = Window(self.window * rnd.parts)
 
             def put(j: int) -> None:
-                with gate:  # at most `window` shards of Δ exist at once
+                with gate:  # at most `window` shards' worth of Δ exist at once
                     self._put_scatter(rnd, j)
 
             def upload() -> None:
-                for f in [io.pool.submit(put, j) for j in range(self.n) if j != self.rank]:
+                for f in [io.pool.submit(put, j) for j in range(rnd.count) if rnd.owner(j) != self.rank]:
                     f.result()
 
             self.lanes.agree(upload)  # "ready" means every lane's shards are in the store
+            if self.codec != "topk":  # only topk's own parts need its encoding (the rest: Δ holds the same values)
+                rnd.sent.clear()
             rnd.laps.lap("upload")
             self.phase("membership", r)
             with self.repairs.waiting():  # every lane: a reader stuck on last round's shard holds this up
@@ -151,28 +166,10 @@ class StoreAllReduce:
         self.repairs.next_round()
         if not rnd.member:
             io.log(f"round {r}: not a member (members {members}); this replica's update is left out")
-        mine = [j for j in range(self.n) if reducer_of(j, members) == self.rank] if rnd.member else []
+        mine = [j for j in range(rnd.count) if rnd.reducer(j) == self.rank] if rnd.member else []
         if mine:
             self.phase("reduce", r)
-        # Each own mean goes to the sink on a pool thread, so its outer step overlaps the gather's
-        # downloads instead of delaying them (it costs no memory: `repairs` keeps the published
-        # mean through the gather anyway).
-        applying = []
-        try:
-            for j in mine:
-                a, b = rnd.bounds[j]
-                applying.append(io.pool.submit(sink, j, a, b, self._reduce_shard(rnd, j, takeover=False)))
-            rnd.laps.lap("reduce")
-            self.phase("gather", r)
-            if mine:
-                self.repairs.watch()  # a reader may find a shard published here corrupt while this replica gathers
-            with self.repairs.waiting():
-                self._gather(rnd, sink, set(mine))
-        finally:  # never return (or fail) while a sink still writes into the caller's buffers
-            errors = [f.exception() for f in applying]
-        for error in errors:
-            if error is not None:
-                raise error
+        self._reduce_and_gather(rnd, mine, sink)
         self._run_cleanup()
         if mine:
             self._cleanup_due = (r, mine, members)  # inputs stay one round, for takeovers and repairs
@@ -180,6 +177,52 @@ class StoreAllReduce:
         rnd.laps.lap("download")
         self._finished = (r, time.monotonic())
         return rnd.result(mean, io.store.traffic)
+
+    def _reduce_and_gather(self, rnd: Round, mine: list[int], sink: RoundSink) -> None:
+        """Reduce the shards in `mine` and bring every other mean to `sink`.
+
+        Each own mean goes to the sink on a pool thread, so its outer step overlaps the downloads
+        instead of delaying them (it costs no memory: `repairs` keeps the published mean through
+        the gather anyway). With parts (P > 1) the gather runs beside the reducing, so a peer's
+        published parts download and apply while this replica still folds its own; a reduction
+        that fails stops the gather at its next look rather than after the round timeout.
+        """
+        io, r = self.io, rnd.r
+        applying: list[Future] = []
+
+        def reduce_own(j: int) -> None:
+            a, b = rnd.bounds[j]
+            mean = self._reduce_shard(rnd, j, takeover=False)
+            self.repairs.watch()  # a reader may find a part published here corrupt while this replica gathers
+            applying.append(io.pool.submit(sink, j, a, b, mean))
+
+        def gather() -> None:
+            with self.repairs.waiting():
+                self._gather(rnd, sink, set(mine))
+
+        reducing: list[Future] = []
+        try:
+            if rnd.parts == 1:  # whole shards: nothing of the others' is published before this one's own
+                for j in mine:
+                    reduce_own(j)
+                rnd.laps.lap("reduce")
+                self.phase("gather", r)
+                gather()
+            else:
+                gathering = self.beside.submit(gather)
+                reducing = [self.beside.submit(reduce_own, j) for j in mine]
+                for f in reducing:
+                    f.add_done_callback(lambda f: f.exception() is not None and rnd.stop.set())
+                wait(reducing)
+                rnd.laps.lap("reduce")
+                self.phase("gather", r)
+                gathering.result()
+        finally:  # never return (or fail) while a reduction or a sink still writes into the caller's buffers
+            wait(reducing)
+            errors = [f.exception() for f in reducing] + [f.exception() for f in applying]
+        for error in errors:
+            if error is not None:
+                raise error
 
     def _decided_or_open(self, r: int) -> list[int] | None:
         """Round r's members if already decided (we are late); None if it is open to join.
@@ -205,7 +248,8 @@ class StoreAllReduce:
     def fetch(self, r: int, numel: int, *, sink: RoundSink | None = None) -> RoundResult:
         """Read round `r`'s result without contributing (replay, catching up); to `sink` shard by
         shard if given, else into `RoundResult.mean`."""
-        rnd = Round(r, numel, self.n, self.rank, replay=True, traffic_before=self.io.store.traffic.snapshot())
+        rnd = Round(r, numel, self.n, self.rank, self.parts(numel), replay=True,
+                    traffic_before=self.io.store.traffic.snapshot())
         members = self.membership.read(r)
         if members is None:
             self.membership.check_not_collected(r)
@@ -218,9 +262,14 @@ class StoreAllReduce:
         self._gather(rnd, sink, set())
         return rnd.result(mean, self.io.store.traffic)
 
-    def round_complete(self, r: int) -> bool:
-        """Whether every reduced shard of this lane for round `r` is in the store (one LIST request)."""
-        return len(self.io.present(self.io.keys.reduced(r))) >= self.n
+    def round_complete(self, r: int, numel: int) -> bool:
+        """Whether every reduced shard of this lane for round `r` (of `numel` values) is in the
+        store (one LIST request)."""
+        return len(self.io.present(self.io.keys.reduced(r))) >= self.n * self.parts(numel)
+
+    def parts(self, numel: int) -> int:
+        """P for a round of `numel` values (`diloco.wiresize.parts_per_shard`)."""
+        return parts_per_shard(numel, self.n, self.part_mb)
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -242,7 +291,8 @@ class StoreAllReduce:
         return encoded
 
     def _put_scatter(self, rnd: Round, owner: int) -> None:
-        """Upload this replica's part of shard `owner` (as sent, for topk; else encoded now)."""
+        """Upload this replica's part of shard `owner`: as encoded already (topk's sparsified
+        shards, error feedback's quantised ones), else encoded now."""
         io, sid, (a, b) = self.io, self.io.sid(owner), rnd.bounds[owner]
         ident = Identity(io.run_id, rnd.r, "scatter", sid, self.rank)
         encoded = rnd.sent[owner] if owner in rnd.sent else encode_tensor(rnd.source.shard(a, b), self.codec)
@@ -284,6 +334,7 @@ class StoreAllReduce:
 
     def close(self) -> None:
         self.repairs.close()
+        self.beside.shutdown(wait=True)
         self.io.pool.shutdown(wait=True)
 
     def describe(self) -> dict[str, Any]:

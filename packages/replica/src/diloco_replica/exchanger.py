@@ -80,7 +80,7 @@ class Exchanger:
             round_timeout=float(s.round_timeout), min_members=int(s.min_members),
             poll_interval=float(s.poll_interval or first), poll_max=float(s.poll_max or cap), log=log,
             lanes=lanes, topk_density=float(s.topk_density),
-            step_cap=self.H if s.round_seconds is not None else None)
+            step_cap=self.H if s.round_seconds is not None else None, part_mb=float(s.part_mb))
         self.state = GlobalState(self.allreduce, numel, lr=float(s.outer_lr), momentum=float(s.outer_momentum),
                                  nesterov=bool(s.nesterov), checkpoint_every=int(s.checkpoint_every), log=log,
                                  fragments=self.fragments, theta_out=theta_out)
@@ -122,13 +122,17 @@ class Exchanger:
         local = snapshot[a:b]
         torch.sub(self.state.theta[a:b], local, out=local)  # Δ = θ_global − θ_local
         residual = self.residual[a:b] if self.residual is not None else None
-        if self.feedback:  # quantised here, shard by shard as the all-reduce splits it
-            quantise_with_feedback(local, residual, self.settings.transport, shard_bounds(b - a, self.ctx.world_size))
+        encoded = {}
+        if self.feedback:  # quantised here, shard by shard as the all-reduce cuts the round
+            parts = self.allreduce.parts(b - a)
+            uploaded = {j for j in range(parts * self.ctx.world_size) if j // parts != self.ctx.rank}
+            encoded = quantise_with_feedback(local, residual, self.settings.transport,
+                                             shard_bounds(b - a, parts * self.ctx.world_size), keep=uploaded)
             residual = None
         self.state.begin(r)
         try:
             result = self.lanes.agree(lambda: self.allreduce.run_round(
-                r, local, in_place=True, residual=residual, sink=self.state.sink(r),
+                r, local, in_place=True, residual=residual, sink=self.state.sink(r), encoded=encoded,
                 steps=work.steps if self.settings.round_seconds is not None else None))
         except FellBehind as exc:
             self.log(f"{exc}; rejoining from the latest checkpoint")

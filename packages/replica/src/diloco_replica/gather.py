@@ -42,9 +42,9 @@ class Gatherer:
         """
         io, r = self.io, rnd.r
         prefix = io.keys.reduced(r)
-        wanted = [j for j in range(rnd.n) if j not in have]
+        wanted = [j for j in range(rnd.count) if j not in have]
         generation = {j: 0 for j in wanted}
-        gate = Window(self.window)
+        gate = Window(self.window * rnd.parts)  # `window` shards' worth of parts
 
         def read_to_sink(j: int) -> None:
             a, b = rnd.bounds[j]
@@ -59,13 +59,18 @@ class Gatherer:
             while wanted:
                 with io.store.polling(waited):  # re-listing after a wait is a poll
                     present = io.present(prefix)
-                pending += [io.pool.submit(read_to_sink, j) for j in wanted if j in present]
+                found = [j for j in wanted if j in present]
+                pending += [io.pool.submit(read_to_sink, j) for j in found]
                 wanted = [j for j in wanted if j not in present]
+                if found and rnd.parts > 1:
+                    backoff = io.backoff()  # parts arrive one after another: look again soon, not at poll_max
                 if wanted and rnd.replay:
                     self.membership.check_not_collected(r)
-                if wanted and not backoff.sleep(deadline):
+                if wanted and not backoff.sleep(deadline, rnd.stop):
                     break
                 waited = True
+            if rnd.stop.is_set():  # this replica's own reduction failed: the round fails with it
+                break
             for j in list(wanted):  # its reducer (or the last claimant) never published
                 if not io.put(io.keys.claim(r, io.sid(j), generation[j]), str(io.rank).encode(), create_only=True):
                     generation[j] += 1  # someone else claimed it: wait for their result, then claim the next

@@ -130,7 +130,10 @@ class GlobalState:
             self.finish(r, res.members)
 
         def replay_complete() -> None:
-            while self.ar.round_complete(self.round + 1):
+            while True:
+                a, b = self.bounds(self.round + 1)
+                if not self.ar.round_complete(self.round + 1, b - a):
+                    return
                 apply_next()
 
         def replay_to(target: int) -> None:

@@ -46,8 +46,9 @@ class ShardReducer:
         """
         io, r, numel = self.io, rnd.r, rnd.size(j)
         sources = [m for m in rnd.members if m != io.rank or not rnd.member]
-        if takeover and j in sources and j != io.rank:
-            sources.remove(j)  # a dead owner kept its own part of shard j locally: it is gone
+        owner = rnd.owner(j)
+        if takeover and owner in sources and owner != io.rank:
+            sources.remove(owner)  # a dead owner kept its own part of shard j locally: it is gone
         prefetch = Prefetch(io.pool, lambda m: io.get_scatter(r, j, m, numel), sources, self.window)
         left_out: dict[str, str] = {}
         steps_of: dict[int, int] = {}  # time-based rounds: each contribution's inner steps

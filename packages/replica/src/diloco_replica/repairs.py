@@ -56,6 +56,7 @@ class RepairDesk:
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._starting = threading.Lock()  # one watcher, however many reducing threads ask
         self._waiters = 0
         self._waiting = threading.Event()  # set while this replica waits in the store protocol
         self._look_at: float | None = None  # the next look after a round ended (readers behind it)
@@ -68,16 +69,16 @@ class RepairDesk:
         here: someone else reduced the shard and its inputs were cleaned up), else None."""
         if not self.io.exists(self.io.keys.reduced(rnd.r, self.io.sid(j))):
             return None
-        return self._read(rnd.r, j, rnd.size(j), None, [], rnd.nonfinite)
+        return self._read(rnd.r, j, rnd.size(j), rnd.parts, None, [], rnd.nonfinite)
 
     def read_reduced(self, rnd: Round, j: int) -> torch.Tensor:
         """Shard j's published mean, verified; a corrupt one is replaced by its reducer's
         re-publication (an incident of `rnd`). `rnd.nonfinite` gathers whom the reducer left out
         for NaN/Inf."""
-        return self._read(rnd.r, j, rnd.size(j), rnd.members, rnd.incidents, rnd.nonfinite)
+        return self._read(rnd.r, j, rnd.size(j), rnd.parts, rnd.members, rnd.incidents, rnd.nonfinite)
 
-    def _read(self, r: int, j: int, numel: int, members: list[int] | None, incidents: list[dict[str, Any]],
-              nonfinite: set[int]) -> torch.Tensor:
+    def _read(self, r: int, j: int, numel: int, parts: int, members: list[int] | None,
+              incidents: list[dict[str, Any]], nonfinite: set[int]) -> torch.Tensor:
         io = self.io
         obj, problem = io.get_reduced(r, j, numel)
         key = io.keys.reduced(r, io.sid(j))
@@ -89,7 +90,7 @@ class RepairDesk:
         elif problem == "missing":
             self.membership.check_not_collected(r)  # deleted by retention: rejoin
             raise RoundFailed(f"{key} vanished")
-        return self._repaired(r, j, key, numel, problem, members, incidents, nonfinite)
+        return self._repaired(r, j, key, numel, problem, parts, members, incidents, nonfinite)
 
     def _usable(self, obj: Unpacked, nonfinite: set[int] | None) -> torch.Tensor:
         """A verified reduced shard's values, if they are finite and its left-out record is well-formed."""
@@ -103,11 +104,11 @@ class RepairDesk:
             nonfinite.update(flagged)
         return mean
 
-    def _repaired(self, r: int, j: int, key: str, numel: int, problem: str, members: list[int] | None,
+    def _repaired(self, r: int, j: int, key: str, numel: int, problem: str, parts: int, members: list[int] | None,
                   incidents: list[dict[str, Any]], nonfinite: set[int]) -> torch.Tensor:
         io = self.io
         members = members or self.membership.read(r) or []
-        writer = reducer_of(j, members) if members else None
+        writer = reducer_of(j, members, parts) if members else None
         io.log(f"round {r}: {problem}; asking its reducer (rank {writer}) to re-publish it")
         io.put(io.keys.repair(r, io.sid(j)), json.dumps({"by": io.rank, "problem": problem}).encode(),
                create_only=True)
@@ -177,9 +178,13 @@ class RepairDesk:
                     self._waiting.clear()
 
     def watch(self) -> None:
-        """Until the next round is formed, answer repair requests whenever this replica waits."""
-        if self._watcher is not None and self._watcher.is_alive():
-            return
+        """Until the next round is formed, answer repair requests whenever this replica waits
+        (called after each publication, from the threads reducing a round's parts)."""
+        with self._starting:
+            if self._watcher is None or not self._watcher.is_alive():
+                self._start_watch()
+
+    def _start_watch(self) -> None:
         io = self.io
         self._stop = threading.Event()
         stop, every = self._stop, max(REPAIR_LOOK_EVERY, io.poll_max)

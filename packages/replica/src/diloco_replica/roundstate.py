@@ -9,6 +9,7 @@ turns the record into the caller's `RoundResult` in one place.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 from diloco.wiresize import Traffic
 
 from .laps import Laps
-from .storeaccess import shard_bounds
+from .storeaccess import reducer_of, shard_bounds
 from .streaming import DeltaSource
 from .wire import decode_tensor
 
@@ -39,8 +40,10 @@ class RoundResult:
 
 @dataclass
 class Round:
-    """Round `r` of a vector of `numel` values cut into `n` shards, for the replica `rank`.
+    """Round `r` of a vector of `numel` values among `n` replicas, for the replica `rank`.
 
+    The vector is cut into N·`parts` shards: replica i owns shards i·P … i·P + P − 1 (`owner`),
+    each sent as an object of its own, so the steps of a round pipeline part by part.
     Made when the round starts (`members` are filled in once decided); `replay`: the round is
     read, not taken part in (`StoreAllReduce.fetch`), so it reports no phases and no NaN/Inf
     senders — the round's own members learnt those when it ran.
@@ -50,21 +53,37 @@ class Round:
     numel: int
     n: int
     rank: int
+    parts: int = 1                     # P: objects per replica's shard (`diloco.wiresize.parts_per_shard`)
     source: DeltaSource | None = None  # this replica's Δ (None: it contributes nothing)
     steps: int | None = None           # this replica's inner steps behind Δ (time-based rounds)
     replay: bool = False
     members: list[int] = field(default_factory=list)
-    sent: dict[int, list[memoryview]] = field(default_factory=dict)  # topk: each shard as encoded, as sent
+    codec: str = "fp32"                # the run's transport codec
+    sent: dict[int, list[memoryview]] = field(default_factory=dict)  # shards encoded before the upload, as sent
     incidents: list[dict[str, Any]] = field(default_factory=list)
     nonfinite: set[int] = field(default_factory=set)  # senders some shard's mean left out for NaN/Inf
     takeovers: list[int] = field(default_factory=list)  # shards this replica reduced for a dead reducer
     laps: Laps = field(default_factory=Laps)
     traffic_before: Traffic = field(default_factory=Traffic)
+    stop: threading.Event = field(default_factory=threading.Event)  # set when a reduction fails: stop gathering
     started: float = field(default_factory=lambda: time.monotonic())  # looked up per call: benches swap `time`
     bounds: list[tuple[int, int]] = field(init=False)  # shard j is [a, b) of the round's vector
 
     def __post_init__(self) -> None:
-        self.bounds = shard_bounds(self.numel, self.n)
+        self.bounds = shard_bounds(self.numel, self.count)
+
+    @property
+    def count(self) -> int:
+        """Shards in the round: N·P."""
+        return self.n * self.parts
+
+    def owner(self, j: int) -> int:
+        """The replica whose shard j is: it keeps its own part of it and reduces it while a member."""
+        return j // self.parts
+
+    def reducer(self, j: int) -> int:
+        """Who reduces shard j among the round's members (`storeaccess.reducer_of`)."""
+        return reducer_of(j, self.members, self.parts)
 
     @property
     def member(self) -> bool:
@@ -80,7 +99,7 @@ class Round:
         """This replica's contribution to shard j, as the others decode it."""
         a, b = self.bounds[j]
         if j in self.sent:
-            return decode_tensor(b"".join(self.sent[j]), "topk", b - a)
+            return decode_tensor(b"".join(self.sent[j]), self.codec, b - a)
         assert self.source is not None, "a replica that contributes nothing has no part of a shard"
         return self.source.shard(a, b)
 

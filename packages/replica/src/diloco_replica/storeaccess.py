@@ -126,31 +126,32 @@ def shard_bounds(numel: int, n: int) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class LaneShards:
-    """How one lane's N shards are named in the store: lane k's shard j is k·N + j (one lane: j).
+    """How one lane's shards are named in the store: lane k of L has shard j as j·L + k (one lane: j).
 
     A replica of L processes syncs L lanes side by side; each lane's scatter, reduced, claim,
     repair and checkpoint objects carry these names, so lanes never collide and a checkpoint is
-    complete with N·L shards.
+    complete with N·L shards. Interleaved, a name does not depend on how many shards a lane's
+    round has (N·P, P from the lane's own length), so lanes of slightly different lengths agree.
     """
 
     lane: int
-    n: int
     lanes: int = 1
 
     def sid(self, j: int) -> int:
         """Shard j of this lane as the store names it."""
-        return self.lane * self.n + j
+        return j * self.lanes + self.lane
 
     def mine(self, names: list[str]) -> set[int]:
-        """This lane's shard indices (0..N−1) among object names (`<shard>` or `<shard>/...`)."""
-        base = self.lane * self.n
+        """This lane's shard indices among object names (`<shard>` or `<shard>/...`)."""
         firsts = [x.split("/", 1)[0] for x in names]
-        return {int(x) - base for x in firsts if x.isdigit() and base <= int(x) < base + self.n}
+        return {int(x) // self.lanes for x in firsts if x.isdigit() and int(x) % self.lanes == self.lane}
 
 
-def reducer_of(shard: int, members: list[int]) -> int:
-    """Who reduces shard j in a round: its owner if a member, else a member chosen by j."""
-    return shard if shard in members else members[shard % len(members)]
+def reducer_of(shard: int, members: list[int], parts: int = 1) -> int:
+    """Who reduces shard j of a round of N·`parts` shards: its owner (j // parts) if a member, else
+    a member chosen by j, so a dead owner's parts are spread over the members."""
+    owner = shard // parts
+    return owner if owner in members else members[shard % len(members)]
 
 
 @dataclass(frozen=True)
