@@ -60,6 +60,7 @@ def test_the_all_reduce_uploads_the_kept_encodings_as_they_are():
                     means[i] = ar.run_round(1, delta, encoded=kept if reuse else None).mean
                 finally:
                     ar.close()
+                assert not reuse or kept == {}, "the encodings were held past their upload"
 
             errors = at_once(n, go)
         finally:

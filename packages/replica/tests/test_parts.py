@@ -6,6 +6,7 @@ parts pipelined through the round, and a reducer that dies between parts.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
@@ -197,3 +198,29 @@ def test_a_failed_own_reduction_fails_the_round_at_once_not_after_the_timeout():
     assert time.monotonic() - started < 10, "the gather waited for parts nobody would publish"
     assert {i: str(e) for i, e in errors.items()} == {0: "replica 0 could not reduce part 1",
                                                       1: "replica 1 could not reduce part 4"}
+
+
+def test_a_peer_whose_parts_keep_coming_is_not_taken_over_however_long_its_round():
+    """Replica 1 publishes a part every second, three in all, against a 2 s round timeout: the
+    gather's timeout runs from the last part that arrived, so nothing is taken over."""
+    n, part_mb = 2, PART_MB / 2  # P = 3
+    original = reduce_module.ShardReducer.reduce
+    one_at_a_time = threading.Lock()
+
+    def hook(i, ar):
+        if i != 1:
+            return
+
+        def reduce(self, rnd, j, *, takeover):
+            with one_at_a_time:
+                time.sleep(1.0)
+                return original(self, rnd, j, takeover=takeover)
+
+        ar.reducer.reduce = reduce.__get__(ar.reducer)
+
+    started = time.monotonic()
+    means, results, errors = run(n, deltas(n), part_mb=part_mb, hook=hook, timeout=2.0)
+    assert not errors, errors
+    assert time.monotonic() - started >= 3.0
+    assert results[0].takeovers == [] and results[1].takeovers == []
+    assert torch.equal(means[0], means[1])

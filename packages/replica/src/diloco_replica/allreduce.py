@@ -122,7 +122,8 @@ class StoreAllReduce:
         distinct shards at once); no mean buffer is made and `RoundResult.mean` is None.
         `steps`: the inner steps behind `delta` (time-based rounds, `step_cap` set: required).
         `encoded`: shards already encoded in the run's codec from exactly these values (error
-        feedback's quantising, `feedback`), uploaded as they are instead of encoded again.
+        feedback's quantising, `feedback`), uploaded as they are instead of encoded again; the
+        dict is emptied once they are up, so the bytes are not held through the round.
         """
         if self.step_cap is not None and not (isinstance(steps, int) and 1 <= steps <= self.step_cap):
             raise ValueError(f"time-based rounds need the inner steps behind Δ (1..{self.step_cap}), not {steps!r}")
@@ -130,7 +131,7 @@ class StoreAllReduce:
         started, before, laps = time.monotonic(), io.store.traffic.snapshot(), Laps()  # Δ's copy to the host counts
         source = delta if hasattr(delta, "shard") else WholeDelta(delta.detach().to("cpu", torch.float32).reshape(-1))
         rnd = Round(r, source.numel, self.n, self.rank, self.parts(source.numel), source=source, codec=self.codec,
-                    sent=dict(encoded or {}),
+                    sent=encoded if encoded is not None else {},
                     steps=steps if self.step_cap is not None else None, laps=laps, traffic_before=before,
                     started=started)
         mean = None
@@ -191,6 +192,8 @@ class StoreAllReduce:
         applying: list[Future] = []
 
         def reduce_own(j: int) -> None:
+            if rnd.stop.is_set():  # an earlier part failed: the round fails, the rest is not worth reducing
+                return
             a, b = rnd.bounds[j]
             mean = self._reduce_shard(rnd, j, takeover=False)
             self.repairs.watch()  # a reader may find a part published here corrupt while this replica gathers

@@ -2,7 +2,7 @@
 
 - Checkpoints every `checkpoint_every` rounds at ``ckpt/r<round>/<j>``: shard j of
   [θ_global ; momentum] in fp32, written create-only by shard j's reducer; round 0 is the
-  initial state. With L processes per replica, lane k's shards are kN … kN+N−1 and a
+  initial state. With L processes per replica, lane k's shard j is j·L + k and a
   checkpoint is complete with all N·L. A rejoining replica loads the newest *complete* checkpoint and replays the
   reduced shards of the rounds after it.
 - A checkpoint can be voided (``ckpt/r<round>/void``) by a replica that learns its θ had

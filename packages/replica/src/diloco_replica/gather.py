@@ -48,8 +48,14 @@ class Gatherer:
 
         def read_to_sink(j: int) -> None:
             a, b = rnd.bounds[j]
-            with gate:
+            try:
                 sink(j, a, b, self.repairs.read_reduced(rnd, j))
+            finally:
+                gate.release()
+
+        def submit(j: int):
+            gate.acquire()  # here, not in the task: no pool thread ever waits for the gate, so the
+            return io.pool.submit(read_to_sink, j)  # downloads of this replica's own reductions never queue behind one
 
         pending = []
         while wanted:
@@ -60,10 +66,11 @@ class Gatherer:
                 with io.store.polling(waited):  # re-listing after a wait is a poll
                     present = io.present(prefix)
                 found = [j for j in wanted if j in present]
-                pending += [io.pool.submit(read_to_sink, j) for j in found]
+                pending += [submit(j) for j in found]
                 wanted = [j for j in wanted if j not in present]
-                if found and rnd.parts > 1:
-                    backoff = io.backoff()  # parts arrive one after another: look again soon, not at poll_max
+                if found and rnd.parts > 1:  # parts arrive one after another, while the reducers work:
+                    backoff = io.backoff()  # look again soon, not at poll_max, and time out only
+                    deadline = time.monotonic() + io.round_timeout  # after a round_timeout without one
                 if wanted and rnd.replay:
                     self.membership.check_not_collected(r)
                 if wanted and not backoff.sleep(deadline, rnd.stop):

@@ -198,7 +198,7 @@ class RepairDesk:
                     self._look_at, self._look_gap = time.monotonic() + self._look_gap, 2 * self._look_gap
                 try:
                     with io.store.polling(repair=True):  # a look costs what the wait costs: polls
-                        if self.serve_once():
+                        if self.serve_once() and self._retire():
                             return
                 except Exception as exc:  # never let the watcher take the replica down
                     io.log(f"repair watch failed: {exc}")
@@ -206,6 +206,17 @@ class RepairDesk:
 
         self._watcher = threading.Thread(target=watch, name="diloco-repairs", daemon=True)
         self._watcher.start()
+
+    def _retire(self) -> bool:
+        """Whether the watcher may end: nothing published is left to serve. Decided under the lock
+        `watch()` starts watchers under, so a part published meanwhile (the reducing threads publish
+        and call `watch()` part by part) is never left without one."""
+        with self._starting:
+            with self._lock:
+                if self.published:
+                    return False
+            self._watcher = None
+            return True
 
     def look_soon(self) -> None:
         """This replica's round is done: look a moment from now for readers behind it, then at
@@ -232,6 +243,7 @@ class RepairDesk:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._watcher is not None:
-            self._watcher.join()
-            self._watcher = None
+        watcher = self._watcher  # a retiring watcher clears the field itself
+        if watcher is not None:
+            watcher.join()
+        self._watcher = None

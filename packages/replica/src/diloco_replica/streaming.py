@@ -106,17 +106,24 @@ class Prefetch:
 
 
 class Window:
-    """A counting gate: `with gate:` around the work on one shard keeps at most `limit` open."""
+    """A counting gate: `with gate:` around the work on one shard keeps at most `limit` open (or
+    `acquire()` before handing the work to a pool and `release()` when it is done)."""
 
     def __init__(self, limit: int):
         self._sem = threading.BoundedSemaphore(max(1, limit))
 
-    def __enter__(self) -> Window:
+    def acquire(self) -> None:
         self._sem.acquire()
+
+    def release(self) -> None:
+        self._sem.release()
+
+    def __enter__(self) -> Window:
+        self.acquire()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._sem.release()
+        self.release()
 
 
 class Published(Exception):
