@@ -18,7 +18,8 @@ resumed. CI runs one such run; the documented soak is
 
     DILOCO_SOAK_RUNS=20 .venv/bin/python -m pytest tests/test_fault_injection.py -k soak -s
 
-which prints one JSON line per run (injections by kind, relaunches, eval loss against the
+(`DILOCO_SOAK_PART_MB=0.125` runs it with each replica's shard sent as 4 parts, the corrupt and
+wrong-length objects aimed at parts), which prints one JSON line per run (injections by kind, relaunches, eval loss against the
 fault-free run) and asserts: no deadlock (every run ends within its timeout), no crash loop
 (relaunches bounded by the kills), survivors bit-identical after every round (no `diverged`
 event) and at the end, a finite final model, eval loss within 3%.
@@ -285,6 +286,7 @@ def test_every_replica_gone_nan_fails_the_run_with_one_line(tmp_path):
 
 
 SOAK_RUNS = int(os.environ.get("DILOCO_SOAK_RUNS", "1"))
+SOAK_PART_MB = os.environ.get("DILOCO_SOAK_PART_MB")  # `[diloco] part_mb` of the soak's runs (unset: one object a shard)
 SOAK_ERROR_RATE = float(os.environ.get("DILOCO_SOAK_ERROR_RATE", "0.02"))
 
 
@@ -312,6 +314,15 @@ def resume(state: Path, run_id: str, env: dict) -> subprocess.Popen:
                             env={**os.environ, "DILOCO_STATE_DIR": str(state), **env})
 
 
+def soak_part(fault: str, run_index: int) -> str:
+    """A fault aimed at shard o (`kind:round:o[:src]`) aimed at one of o's parts instead."""
+    from diloco.wiresize import parts_per_shard
+
+    parts = parts_per_shard(470_528, 4, float(SOAK_PART_MB))  # the main job's model, 4 replicas
+    kind, r, owner, *src = fault.split(":")
+    return ":".join([kind, r, str(int(owner) * parts + run_index % parts), *src])
+
+
 @pytest.mark.parametrize("run_index", range(SOAK_RUNS))
 def test_mixed_fault_soak(tmp_path, reference, s3, run_index):
     from diloco.testing.s3proxy import FaultyS3Proxy
@@ -325,12 +336,16 @@ def test_mixed_fault_soak(tmp_path, reference, s3, run_index):
     owner = rng.randrange(4)
     wrong_length = [f"scatter:10:{owner}:{(owner + 1 + rng.randrange(3)) % 4}", f"reduced:11:{rng.randrange(4)}"]
     scatter_round = int(corrupt[0].split(":")[1]) if corrupt[0].startswith("scatter") else -1
+    if SOAK_PART_MB:  # aim at parts: shard s of replica o is part o·P + (run mod P); no draw, so seeds stay
+        corrupt, wrong_length = [soak_part(c, run_index) for c in corrupt], [soak_part(c, run_index) for c in wrong_length]
     nan_rank, nan_round = rng.randrange(4), rng.choice([k for k in range(3, 10) if k != scatter_round])
     nan_step = (nan_round - 1) * H + rng.randint(5, H - 5)
     injected = {"sigkill": [], "sigstop": 0, "corrupt_object": len(corrupt), "wrong_length": len(wrong_length),
                 "nonfinite": 1, "launcher_kill": 0, "store_error": 0}
     with FaultyS3Proxy(s3["env"]["AWS_ENDPOINT_URL"], error_rate=SOAK_ERROR_RATE, seed=run_index) as proxy:
         spec = on_s3(spec_for(tmp_path), s3)
+        if SOAK_PART_MB:
+            spec.write_text(spec.read_text().replace('transport = "fp32"', f'part_mb = {SOAK_PART_MB}\ntransport = "fp32"'))
         # the launcher's shell: the store's endpoint (a `secrets` entry) and the fault injections,
         # which local replicas inherit (a relaunch by a resumed launcher too)
         env = {"DILOCO_FAULT_PHASE_FILE": str(phase_dir / "phase-{rank}"), "DILOCO_FAULT_PHASE_DELAY": "0.15",
