@@ -20,7 +20,9 @@ the machine's disk. Per mode and H, in the same run:
   share_of_step_bound: tokens_per_s over it.
 - eval_loss: θ_global's loss on held-out text at the end (equal steps for every row).
 
-Rows named "… (process)" run the exchange in a sync process beside each training process
+"sync fp32 whole-shards" sends each shard as one object (`part_mb = 65536`), the layout before
+parts; "sync fp32" cuts shards over 32 MiB into parts that pipeline (the default). Rows named
+"… (process)" run the exchange in a sync process beside each training process
 (`exchange = "process"`); the others on a thread of the training process (the default). Rows
 named "… fragments5" sync the model in 5 fragments (`fragments = 5`, a round every H/5 steps;
 their blocked share is of those shorter rounds).
@@ -60,6 +62,7 @@ from _common import QUICK, knob  # noqa: E402
 MODES: dict[str, dict | None] = {
     "compute-only": None,
     "sync fp32": {},
+    "sync fp32 whole-shards": {"part_mb": 65536},  # one object a shard (P = 1): the same-run baseline of parts
     "sync fp32 (process)": {"exchange": "process"},
     "overlap fp32": {"overlap": True},
     "overlap int4": {"overlap": True, "transport": "int4"},
