@@ -224,3 +224,13 @@ def test_a_peer_whose_parts_keep_coming_is_not_taken_over_however_long_its_round
     assert time.monotonic() - started >= 3.0
     assert results[0].takeovers == [] and results[1].takeovers == []
     assert torch.equal(means[0], means[1])
+
+
+def test_error_feedback_quantises_by_the_shards_the_all_reduce_uploads():
+    ar = StoreAllReduce(open_store(f"memory://{uuid.uuid4().hex}"), "run-layout", 1, 3, part_mb=PART_MB / 4)
+    try:
+        bounds, uploaded = ar.upload_layout(NUMEL)
+    finally:
+        ar.close()
+    assert len(bounds) == 12 and bounds[0] == (0, 1_000) and bounds[-1] == (11_000, 12_000)
+    assert uploaded == set(range(12)) - {4, 5, 6, 7}  # replica 1 owns parts 4..7 and uploads the rest

@@ -274,6 +274,12 @@ class StoreAllReduce:
         """P for a round of `numel` values (`diloco.wiresize.parts_per_shard`)."""
         return parts_per_shard(numel, self.n, self.part_mb)
 
+    def upload_layout(self, numel: int) -> tuple[list[tuple[int, int]], set[int]]:
+        """How a round of `numel` values is cut (its N·P shards' bounds) and which of them this
+        replica uploads (those it does not own): error feedback quantises Δ the same way."""
+        rnd = Round(0, numel, self.n, self.rank, self.parts(numel))
+        return rnd.bounds, {j for j in range(rnd.count) if rnd.owner(j) != self.rank}
+
     # -- steps -------------------------------------------------------------------------------
 
     def _sparsify(self, rnd: Round, residual: torch.Tensor | None) -> dict[int, list[memoryview]]:

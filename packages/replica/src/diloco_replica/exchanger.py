@@ -36,7 +36,6 @@ from .globalstate import GlobalState
 from .lanes import Lanes
 from .recorder import Recorder
 from .rounderrors import FellBehind
-from .storeaccess import shard_bounds
 
 
 @dataclass
@@ -124,10 +123,8 @@ class Exchanger:
         residual = self.residual[a:b] if self.residual is not None else None
         encoded = {}
         if self.feedback:  # quantised here, shard by shard as the all-reduce cuts the round
-            parts = self.allreduce.parts(b - a)
-            uploaded = {j for j in range(parts * self.ctx.world_size) if j // parts != self.ctx.rank}
-            encoded = quantise_with_feedback(local, residual, self.settings.transport,
-                                             shard_bounds(b - a, parts * self.ctx.world_size), keep=uploaded)
+            shards, uploaded = self.allreduce.upload_layout(b - a)
+            encoded = quantise_with_feedback(local, residual, self.settings.transport, shards, keep=uploaded)
             residual = None
         self.state.begin(r)
         try:
