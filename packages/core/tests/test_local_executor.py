@@ -80,8 +80,10 @@ def test_cancel_from_second_process_kills_whole_tree(cli, project, state_dir):
         "import os, subprocess, sys, time\n"
         "def main(ctx, pid_dir: str = ''):\n"
         "    child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-        "    with open(os.path.join(pid_dir, f'{ctx.rank}.pids'), 'w') as f:\n"
+        "    path = os.path.join(pid_dir, f'{ctx.rank}.pids')\n"
+        "    with open(path + '.tmp', 'w') as f:\n"
         "        f.write(f'{os.getpid()} {child.pid}')\n"
+        "    os.replace(path + '.tmp', path)  # whole when it appears: the test reads it at once\n"
         "    time.sleep(600)\n")
     pid_dir = project / "pids"
     pid_dir.mkdir()

@@ -21,7 +21,9 @@ from pathlib import Path
 
 def main(ctx, fail_rank: int = 1, fail_attempts: int = 1, work: float = 0.3, marker_dir: str = ""):
     """Rank `fail_rank` fails on its first `fail_attempts` attempts; every rank works a little."""
-    Path(marker_dir, f"{ctx.rank}.{ctx.attempt}.pid").write_text(str(os.getpid()))
+    marker = Path(marker_dir, f"{ctx.rank}.{ctx.attempt}.pid")
+    Path(f"{marker}.tmp").write_text(str(os.getpid()))
+    os.replace(f"{marker}.tmp", marker)  # whole when it appears: tests read it as soon as it is there
     time.sleep(work)
     if ctx.rank == fail_rank and ctx.attempt < fail_attempts:
         raise RuntimeError(f"flaky failure on rank {ctx.rank} attempt {ctx.attempt}")
