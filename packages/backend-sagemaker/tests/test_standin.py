@@ -248,7 +248,7 @@ def test_the_readme_lists_exactly_the_permissions_every_call_was_authorized_with
     import re
     from pathlib import Path
 
-    from diloco.testing import SLEEP, launch, wait_for_output
+    from diloco.testing import SLEEP, launch, wait_for_output, wait_for_status
     from diloco_sagemaker import permissions
     from diloco_sagemaker.executor import SageMakerExecutor
 
@@ -260,10 +260,13 @@ def test_the_readme_lists_exactly_the_permissions_every_call_was_authorized_with
                   env={"AWS_ENDPOINT_URL": sagemaker.config["aws_endpoint"]})
     (h,) = launch(ex, 1, SLEEP, {"seconds": 30}, **fields)
     (again,) = launch(ex, 1, SLEEP, {"seconds": 30}, attempt=1, **fields)  # a relaunch updates the secret
-    assert "sleeping" in wait_for_output(ex, h, "sleeping")
-    assert ex.poll(h).value == "running"
-    ex.cancel(h)
-    ex.cancel(again)
+    try:
+        assert "sleeping" in wait_for_output(ex, h, "sleeping")
+        # the job's status follows its output (the stand-in steps it as SageMaker does): wait for it
+        assert wait_for_status(ex, h, {"running"}, timeout=30) == "running"
+    finally:
+        ex.cancel(h)
+        ex.cancel(again)
     store = {"s3:GetObject", "s3:ListBucket"}  # the rendezvous store's, read by a supervisor (tests/test_sagemaker_e2e.py)
     assert set(sagemaker.authorized) | store == set(permissions.launcher_actions()), sorted(set(sagemaker.authorized))
 
