@@ -44,7 +44,7 @@ N = 2
 
 def raw_round(store, run: str, rank: int, lane: int, lanes: int, numel: int, barrier) -> float:
     """The lane's share of the round's bytes with plain puts and gets, same pool width as the protocol."""
-    from diloco_replica.storeaccess import shard_bounds
+    from diloco_replica.layout import shard_bounds
 
     bounds = shard_bounds(numel, N)
     payload = torch.randn(numel).numpy().tobytes()

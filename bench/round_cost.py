@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def raw_round(store, run: str, rank: int, n: int, numel: int, barrier) -> float:
     """This replica's round bytes with plain puts and gets: S up, 2(N−1)/N·S down."""
-    from diloco_replica.storeaccess import shard_bounds
+    from diloco_replica.layout import shard_bounds
 
     import torch
 

@@ -255,13 +255,13 @@ def test_untrusted_objects_are_incidents_and_the_run_succeeds(tmp_path):
     nan_round = round_of(nan_step)
     left_out = [e for e in incidents if "non-finite" in e["problem"] and "left out" in e["action"]]
     assert left_out and all(e["round"] == nan_round and e["replica"] == 2 for e in left_out), incidents
-    assert all(e["object"].startswith(f"{run_id}/r{nan_round:08d}/scatter/") and e["object"].endswith("/2")
+    assert all(e["object"].startswith(f"{run_id}/r{nan_round:08d}/scatter/") and e["object"].endswith("/2.0")
                for e in left_out)
     reset = [e for e in incidents if "reset its model and inner optimizer state" in e["action"]]
     assert [(e["round"], e["replica"]) for e in reset] == [(nan_round, 2)]
     layout = {e["object"].split("/", 1)[1]: e["action"] for e in incidents if "wrong layout" in e["problem"]}
-    assert set(layout) == {"r00000002/scatter/0/1", "r00000004/reduced/3/mean"}, incidents
-    assert "left out" in layout["r00000002/scatter/0/1"] and "re-published" in layout["r00000004/reduced/3/mean"]
+    assert set(layout) == {"r00000002/scatter/0/1.0", "r00000004/reduced/3/mean"}, incidents
+    assert "left out" in layout["r00000002/scatter/0/1.0"] and "re-published" in layout["r00000004/reduced/3/mean"]
     losses = {e["round"]: e["loss"] for e in events if e["event"] == "round"}
     assert all(math.isfinite(loss) for rnd, loss in losses.items() if rnd > nan_round), losses
     assert all(r["rounds"] == 6 for r in results)

@@ -128,6 +128,19 @@ def test_groups_number_ranks_group_by_group_and_inherit_the_top_level(project):
     assert again.replica_groups() == spec.replica_groups() and again.replicas == 5
 
 
+def test_groups_may_run_different_numbers_of_processes_per_replica(project):
+    """An 8-GPU node beside single GPUs: each group's replicas run as many processes as its GPUs."""
+    from diloco.spec import parse_spec
+
+    spec = parse_spec({"entrypoint": "job:main",
+                       "group": [{"name": "node", "replicas": 1, "gpu": "H100:8", "backend": {"name": "local"}},
+                                 {"name": "singles", "replicas": 2, "gpu": "A10G", "backend": {"name": "nearby"}}]},
+                      base_dir=project)
+    node, singles = spec.replica_groups()
+    assert (node.processes_per_replica, singles.processes_per_replica) == (8, 1)
+    assert list(node.ranks) == [0] and list(singles.ranks) == [1, 2]
+
+
 @pytest.mark.parametrize("text, expected", [
     ('replicas = 2\n[[group]]\nreplicas = 1\n[group.backend]\nname = "local"\n',
      "a spec with [[group]] tables has no top-level `replicas`"),
@@ -140,8 +153,6 @@ def test_groups_number_ranks_group_by_group_and_inherit_the_top_level(project):
     ('[[group]]\nname = "Bad_Name"\nreplicas = 1\n[group.backend]\nname = "local"\n', "`group[0].name` must be lowercase"),
     ('[[group]]\nname = "ok\\n"\nreplicas = 1\n[group.backend]\nname = "local"\n', "`group[0].name` must be lowercase"),
     ('[[group]]\nreplicas = 1\nbogus = 2\n[group.backend]\nname = "local"\n', "unknown key `group.bogus`"),
-    ('[[group]]\nreplicas = 1\ngpu = "H100:8"\n[group.backend]\nname = "local"\n'
-     '[[group]]\nreplicas = 1\n[group.backend]\nname = "local"\n', "same number of lanes"),
     ('[[group]]\nreplicas = 3000\n[group.backend]\nname = "local"\n'
      '[[group]]\nreplicas = 3000\n[group.backend]\nname = "local"\n', "at most 4096"),
     ('[diloco]\nmin_members = 3\n[[group]]\nreplicas = 1\n[group.backend]\nname = "local"\n'

@@ -14,7 +14,7 @@ from diloco_replica import allreduce as allreduce_module
 from diloco_replica.allreduce import StoreAllReduce
 from diloco_replica.codecs import encode
 from diloco_replica.feedback import quantise_with_feedback
-from diloco_replica.storeaccess import shard_bounds
+from diloco_replica.layout import shard_bounds
 
 
 def delta_and_residual(numel: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,7 +27,7 @@ def delta_and_residual(numel: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
 @pytest.mark.parametrize("codec, kept", [("int4", True), ("int8", True), ("bf16", False), ("fp16", False)])
 def test_the_kept_encodings_are_what_encoding_the_quantised_shard_again_gives(codec, kept):
     delta, residual = delta_and_residual(10_007, seed=1)
-    shards = shard_bounds(delta.numel(), 5)
+    shards = dict(enumerate(shard_bounds(delta.numel(), 5)))
     got = quantise_with_feedback(delta, residual, codec, shards, keep={1, 3, 4})
     assert sorted(got) == ([1, 3, 4] if kept else [])
     for j, parts in got.items():
@@ -53,7 +53,8 @@ def test_the_all_reduce_uploads_the_kept_encodings_as_they_are():
                 delta, residual = delta_and_residual(numel, seed=10 + i)
                 count = n  # one part a shard at this size
                 uploaded = {j for j in range(count) if j != i}
-                kept = quantise_with_feedback(delta, residual, "int4", shard_bounds(numel, count), keep=uploaded)
+                kept = quantise_with_feedback(delta, residual, "int4", dict(enumerate(shard_bounds(numel, count))),
+                                              keep=uploaded)
                 ar = StoreAllReduce(store, run, i, n, codec="int4", round_timeout=10, poll_interval=0.002,
                                     poll_max=0.02)
                 try:

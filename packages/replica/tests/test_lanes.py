@@ -12,6 +12,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from diloco_replica.lanes import Lanes, Retry
+from diloco_replica.layout import BLOCK
 from diloco_replica.rounderrors import FellBehind, RoundFailed
 
 
@@ -26,14 +27,15 @@ def lane_results(executor, handles) -> list[dict]:
 
 def test_a_plain_module_in_every_process_holds_the_global_model_after_every_round(replicas, store_uri):
     handles = replicas.launch("plain_lanes", 2, rendezvous=store_uri, processes=2,
-                              settings={"sync_every": 2, "checkpoint_every": 2}, args={"steps": 8, "dim": 16})
+                              settings={"sync_every": 2, "checkpoint_every": 2}, args={"steps": 8, "dim": 48})
     replicas.results(handles)
     lanes = lane_results(replicas.executor, handles)
     assert sorted((x["rank"], x["lane"]) for x in lanes) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for r in ("1", "2", "3", "4"):
         assert len({x["hashes"][r] for x in lanes}) == 1, r
     sizes = {x["lane"]: x["numel"] for x in lanes}
-    assert sizes[0] + sizes[1] == 16 * 64 + 64 + 64 + 1 and abs(sizes[0] - sizes[1]) <= 1  # lane k: 1/L of θ
+    total = 4 * 48 * 48 + 8 * 48 + 1  # 9,601 values: three blocks of 4,096, two for lane 0
+    assert sizes == {0: 2 * BLOCK, 1: total - 2 * BLOCK}  # lane k: its whole blocks of θ
 
 
 def test_time_based_rounds_close_in_every_process_of_a_replica_at_the_same_step(replicas, store_uri):

@@ -20,7 +20,7 @@ from diloco.wiresize import parts_per_shard
 from diloco_replica import reduce as reduce_module
 from diloco_replica.allreduce import StoreAllReduce
 from diloco_replica.rounderrors import RoundFailed
-from diloco_replica.storeaccess import LaneShards, reducer_of
+from diloco_replica.storeaccess import reducer_of
 
 NUMEL = 12_000
 PART_MB = 4_000 * 4 / 2**20  # 4,000 fp32 values a part
@@ -71,16 +71,6 @@ def test_the_parts_formula_is_the_same_on_every_replica_and_one_part_while_a_sha
 ])
 def test_a_part_is_reduced_by_its_owner_or_spread_over_the_members(shard, members, parts, reducer):
     assert reducer_of(shard, members, parts) == reducer
-
-
-@pytest.mark.parametrize("lane, lanes, shard, sid", [(0, 1, 5, 5), (0, 2, 5, 10), (1, 2, 5, 11), (2, 3, 0, 2)])
-def test_lanes_interleave_their_shard_names(lane, lanes, shard, sid):
-    names = LaneShards(lane, lanes)
-    assert names.sid(shard) == sid
-    other = LaneShards((lane + 1) % lanes, lanes) if lanes > 1 else None
-    assert names.mine([str(sid), f"{sid}/mean", "x", "ready"]) == {shard}
-    if other is not None:
-        assert other.mine([str(sid)]) == set()
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
@@ -229,8 +219,8 @@ def test_a_peer_whose_parts_keep_coming_is_not_taken_over_however_long_its_round
 def test_error_feedback_quantises_by_the_shards_the_all_reduce_uploads():
     ar = StoreAllReduce(open_store(f"memory://{uuid.uuid4().hex}"), "run-layout", 1, 3, part_mb=PART_MB / 4)
     try:
-        bounds, uploaded = ar.upload_layout(NUMEL)
+        pieces, uploaded = ar.upload_layout(ar.cut(NUMEL, 0, NUMEL))
     finally:
         ar.close()
-    assert len(bounds) == 12 and bounds[0] == (0, 1_000) and bounds[-1] == (11_000, 12_000)
+    assert sorted(pieces) == list(range(12)) and pieces[0] == (0, 1_000) and pieces[11] == (11_000, 12_000)
     assert uploaded == set(range(12)) - {4, 5, 6, 7}  # replica 1 owns parts 4..7 and uploads the rest

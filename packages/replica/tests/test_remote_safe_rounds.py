@@ -19,6 +19,7 @@ from diloco.metrics import read_rounds
 from diloco.store import open_store
 from diloco_replica.allreduce import StoreAllReduce
 from diloco_replica.rounderrors import FellBehind
+from diloco_replica.layout import Cut
 from diloco_replica.roundstate import Round
 from diloco_replica.streaming import WholeDelta
 from diloco_replica.outer import outer_step
@@ -127,7 +128,7 @@ def test_replaying_a_round_that_retention_deletes_underneath_is_a_rejoin_not_a_c
     replayer = StoreAllReduce(store, run, 0, n, round_timeout=30.0, poll_interval=0.005)
     t0 = time.monotonic()
     with pytest.raises(FellBehind):
-        replayer.fetch(1, 10)
+        replayer.fetch(1, replayer.cut(10, 0, 10))
     assert time.monotonic() - t0 < 5  # at once, not after the 30 s round timeout
     replayer.close()
 
@@ -147,9 +148,9 @@ def test_a_takeover_after_the_reducer_published_and_cleaned_up_uses_the_publishe
     [t.start() for t in threads]
     [t.join() for t in threads]
     for m in range(n):  # the reducer's cleanup has run: inputs gone
-        store.delete(f"{run}/r00000001/scatter/0/{m}")
+        store.delete(f"{run}/r00000001/scatter/0/{m}.0")
     late = StoreAllReduce(store, run, 1, n, round_timeout=0.5, poll_interval=0.005)
-    rnd = Round(1, 10, n, 1, source=WholeDelta(deltas[1]), members=[0, 1])
+    rnd = Round(1, Cut(10, 0, 10, n), 1, source=WholeDelta(deltas[1]), members=[0, 1])
     got = late._reduce_shard(rnd, 0, takeover=True)
     late.close()
     assert torch.equal(got, results[0].mean[:5])
@@ -220,7 +221,7 @@ def test_a_bad_object_mid_run_is_handled_the_same_everywhere(replicas, store_uri
     incidents = rounds[2].incidents
     assert incidents and all(action in i["action"] and problem in i["problem"] for i in incidents), incidents
     kind, _, owner, *src = target.split(":")
-    assert incidents[0]["object"].endswith(f"/r00000002/{kind}/{owner}" + (f"/{src[0]}" if src else "/mean"))
+    assert incidents[0]["object"].endswith(f"/r00000002/{kind}/{owner}" + (f"/{src[0]}.0" if src else "/mean"))
     assert incidents[0]["writer"] == (int(src[0]) if src else int(owner))
     assert all(r["rounds"][-1]["members"] == [0, 1, 2, 3] for r in results)
 
@@ -303,7 +304,7 @@ def test_a_reducer_that_moved_on_still_repairs_the_shard_a_slow_reader_found_cor
         def _reduce_shard(self, rnd, j, *, takeover):
             mean = super()._reduce_shard(rnd, j, takeover=takeover)
             if rnd.r == 1 and self.rank == 1:  # damaged at rest after it was published
-                key = self.io.keys.reduced(rnd.r, self.io.sid(j))
+                key = self.io.keys.reduced(rnd.r, j)
                 blob = bytearray(store.get(key))
                 blob[-1] ^= 0xFF
                 store.put(key, bytes(blob))

@@ -7,6 +7,7 @@ import torch
 
 from diloco.wiresize import Traffic
 from diloco_replica.codecs import sparsify
+from diloco_replica.layout import Cut
 from diloco_replica.roundstate import Round
 from diloco_replica.streaming import WholeDelta
 from diloco_replica.wire import decode_tensor, encode_tensor
@@ -16,7 +17,7 @@ DELTA = torch.arange(10, dtype=torch.float32)
 
 def a_round(**fields) -> Round:
     """Round 3 of 10 values over 3 replicas, seen by rank 1."""
-    return Round(3, 10, 3, 1, **fields)
+    return Round(3, Cut(10, 0, 10, 3), 1, **fields)
 
 
 @pytest.mark.parametrize("numel, n, bounds", [
@@ -26,7 +27,7 @@ def a_round(**fields) -> Round:
     (5, 1, [(0, 5)]),
 ])
 def test_bounds_cut_the_vector_into_n_near_equal_shards(numel, n, bounds):
-    rnd = Round(1, numel, n, 0)
+    rnd = Round(1, Cut(numel, 0, numel, n), 0)
     assert rnd.bounds == bounds
     assert [rnd.size(j) for j in range(n)] == [b - a for a, b in bounds]
 
@@ -85,9 +86,9 @@ def test_result_carries_the_rounds_record(replay, phases, nonfinite):
 
 
 def test_a_round_of_parts_has_n_times_p_shards_each_owned_by_the_replica_it_came_from():
-    rnd = Round(1, 14, 2, 0, 3, members=[0, 1])
+    rnd = Round(1, Cut(14, 0, 14, 2, 3), 0, members=[0, 1])
     assert rnd.count == 6 and rnd.bounds == [(0, 3), (3, 6), (6, 8), (8, 10), (10, 12), (12, 14)]
     assert [rnd.owner(j) for j in range(6)] == [0, 0, 0, 1, 1, 1]
-    assert [rnd.reducer(j) for j in range(6)] == [0, 0, 0, 1, 1, 1]
+    assert [rnd.reducer(j) for j in range(6)] == [(0, 0)] * 3 + [(1, 0)] * 3
     rnd.members = [0]  # replica 1 is gone: its parts fall to the members left
-    assert [rnd.reducer(j) for j in range(6)] == [0] * 6
+    assert [rnd.reducer(j) for j in range(6)] == [(0, 0)] * 6

@@ -17,7 +17,7 @@ import torch
 from diloco.store import open_store
 from diloco_replica.allreduce import StoreAllReduce
 from diloco_replica.outer import outer_step
-from diloco_replica.storeaccess import shard_bounds
+from diloco_replica.layout import shard_bounds
 
 
 class LiveDelta:

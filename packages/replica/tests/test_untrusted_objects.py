@@ -22,6 +22,7 @@ from diloco.store import open_store
 from diloco_replica.allreduce import StoreAllReduce
 from diloco_replica.codecs import sparsify
 from diloco_replica.globalstate import GlobalState
+from diloco_replica.layout import Cut
 from diloco_replica.roundstate import Round
 from diloco_replica.streaming import WholeDelta
 from diloco_replica.wire import Identity, encode_tensor, joined, pack, unpack
@@ -36,8 +37,8 @@ def plant(store, run: str, r: int, owner: int, src: int, x: torch.Tensor, codec:
     """A well-formed contribution from `src` (right identity, valid checksums), plus its ready marker."""
     parts = parts if parts is not None else encode_tensor(x, codec)
     blob = pack(Identity(run, r, "scatter", owner, src), parts, codec=codec, numel=numel or x.numel())
-    store.put(f"{run}/r{r:08d}/scatter/{owner}/{src}", joined(blob))
-    store.put(f"{run}/r{r:08d}/ready/{src}", b"{}")
+    store.put(f"{run}/r{r:08d}/scatter/{owner}/{src}.0", joined(blob))
+    store.put(f"{run}/r{r:08d}/ready/{src}.1", b"{}")
 
 
 def lone_reducer_round(store, run: str, n: int, delta: torch.Tensor, codec: str = "fp32"):
@@ -68,7 +69,7 @@ def test_a_nonfinite_contribution_is_left_out_named_and_its_sender_told():
         assert res.nonfinite == [1]  # every replica learns who was left out (the sender resets on it)
     assert torch.allclose(out[0].mean, want, atol=1e-6)
     incidents = [i for res in out.values() for i in res.incidents]
-    assert sorted(i["object"] for i in incidents) == [f"{run}/r00000001/scatter/{j}/1" for j in range(n)]
+    assert sorted(i["object"] for i in incidents) == [f"{run}/r00000001/scatter/{j}/1.0" for j in range(n)]
     for i in incidents:
         assert i["round"] == 1 and i["writer"] == 1 and i["replica"] == 1
         assert "non-finite" in i["problem"] and "left out" in i["action"]
@@ -146,7 +147,7 @@ def test_a_wellformed_contribution_that_does_not_fit_the_round_is_corrupt_not_a_
     plant(store, run, 1, 0, 1, x, plant_codec, parts=parts, numel=numel)
     res = lone_reducer_round(store, run, n, mine.clone(), codec)
     [incident] = res.incidents
-    assert incident["object"] == f"{run}/r00000001/scatter/0/1" and incident["writer"] == 1
+    assert incident["object"] == f"{run}/r00000001/scatter/0/1.0" and incident["writer"] == 1
     assert problem in incident["problem"] and "left out of shard 0's mean" in incident["action"]
     reduced = unpack(store.get(f"{run}/r00000001/reduced/0/mean"), Identity(run, 1, "reduced", 0, -1), "k")
     assert reduced.meta["members"] == [0] and "1" in reduced.meta["left_out"]
@@ -159,7 +160,7 @@ def test_a_takeover_meeting_a_wrong_length_contribution_leaves_it_out():
     plant(store, run, 1, 0, 1, torch.full((51,), 7.0))  # rank 1's part of shard 0: one element too many
     plant(store, run, 1, 0, 2, good)
     ar = StoreAllReduce(store, run, 2, 3, round_timeout=0.5, poll_interval=0.005)
-    rnd = Round(1, 150, 3, 2, source=WholeDelta(torch.zeros(150)), members=[0, 1, 2])
+    rnd = Round(1, Cut(150, 0, 150, 3), 2, source=WholeDelta(torch.zeros(150)), members=[0, 1, 2])
     got = ar._reduce_shard(rnd, 0, takeover=True)
     ar.close()
     assert torch.equal(got, torch.zeros(50))  # rank 2's own zeros; rank 0 is gone, rank 1's object is out
@@ -194,7 +195,7 @@ def test_a_bad_reduced_shard_is_repaired_not_a_crash(damage, problem):
         def _reduce_shard(self, rnd, j, *, takeover):
             mean = super()._reduce_shard(rnd, j, takeover=takeover)
             if self.rank == 1:  # a reducer bug: what it published is not what it holds
-                key = self.io.keys.reduced(rnd.r, self.io.sid(j))
+                key = self.io.keys.reduced(rnd.r, j)
                 store.put(key, repacked(bytes(store.get(key)), extra=int(damage == "wrong length"),
                                         nan=damage == "non-finite"))
             return mean
@@ -247,7 +248,7 @@ def test_a_bad_checkpoint_met_while_rejoining_is_an_incident_in_the_next_round(d
     uri = f"memory://{uuid.uuid4().hex}"
     store, run = open_store(uri), "run-ckpt"
     before = train_alone(store, run, 4, attempt=0)  # rounds 1-4, checkpoints 2 and 4 kept
-    key = f"{run}/ckpt/r00000004/0"
+    [key] = [m["path"] for m in store.list(f"{run}/ckpt/r00000004/")]  # one replica of one lane: one piece
     blob = bytes(store.get(key))
     store.put(key, blob[:-1] + bytes([blob[-1] ^ 0xFF]) if damage == "bit flip" else
               repacked(blob, extra=int(damage == "wrong length"), nan=damage == "non-finite"))
@@ -336,7 +337,7 @@ def test_a_replica_gone_nan_is_left_out_reset_and_ends_identical(replicas, store
     bad = rounds[nan_round].incidents
     left_out = [i for i in bad if "left out" in i["action"]]
     assert left_out and all(i["replica"] == 2 and "non-finite" in i["problem"] for i in left_out), bad
-    assert all(f"/r{nan_round:08d}/scatter/" in i["object"] and i["object"].endswith("/2") for i in left_out)
+    assert all(f"/r{nan_round:08d}/scatter/" in i["object"] and i["object"].endswith("/2.0") for i in left_out)
     [reset] = [i for i in bad if "reset its model" in i["action"]]
     assert reset["replica"] == 2 and "inner optimizer state" in reset["action"]
     # one incident round only (the optimizer's NaN moments were reset too); with overlap the replica

@@ -87,15 +87,15 @@ def test_corrupt_contribution_is_never_averaged_in_and_is_reported():
                        numel=50))
     bad = bytearray(good)
     bad[-1] ^= 1
-    store.put(f"{run}/r00000001/scatter/0/1", bytes(bad))
-    store.put(f"{run}/r00000001/ready/1", b"{}")
+    store.put(f"{run}/r00000001/scatter/0/1.0", bytes(bad))
+    store.put(f"{run}/r00000001/ready/1.1", b"{}")
     store.put(f"{run}/r00000001/reduced/1/mean", pack(Identity(run, 1, "reduced", 1, -1),
                                                  encode_tensor(torch.zeros(50), "fp32"), codec="fp32", numel=50))
     out, errors = run_round(store, run, 2, deltas, skip=(1,))
     assert not errors, errors
     assert torch.equal(out[0].mean[:50], deltas[0][:50])  # rank 1's damaged part is not in the mean
     [incident] = out[0].incidents
-    assert incident["object"] == f"{run}/r00000001/scatter/0/1" and incident["writer"] == 1
+    assert incident["object"] == f"{run}/r00000001/scatter/0/1.0" and incident["writer"] == 1
     assert "checksum mismatch" in incident["problem"] and "left out" in incident["action"]
     reduced = unpack(store.get(f"{run}/r00000001/reduced/0/mean"), Identity(run, 1, "reduced", 0, -1), "k")
     assert reduced.meta["members"] == [0] and "1" in reduced.meta["left_out"]

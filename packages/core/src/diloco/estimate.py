@@ -71,7 +71,8 @@ def load_prices(cloud: str = "aws") -> dict[str, Any]:
 @dataclass
 class Estimate:
     replicas: int
-    lanes: int
+    lanes: int         # processes per replica; where groups differ, the most (the figures are its bound)
+    fewest_lanes: int  # where groups differ, the fewest (else = lanes)
     transport: str
     fragments: int
     sync_every: int
@@ -148,28 +149,32 @@ def placement(group: Any, store_uri: str | None, store_region: str | None,
 
 def exchange(n: int, lanes: int, numel: int, transport: str, density: float, *, part_mb: float,
              first: bool = False, bulk_delete: int = 1) -> Traffic:
-    """One replica's all-reduce traffic for a round syncing `numel` elements (its lanes together).
+    """One replica's all-reduce traffic for a round syncing `numel` elements, its `lanes` together.
 
-    Each lane's N shards go as P objects each (`parts_per_shard`). `first`: the run's first round
-    (or the first after a rejoin): the replica checks whether the round was decided or collected
-    without it (a GET of members.json, a LIST of the low-water mark), which a replica fresh from
-    the previous round skips, and has nothing to delete or to look for repairs of yet.
-    `bulk_delete`: keys one delete request takes on the store.
+    A round is N·P shards of the whole vector (`parts_per_shard`), whatever a replica's lanes;
+    each lane sends its piece of every shard it holds (a replica's own shards stay with the lane
+    reducing them) and reads the means of the shards it overlaps. Each of the L − 1 lane
+    boundaries may cut a shard in two: one more piece sent, and one more part read by the two
+    lanes beside it (counted here, so the figure is exact for one lane and an upper bound for
+    several). `first`: the run's first round (or the first after a rejoin): the replica checks
+    whether the round was decided or collected without it (a GET of members.json, a LIST of the
+    low-water mark), which a replica fresh from the previous round skips, and has nothing to
+    delete or to look for repairs of yet. `bulk_delete`: keys one delete request takes on the store.
     """
-    per_lane = numel / lanes
-    parts = parts_per_shard(round(per_lane), n, part_mb)
-    objects = lanes * parts  # a replica's parts of one shard, over its lanes
-    part = per_lane / n / parts
+    parts = parts_per_shard(numel, n, part_mb)
+    cuts = lanes - 1  # lane boundaries, each splitting at most one shard
+    part = numel / n / parts
     scatter = OBJECT_OVERHEAD + expected_payload_nbytes(round(part), transport, density=density)
     reduced = OBJECT_OVERHEAD + expected_payload_nbytes(round(part), transport, density=density, union_of=n)
     loser = (n - 1) / n  # every replica tries to write members.json; all but one read the winner's
+    reducing = min(lanes, parts)  # lanes of this replica that reduce one of its parts (each deletes its inputs)
     return Traffic(
-        bytes_up=objects * ((n - 1) * scatter + reduced) + MARKER_NBYTES + MEMBERS_NBYTES,
-        bytes_down=objects * (n - 1) * (scatter + reduced) + loser * MEMBERS_NBYTES,
-        puts=objects * (n - 1) + 1 + 1 + objects,               # parts, ready marker, members.json, reduced parts
-        gets=(1 if first else 0) + loser + 2 * objects * (n - 1),  # [members.json, absent], the winner's, parts in
-        lists=(1 if first else 0) + 1 + lanes + (0 if first else lanes),  # [low-water], ready; reduced; repairs
-        deletes=0 if first else lanes * -(-(n - 1) * parts // bulk_delete))  # the previous round's inputs it reduced
+        bytes_up=parts * ((n - 1) * scatter + reduced) + cuts * OBJECT_OVERHEAD + MARKER_NBYTES + MEMBERS_NBYTES,
+        bytes_down=parts * (n - 1) * (scatter + reduced) + cuts * reduced + loser * MEMBERS_NBYTES,
+        puts=parts * (n - 1) + cuts + 1 + 1 + parts,              # pieces, ready marker, members.json, reduced parts
+        gets=(1 if first else 0) + loser + 2 * parts * (n - 1) + cuts,  # [members.json, absent], the winner's,
+        lists=(1 if first else 0) + 1 + lanes + (0 if first else lanes),  # pieces in, means; [low-water], ready;
+        deletes=0 if first else reducing * -(-(n - 1) * parts // (reducing * bulk_delete)))  # reduced; repairs
 
 
 def estimate(spec: Any, *, parameters: int | None = None, parameters_from: str | None = None,
@@ -180,12 +185,15 @@ def estimate(spec: Any, *, parameters: int | None = None, parameters_from: str |
     uri = rendezvous or spec.rendezvous
     if parameters is None and d.get("parameters"):
         parameters, parameters_from = int(d["parameters"]), "spec"
-    n, lanes, k = spec.replicas, max(1, int(spec.processes_per_replica)), int(d["fragments"])
+    # the most processes any group's replicas run: its lane boundaries cut the most pieces (an upper bound)
+    n, k = spec.replicas, int(d["fragments"])
+    counts = [max(1, int(g.processes_per_replica)) for g in spec.replica_groups()]
+    lanes = max(counts)
     total = d.get("total_steps")
     rounds = None if total is None else int(total) // (int(d["sync_every"]) // k)
     from .store import poll_defaults
 
-    est = Estimate(replicas=n, lanes=lanes, transport=d["transport"], fragments=k, sync_every=int(d["sync_every"]),
+    est = Estimate(replicas=n, lanes=lanes, fewest_lanes=min(counts), transport=d["transport"], fragments=k, sync_every=int(d["sync_every"]),
                    parameters=parameters, parameters_from=parameters_from if parameters else None,
                    total_steps=total, rounds=rounds,
                    prices=prices if prices is not None else load_prices(cloud_of(uri)),
@@ -205,9 +213,9 @@ def estimate(spec: Any, *, parameters: int | None = None, parameters_from: str |
         ckpts = rounds // int(d["checkpoint_every"])
         summary = OBJECT_OVERHEAD + n * ROW_NBYTES
         est.bookkeeping = Traffic(
-            bytes_up=rounds * (n * ROW_NBYTES + summary) + ckpts * (8 * parameters + n * lanes * OBJECT_OVERHEAD),
+            bytes_up=rounds * (n * ROW_NBYTES + summary) + ckpts * (8 * parameters + (n + lanes - 1) * OBJECT_OVERHEAD),
             bytes_down=rounds * (n * ROW_NBYTES + n * summary),     # the recorder reads rows; everyone the summary
-            puts=rounds * (n + 1) + ckpts * n * lanes,
+            puts=rounds * (n + 1) + ckpts * (n + lanes - 1),  # a checkpoint: N shards, cut where lanes are
             gets=rounds * (n + n),
             lists=rounds * (1 + n))
         exchanges = est.first_round.plus(est.round.times(rounds - 1)).times(n) if rounds else Traffic()
@@ -273,7 +281,8 @@ def format_groups(e: Estimate) -> list[str]:
 
 def format_estimate(e: Estimate) -> str:
     """The estimate as `diloco dryrun` and the first lines of `diloco run` print it."""
-    head = (f"estimate: {e.replicas} replicas × {e.lanes} process{'es' if e.lanes > 1 else ''}, {e.transport}, "
+    lanes = f"{e.fewest_lanes}–{e.lanes}" if e.fewest_lanes != e.lanes else str(e.lanes)
+    head = (f"estimate: {e.replicas} replicas × {lanes} process{'es' if e.lanes > 1 else ''}, {e.transport}, "
             f"H={e.sync_every}" + (f", {e.fragments} fragments" if e.fragments > 1 else ""))
     if not e.parameters:
         return (f"{head}\n  model size unknown: set [diloco] parameters = N for an estimate now; otherwise the "

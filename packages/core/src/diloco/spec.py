@@ -188,9 +188,9 @@ def _check_env(where: str, table: str, env: Mapping[str, Any]) -> dict[str, str]
 
 
 def _groups(where: str, top: Mapping[str, Any]) -> list[ReplicaGroup]:
-    """The `[[group]]` tables as `ReplicaGroup`s, ranks numbered group by group. Every replica
-    syncs as the same number of lanes (its processes: the lane layout is part of the wire), so
-    the groups' `processes_per_replica` must agree."""
+    """The `[[group]]` tables as `ReplicaGroup`s, ranks numbered group by group. Groups may run
+    different numbers of processes per replica (an 8-GPU node beside single GPUs): the exchange
+    is cut from the model's flat vector, not per process (diloco_replica's `layout`)."""
     defaults = {k: top[k] for k in INHERITED if top[k] is not None}
     tables = check_groups(where, top["group"], defaults)
     groups, first = [], 0
@@ -204,12 +204,6 @@ def _groups(where: str, top: Mapping[str, Any]) -> list[ReplicaGroup]:
             gpu=t["gpu"], region=t["region"], env=_check_env(gw, "group.env", t["env"] or {}),
             backend_options={k: v for k, v in backend.items() if k != "name"}))
         first += t["replicas"]
-    lanes = {g.processes_per_replica for g in groups}
-    if len(lanes) > 1:
-        a, b = groups[0], next(g for g in groups if g.processes_per_replica != groups[0].processes_per_replica)
-        raise SpecError(f"{where}: group {a.name!r} runs {a.processes_per_replica} process(es) per replica and group "
-                        f"{b.name!r} {b.processes_per_replica}; every replica syncs as the same number of lanes, so "
-                        f"set `processes_per_replica` the same in every group (a GPU count does not have to match it)")
     return groups
 
 

@@ -3,8 +3,8 @@
 The store cannot add, so the replicas do the reduction (LambdaML's reduce-scatter through S3).
 Round r, replica i with pseudo-gradient Δ_i split into N contiguous shards, shard j owned by j:
 
-1. scatter: upload shard j of Δ_i to ``r/scatter/j/i`` for every j ≠ i, then a tiny
-   ``r/ready/i`` marker (so "ready" implies all its shards are in the store);
+1. scatter: upload shard j of Δ_i to ``r/scatter/j/i.<lane>`` for every j ≠ i, then a tiny
+   ``r/ready/i.<lanes>`` marker (so "ready" implies all its shards are in the store);
 2. membership (`membership.Membership`): one create-only ``members.json`` fixes who is in;
 3. reduce (`reduce.ShardReducer`): the reducer of shard j (j itself if it is a member, else the
    member at position j mod |members|) averages the members' contributions in rank order in
@@ -18,6 +18,12 @@ of the round in every step above: N·P shards, replica i owning i·P … i·P + 
 (`roundstate.Round.owner`; a dead owner's parts are spread over the members). With P > 1 a
 replica's own parts are reduced on two threads beside its gather, so folding part k, uploading
 its mean and downloading the peers' finished parts overlap instead of running one after another.
+
+Shards are cut from the model's whole flat vector, never per process (`layout`): a replica of
+L processes sends each shard as the pieces its lanes hold (``scatter/j/i.<k>``), its lane
+holding the shard's first value keeps its own piece when the shard is the replica's to reduce,
+and the reducer assembles every member's pieces by the lane counts in the membership record. So
+replicas of 1, 2 and 8 processes meet in one round.
 
 Every replica decodes the same reduced bytes (the reducer too), so the mean is bit-identical
 everywhere. A reduced shard that is corrupt in the store is re-published by its reducer
@@ -51,15 +57,16 @@ from .faults import Faults
 from .gather import Gatherer
 from .lanes import Lanes
 from .laps import Laps
-from .membership import Membership
+from .layout import Cut
+from .membership import Decided, Membership
 from .reduce import ShardReducer
 from .repairs import RepairDesk
 from .rounderrors import FellBehind, RoundFailed
 from .roundio import RoundIO
 from .roundstate import Round, RoundResult
-from .storeaccess import CountingStore, LaneShards, RunKeys
+from .storeaccess import CountingStore, RunKeys
 from .streaming import DeltaSource, RoundSink, WholeDelta, Window, buffer_sink, pool_width, window_for
-from .wire import Identity, decode_tensor, encode_tensor, pack
+from .wire import decode_tensor, encode_tensor, pack
 
 __all__ = ["FellBehind", "RoundFailed", "RoundResult", "StoreAllReduce"]
 
@@ -76,8 +83,7 @@ class StoreAllReduce:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         lanes = lanes or Lanes()
-        self.io = RoundIO(store=CountingStore(store), keys=RunKeys(run_id),
-                          shards=LaneShards(lanes.index, lanes.count), lanes=lanes,
+        self.io = RoundIO(store=CountingStore(store), keys=RunKeys(run_id), lanes=lanes,
                           pool=ThreadPoolExecutor(max_workers=max(2, workers or pool_width(world_size))),
                           run_id=run_id, rank=rank, n=world_size, round_timeout=round_timeout,
                           poll_interval=poll_interval, poll_max=poll_max, log=log or (lambda msg: None),
@@ -97,7 +103,7 @@ class StoreAllReduce:
         self.repairs = RepairDesk(self.io, self.membership)
         self.reducer = ShardReducer(self.io, self.membership, self.repairs, window=self.window, step_cap=step_cap)
         self.gatherer = Gatherer(self.io, self.membership, self.repairs, window=self.window)
-        self._cleanup_due: tuple[int, list[int], list[int]] | None = None
+        self._cleanup_due: list[str] | None = None  # the inputs of the last round this lane reduced
         self._finished: tuple[int, float] | None = None  # (round, when) this replica last completed one
 
     @property
@@ -108,20 +114,31 @@ class StoreAllReduce:
         """Where this replica is in round r, for the fault-injection harness."""
         self.io.faults.phase(name, r)
 
-    def run_round(self, r: int, delta: torch.Tensor | DeltaSource, *, in_place: bool = False,
+    def cut(self, total: int, start: int, stop: int) -> Cut:
+        """How a round syncing [start, stop) of a model of `total` values is cut (`layout.Cut`):
+        N·P shards, P from the fragment's size, the same for every replica whatever its lanes."""
+        return Cut(total, start, stop, self.n, self.parts(stop - start))
+
+    def _round(self, r: int, cut: Cut, **kw: Any) -> Round:
+        return Round(r, cut, self.rank, self.lanes.index, self.lanes.count, codec=self.codec, **kw)
+
+    def run_round(self, r: int, delta: torch.Tensor | DeltaSource, *, cut: Cut | None = None, in_place: bool = False,
                   residual: torch.Tensor | None = None, sink: RoundSink | None = None,
                   steps: int | None = None, encoded: dict[int, list[memoryview]] | None = None) -> RoundResult:
-        """Take part in round `r` with `delta` (fp32, CPU, flat; or a `DeltaSource` read a shard at
-        a time); return the members' mean, or hand it to `sink` shard by shard (`streaming`).
+        """Take part in round `r`, cut as `cut`, with `delta` (fp32, CPU, flat: this lane's Δ over
+        what it holds of the round's vector, `cut.held`; or a `DeltaSource` read a slice at a
+        time); return the members' mean over the same slice, or hand it to `sink` shard by shard
+        (`streaming`), in the lane's own coordinates. No `cut`: `delta` is a whole model synced by
+        one lane.
 
-        `in_place`: the mean is written over `delta` (shard j's slice of Δ is only read until
-        shard j's mean is known), so a round holds one model-sized buffer, not two.
+        `in_place`: the mean is written over `delta` (a slice of Δ is only read until its
+        shard's mean is known), so a round holds one model-sized buffer, not two.
         `residual`: the topk transport's error feedback, as long as `delta`; added to Δ before
         sparsifying, and left holding what was not sent.
-        `sink(j, a, b, mean_j)`: called once per shard as its mean is known (on pool threads, for
-        distinct shards at once); no mean buffer is made and `RoundResult.mean` is None.
+        `sink(j, a, b, mean)`: called once per shard with this lane's piece of its mean (on pool
+        threads, for distinct shards at once); no mean buffer is made and `RoundResult.mean` is None.
         `steps`: the inner steps behind `delta` (time-based rounds, `step_cap` set: required).
-        `encoded`: shards already encoded in the run's codec from exactly these values (error
+        `encoded`: pieces already encoded in the run's codec from exactly these values (error
         feedback's quantising, `feedback`), uploaded as they are instead of encoded again; the
         dict is emptied once they are up, so the bytes are not held through the round.
         """
@@ -130,16 +147,22 @@ class StoreAllReduce:
         io = self.io
         started, before, laps = time.monotonic(), io.store.traffic.snapshot(), Laps()  # Δ's copy to the host counts
         source = delta if hasattr(delta, "shard") else WholeDelta(delta.detach().to("cpu", torch.float32).reshape(-1))
-        rnd = Round(r, source.numel, self.n, self.rank, self.parts(source.numel), source=source, codec=self.codec,
-                    sent=encoded if encoded is not None else {},
-                    steps=steps if self.step_cap is not None else None, laps=laps, traffic_before=before,
-                    started=started)
+        if cut is None:
+            if self.lanes.count != 1:
+                raise ValueError("a replica of several lanes states how its round is cut (`cut`)")
+            cut = self.cut(source.numel, 0, source.numel)
+        rnd = self._round(r, cut, source=source, sent=encoded if encoded is not None else {},
+                          steps=steps if self.step_cap is not None else None, laps=laps, traffic_before=before,
+                          started=started)
+        held = rnd.held[1] - rnd.held[0]
+        if source.numel != held:
+            raise ValueError(f"Δ has {source.numel} values; lane {rnd.lane} of {rnd.lanes} holds {held} of this round")
         mean = None
         if sink is None:
-            mean = source.delta if in_place and isinstance(source, WholeDelta) else torch.empty(source.numel)
+            mean = source.delta if in_place and isinstance(source, WholeDelta) else torch.empty(held)
             sink = buffer_sink(mean)
-        members = self.lanes.on_leader(lambda: self._decided_or_open(r))
-        if members is None:
+        decided = self.lanes.on_leader(lambda: self._decided_or_open(r))
+        if decided is None:
             self.phase("upload", r)
             if self.codec == "topk":
                 rnd.sent = self._sparsify(rnd, residual)
@@ -150,30 +173,31 @@ class StoreAllReduce:
                     self._put_scatter(rnd, j)
 
             def upload() -> None:
-                for f in [io.pool.submit(put, j) for j in range(rnd.count) if rnd.owner(j) != self.rank]:
+                for f in [io.pool.submit(put, j) for j in rnd.mine() if not rnd.keeps(j)]:
                     f.result()
 
-            self.lanes.agree(upload)  # "ready" means every lane's shards are in the store
-            if self.codec != "topk":  # only topk's own parts need its encoding (the rest: Δ holds the same values)
+            self.lanes.agree(upload)  # "ready" means every lane's pieces are in the store
+            if self.codec != "topk":  # only topk's own pieces need its encoding (the rest: Δ holds the same values)
                 rnd.sent.clear()
             rnd.laps.lap("upload")
             self.phase("membership", r)
             with self.repairs.waiting():  # every lane: a reader stuck on last round's shard holds this up
-                members = self.lanes.on_leader(lambda: self._ready_and_decide(r))
+                decided = self.lanes.on_leader(lambda: self._ready_and_decide(r))
         rnd.laps.lap("wait")
-        rnd.members = members
+        members = Decided.from_json(decided)
+        rnd.members, rnd.layouts = members.members, members.layouts
         # The previous round's reduced shards stay servable until this round is formed: a reader
         # that found one corrupt is still finishing that round, and this round waits for it.
         self.repairs.next_round()
         if not rnd.member:
-            io.log(f"round {r}: not a member (members {members}); this replica's update is left out")
-        mine = [j for j in range(rnd.count) if rnd.reducer(j) == self.rank] if rnd.member else []
+            io.log(f"round {r}: not a member (members {rnd.members}); this replica's update is left out")
+        mine = [j for j in cut.live if rnd.reduces(j)]
         if mine:
             self.phase("reduce", r)
         self._reduce_and_gather(rnd, mine, sink)
         self._run_cleanup()
         if mine:
-            self._cleanup_due = (r, mine, members)  # inputs stay one round, for takeovers and repairs
+            self._cleanup_due = self._inputs(rnd, mine)  # inputs stay one round, for takeovers and repairs
             self.repairs.look_soon()
         rnd.laps.lap("download")
         self._finished = (r, time.monotonic())
@@ -194,10 +218,9 @@ class StoreAllReduce:
         def reduce_own(j: int) -> None:
             if rnd.stop.is_set():  # an earlier part failed: the round fails, the rest is not worth reducing
                 return
-            a, b = rnd.bounds[j]
             mean = self._reduce_shard(rnd, j, takeover=False)
             self.repairs.watch()  # a reader may find a part published here corrupt while this replica gathers
-            applying.append(io.pool.submit(sink, j, a, b, mean))
+            applying.append(io.pool.submit(rnd.deliver, sink, j, mean))
 
         def gather() -> None:
             with self.repairs.waiting():
@@ -227,7 +250,7 @@ class StoreAllReduce:
             if error is not None:
                 raise error
 
-    def _decided_or_open(self, r: int) -> list[int] | None:
+    def _decided_or_open(self, r: int) -> list | None:
         """Round r's members if already decided (we are late); None if it is open to join.
 
         Skipped (two requests a round: a GET of members.json, a LIST of the low-water mark) when
@@ -238,47 +261,48 @@ class StoreAllReduce:
         last = self._finished
         if last is not None and last[0] == r - 1 and time.monotonic() - last[1] < self.io.round_timeout / 2:
             return None
-        members = self.membership.read(r)
-        if members is None:
+        decided = self.membership.read(r)
+        if decided is None:
             self.membership.check_not_collected(r)
-        return members
+        return decided.to_json() if decided is not None else None
 
-    def _ready_and_decide(self, r: int) -> list[int]:
+    def _ready_and_decide(self, r: int) -> list:
         """(Lane 0, once per replica) mark this replica ready, then fix the round's members."""
-        self.io.put(self.io.keys.ready(r, self.rank), b"{}", create_only=True)
-        return self.membership.decide(r)
+        self.io.put(self.io.keys.ready(r, self.rank, self.lanes.count), b"{}", create_only=True)
+        return self.membership.decide(r).to_json()
 
-    def fetch(self, r: int, numel: int, *, sink: RoundSink | None = None) -> RoundResult:
-        """Read round `r`'s result without contributing (replay, catching up); to `sink` shard by
-        shard if given, else into `RoundResult.mean`."""
-        rnd = Round(r, numel, self.n, self.rank, self.parts(numel), replay=True,
-                    traffic_before=self.io.store.traffic.snapshot())
-        members = self.membership.read(r)
-        if members is None:
+    def fetch(self, r: int, cut: Cut, *, sink: RoundSink | None = None) -> RoundResult:
+        """Read round `r`'s result without contributing (replay, catching up): what this lane
+        holds of it, to `sink` shard by shard if given, else into `RoundResult.mean`."""
+        rnd = self._round(r, cut, replay=True, traffic_before=self.io.store.traffic.snapshot())
+        decided = self.membership.read(r)
+        if decided is None:
             self.membership.check_not_collected(r)
             raise RoundFailed(f"round {r} has no membership record; it has not happened yet")
-        rnd.members = members
+        rnd.members, rnd.layouts = decided.members, decided.layouts
         mean = None
         if sink is None:
-            mean = torch.empty(numel, dtype=torch.float32)
+            mean = torch.empty(rnd.held[1] - rnd.held[0], dtype=torch.float32)
             sink = buffer_sink(mean)
         self._gather(rnd, sink, set())
         return rnd.result(mean, self.io.store.traffic)
 
-    def round_complete(self, r: int, numel: int) -> bool:
-        """Whether every reduced shard of this lane for round `r` (of `numel` values) is in the
-        store (one LIST request)."""
-        return len(self.io.present(self.io.keys.reduced(r))) >= self.n * self.parts(numel)
+    def round_complete(self, r: int, cut: Cut) -> bool:
+        """Whether every reduced shard of round `r` is in the store (one LIST request)."""
+        return set(cut.live) <= self.io.present(self.io.keys.reduced(r))
 
     def parts(self, numel: int) -> int:
         """P for a round of `numel` values (`diloco.wiresize.parts_per_shard`)."""
         return parts_per_shard(numel, self.n, self.part_mb)
 
-    def upload_layout(self, numel: int) -> tuple[list[tuple[int, int]], set[int]]:
-        """How a round of `numel` values is cut (its N·P shards' bounds) and which of them this
-        replica uploads (those it does not own): error feedback quantises Δ the same way."""
-        rnd = Round(0, numel, self.n, self.rank, self.parts(numel))
-        return rnd.bounds, {j for j in range(rnd.count) if rnd.owner(j) != self.rank}
+    def upload_layout(self, cut: Cut) -> tuple[dict[int, tuple[int, int]], set[int]]:
+        """This lane's pieces of a round cut as `cut` (shard -> [a, b) in the lane's own
+        coordinates) and which of them it uploads (those it does not keep): error feedback
+        quantises Δ the same way."""
+        rnd = self._round(0, cut)
+        h = rnd.held[0]
+        pieces = {j: (rnd.piece(j)[0] - h, rnd.piece(j)[1] - h) for j in rnd.mine()}
+        return pieces, {j for j in pieces if not rnd.keeps(j)}
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -289,7 +313,9 @@ class StoreAllReduce:
         contributes to every mean, its own shard's and a taken-over one's, as others decode it.
         """
         encoded = {}
-        for j, (a, b) in enumerate(rnd.bounds):
+        h = rnd.held[0]
+        for j in rnd.mine():
+            a, b = (x - h for x in rnd.piece(j))
             part = rnd.source.shard(a, b)
             if residual is not None:
                 part += residual[a:b]
@@ -299,14 +325,14 @@ class StoreAllReduce:
             encoded[j] = parts
         return encoded
 
-    def _put_scatter(self, rnd: Round, owner: int) -> None:
-        """Upload this replica's part of shard `owner`: as encoded already (topk's sparsified
-        shards, error feedback's quantised ones), else encoded now."""
-        io, sid, (a, b) = self.io, self.io.sid(owner), rnd.bounds[owner]
-        ident = Identity(io.run_id, rnd.r, "scatter", sid, self.rank)
-        encoded = rnd.sent[owner] if owner in rnd.sent else encode_tensor(rnd.source.shard(a, b), self.codec)
+    def _put_scatter(self, rnd: Round, j: int) -> None:
+        """Upload this lane's piece of shard j: as encoded already (topk's sparsified pieces,
+        error feedback's quantised ones), else encoded now."""
+        io, lane, (a, b) = self.io, rnd.lane, rnd.piece(j)
+        ident = io.scatter_identity(rnd.r, j, self.rank, lane)
+        encoded = rnd.sent[j] if j in rnd.sent else encode_tensor(rnd.own(j), self.codec)
         blob = pack(ident, encoded, codec=self.codec, numel=b - a, meta=self._scatter_meta(rnd))
-        io.put(io.keys.scatter(rnd.r, sid, self.rank), blob, written=("scatter", rnd.r, sid, self.rank))
+        io.put(io.keys.scatter(rnd.r, j, self.rank, lane), blob, written=("scatter", rnd.r, j, self.rank))
 
     def _scatter_meta(self, rnd: Round) -> dict[str, Any] | None:
         """What a contribution states besides its values: its inner steps, in time-based rounds."""
@@ -324,14 +350,17 @@ class StoreAllReduce:
 
     # -- after the round ---------------------------------------------------------------------
 
+    def _inputs(self, rnd: Round, shards: list[int]) -> list[str]:
+        """The pieces sent to the shards this lane reduced (every member's, but its own kept one)."""
+        return [self.io.keys.scatter(rnd.r, j, m, k) for j in shards for m in rnd.members
+                for k, _, _ in rnd.cut.pieces(j, rnd.layouts[m]) if (m, k) != (self.rank, rnd.lane)]
+
     def _run_cleanup(self) -> None:
-        """Delete the scatter inputs of the previous round this replica reduced (dead weight now)."""
-        due, self._cleanup_due = self._cleanup_due, None
-        if due is None:
+        """Delete the scatter inputs of the previous round this lane reduced (dead weight now)."""
+        keys, self._cleanup_due = self._cleanup_due, None
+        if not keys:
             return
-        r, owned, members = due
         io = self.io
-        keys = [io.keys.scatter(r, io.sid(j), m) for j in owned for m in members if m != self.rank]
 
         def delete_all() -> None:
             try:

@@ -1,10 +1,12 @@
 """The run's history in the store: checkpoints, the garbage-collection low-water mark, and GC.
 
-- Checkpoints every `checkpoint_every` rounds at ``ckpt/r<round>/<j>``: shard j of
-  [θ_global ; momentum] in fp32, written create-only by shard j's reducer; round 0 is the
-  initial state. With L processes per replica, lane k's shard j is j·L + k and a
-  checkpoint is complete with all N·L. A rejoining replica loads the newest *complete* checkpoint and replays the
-  reduced shards of the rounds after it.
+- Checkpoints every `checkpoint_every` rounds at ``ckpt/r<round>/<a>-<b>``: [θ_global ;
+  momentum] of the model's values [a, b) in fp32. Shard j of N (of the whole model) is written
+  create-only by shard j's reducer, each of its lanes writing its piece of it (`layout`); round
+  0 is the initial state. Pieces are named by their ranges, so a checkpoint written by replicas
+  of one lane count loads into replicas of another; it is complete once its pieces cover the
+  model (`layout.cover`). A rejoining replica loads the newest *complete* checkpoint and
+  replays the reduced shards of the rounds after it.
 - A checkpoint can be voided (``ckpt/r<round>/void``) by a replica that learns its θ had
   diverged when it wrote shards of it, or by a loader that finds a shard corrupt — a bad
   checksum, the wrong length for its shard, or non-finite values — which is an incident too
@@ -23,7 +25,7 @@ import torch
 
 from .finite import all_finite
 from .roundio import RoundIO
-from .storeaccess import shard_bounds
+from .layout import clip, cover
 from .wire import CorruptObject, Identity, check_layout, encode_tensor, pack, unpack
 
 VOID = "void"
@@ -31,8 +33,11 @@ LOAD_WINDOW_BYTES = 64 << 20  # checkpoint shards up to this size are fetched fo
 
 
 class Checkpoints:
-    def __init__(self, io: RoundIO):
-        self.io = io
+    """The run's checkpoints of a model of `total` values (set once the model is known:
+    `GlobalState`), its low-water mark and its garbage collection."""
+
+    def __init__(self, io: RoundIO, total: int = 0):
+        self.io, self.total = io, total
 
     # -- low-water mark ----------------------------------------------------------------------
 
@@ -46,20 +51,21 @@ class Checkpoints:
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def put_shard(self, r: int, j: int, theta: torch.Tensor, buf: torch.Tensor | None, *,
-                  digest: str | None = None) -> None:
-        """Shard j of [θ ; momentum] (momentum None: zeros, as at round 0)."""
-        io = self.io
-        a, b = shard_bounds(theta.numel(), io.n)[j]
-        parts = encode_tensor(theta[a:b], "fp32") + encode_tensor(buf[a:b] if buf is not None else torch.zeros(b - a),
+    def put_piece(self, r: int, piece: tuple[int, int], start: int, theta: torch.Tensor,
+                  buf: torch.Tensor | None) -> None:
+        """[θ ; momentum] of the model's values `piece` = [a, b), from a lane whose `theta` and
+        `buf` begin at the model's value `start` (momentum None: zeros, as at round 0)."""
+        io, (a, b) = self.io, piece
+        x, y = a - start, b - start
+        parts = encode_tensor(theta[x:y], "fp32") + encode_tensor(buf[x:y] if buf is not None else torch.zeros(b - a),
                                                                   "fp32")  # written as two buffers, never joined
-        blob = pack(Identity(io.run_id, r, "ckpt", io.sid(j), -1), parts, codec="fp32",
-                    numel=2 * (b - a), meta={"numel": theta.numel(), "writer_digest": digest})
-        io.put(io.keys.checkpoint(r, io.sid(j)), blob, create_only=True)  # a shard already there is the same
+        blob = pack(Identity(io.run_id, r, "ckpt", a, b), parts, codec="fp32", numel=2 * (b - a),
+                    meta={"numel": self.total})
+        io.put(io.keys.checkpoint(r, piece), blob, create_only=True)  # a piece already there is the same
 
     def complete(self) -> list[int]:
-        """Rounds with every checkpoint shard present and no void marker, oldest first."""
-        counts: dict[int, int] = {}
+        """Rounds whose pieces cover the whole model and that are not void, oldest first."""
+        pieces: dict[int, list[tuple[int, int]]] = {}
         void: set[int] = set()
         for name in self.io.store.list_names(self.io.keys.checkpoints()):
             head, _, leaf = name.partition("/")
@@ -67,44 +73,54 @@ class Checkpoints:
                 continue
             if leaf == VOID:
                 void.add(int(head[1:]))
-            elif leaf.isdigit():
-                counts[int(head[1:])] = counts.get(int(head[1:]), 0) + 1
-        return sorted(r for r, c in counts.items() if c >= self.io.n * self.io.shards.lanes and r not in void)
+            elif (piece := self._piece(leaf)) is not None:
+                pieces.setdefault(int(head[1:]), []).append(piece)
+        return sorted(r for r, got in pieces.items() if r not in void and cover(got, 0, self.total) is not None)
 
-    def present(self, r: int) -> set[int]:
-        """This lane's shards of checkpoint r already in the store (one LIST)."""
-        return self.io.present(self.io.keys.checkpoint(r))
+    def present(self, r: int) -> list[tuple[int, int]]:
+        """The pieces of checkpoint r already in the store (one LIST)."""
+        return [p for p in map(self._piece, self.io.store.list_names(self.io.keys.checkpoint(r))) if p is not None]
+
+    def _piece(self, name: str) -> tuple[int, int] | None:
+        """[a, b) from a piece's name `<a>-<b>` if it is one within the model (else None: ignored)."""
+        a, _, b = name.partition("-")
+        if a.isdigit() and b.isdigit() and 0 <= int(a) < int(b) <= self.total:
+            return int(a), int(b)
+        return None
 
     def void(self, rounds: list[int], why: str) -> None:
         """Mark checkpoints unusable (written from a diverged θ); create-only, idempotent."""
         for r in rounds:
             self.io.put(self.io.keys.checkpoint(r, VOID), json.dumps({"why": why}).encode(), create_only=True)
 
-    def load(self, r: int, numel: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """This lane's θ and momentum of checkpoint r; None if a shard vanished (GC raced us) or is corrupt."""
+    def load(self, r: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """θ and momentum of checkpoint r for the model's values [start, stop) (a lane's); None if
+        a piece vanished (GC raced us), is corrupt, or the pieces leave a gap."""
         io = self.io
-        bounds = shard_bounds(numel, io.n)
-        keys = [io.keys.checkpoint(r, io.sid(j)) for j in range(io.n)]
-        theta, buf = torch.empty(numel), torch.empty(numel)
-        # Shards in flight are copied out and dropped as they come, so loading holds a few shards
+        theta, buf = torch.empty(stop - start), torch.empty(stop - start)
+        chain = cover(self.present(r), start, stop)
+        if chain is None:
+            io.log(f"checkpoint {r} no longer covers values [{start}, {stop}); trying the next checkpoint")
+            return None
+        keys = [io.keys.checkpoint(r, piece) for piece in chain]
+        # Pieces in flight are copied out and dropped as they come, so loading holds a few pieces
         # beyond θ and the momentum, not the whole checkpoint twice: four small ones, or one large.
-        depth = 4 if 8 * numel // io.n <= LOAD_WINDOW_BYTES else 1
+        depth = 4 if chain and 8 * max(b - a for a, b in chain) <= LOAD_WINDOW_BYTES else 1
         window = [io.pool.submit(io.store.get, k) for k in keys[:depth]]
-        for j, key in enumerate(keys):
+        for i, ((a, b), key) in enumerate(zip(chain, keys)):
             blob = window.pop(0).result()
-            if j + depth < len(keys):
-                window.append(io.pool.submit(io.store.get, keys[j + depth]))
+            if i + depth < len(keys):
+                window.append(io.pool.submit(io.store.get, keys[i + depth]))
             if blob is None:
-                io.log(f"checkpoint shard {key} vanished while loading; trying the next checkpoint")
+                io.log(f"checkpoint piece {key} vanished while loading; trying the next checkpoint")
                 return None
-            a, b = bounds[j]
             try:
-                got = unpack(blob, Identity(io.run_id, r, "ckpt", io.sid(j), -1), key)
-                if got.meta.get("numel") != numel:
+                got = unpack(blob, Identity(io.run_id, r, "ckpt", a, b), key)
+                if got.meta.get("numel") != self.total:
                     from diloco.errors import UserError
 
                     raise UserError(f"{key} holds a model of {got.meta.get('numel')} parameters, this replica has "
-                                    f"{numel}: the rendezvous store already holds run {io.run_id!r} of another "
+                                    f"{self.total}: the rendezvous store already holds run {io.run_id!r} of another "
                                     f"model; use a new run or another rendezvous")
                 part = check_layout(got, numel=2 * (b - a), codec="fp32").tensor()
                 if not all_finite(part):
@@ -112,7 +128,8 @@ class Checkpoints:
             except CorruptObject as exc:
                 self._void_corrupt(r, key, exc)
                 return None
-            theta[a:b], buf[a:b] = part[: b - a], part[b - a:]  # copies out of the downloaded buffer
+            x, y = clip(a, b, start, stop)  # copies out of the downloaded buffer
+            theta[x - start:y - start], buf[x - start:y - start] = part[x - a:y - a], part[b - a + x - a:b - a + y - a]
         return theta, buf
 
     def _void_corrupt(self, r: int, key: str, exc: CorruptObject) -> None:

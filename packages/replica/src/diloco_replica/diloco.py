@@ -122,10 +122,10 @@ class DiLoCo:
             import os
 
             threads = os.environ.get(ENV_SYNC_THREADS)
-            self.sync: SyncProcess | InThread = SyncProcess(self.ctx, s, self.view.numel, self.lanes, self._log,
+            self.sync: SyncProcess | InThread = SyncProcess(self.ctx, s, self.view.total, self.lanes, self._log,
                                                             threads=int(threads) if threads else None)
         else:
-            self.sync = InThread(self.ctx, s, store if store is not None else self.ctx.store, self.view.numel,
+            self.sync = InThread(self.ctx, s, store if store is not None else self.ctx.store, self.view.total,
                                  self.lanes, self._log)
         self.transfers = Transfers(self.view, self.sync.theta, self.sync.snapshot)
         self.transfers.initial()  # θ_0 from this replica's model, used only if the run is new

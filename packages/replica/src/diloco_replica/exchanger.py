@@ -34,6 +34,7 @@ from .allreduce import RoundResult, StoreAllReduce
 from .feedback import LOSSY, quantise_with_feedback
 from .globalstate import GlobalState
 from .lanes import Lanes
+from .outer import digest_of
 from .recorder import Recorder
 from .rounderrors import FellBehind
 
@@ -66,7 +67,7 @@ class Outcome:
 
 
 class Exchanger:
-    def __init__(self, ctx: ReplicaContext, settings: DilocoSettings, store: Any, numel: int, lanes: Lanes, *,
+    def __init__(self, ctx: ReplicaContext, settings: DilocoSettings, store: Any, total: int, lanes: Lanes, *,
                  log: Callable[[str], None], theta_out: torch.Tensor | None = None):
         s = settings
         self.ctx, self.settings, self.lanes, self.log = ctx, s, lanes, log
@@ -80,7 +81,7 @@ class Exchanger:
             poll_interval=float(s.poll_interval or first), poll_max=float(s.poll_max or cap), log=log,
             lanes=lanes, topk_density=float(s.topk_density),
             step_cap=self.H if s.round_seconds is not None else None, part_mb=float(s.part_mb))
-        self.state = GlobalState(self.allreduce, numel, lr=float(s.outer_lr), momentum=float(s.outer_momentum),
+        self.state = GlobalState(self.allreduce, total, lr=float(s.outer_lr), momentum=float(s.outer_momentum),
                                  nesterov=bool(s.nesterov), checkpoint_every=int(s.checkpoint_every), log=log,
                                  fragments=self.fragments, theta_out=theta_out)
         # error feedback (topk's, or the quantised transports' `feedback`): what this lane has not
@@ -88,6 +89,7 @@ class Exchanger:
         # (not with time-based rounds: a residual carried into a round of other step counts would be
         # normalised by the wrong τ, as `settings.check_time_based` says of topk)
         self.feedback = s.transport in LOSSY and bool(s.error_feedback) and s.round_seconds is None
+        numel = self.state.numel  # this lane's slice of the model (`layout.lane_range`)
         self.residual = torch.zeros(numel) if s.transport == "topk" or self.feedback else None
         self.recorder = Recorder(self.allreduce, log)
         self.numel = numel
@@ -118,18 +120,19 @@ class Exchanger:
             self.recorder.skip_through(self.state.round)  # later summaries still show the old state
             return self._adopted(work, t0)
         a, b = self.state.bounds(r)
+        cut = self.state.cut(r)
         local = snapshot[a:b]
         torch.sub(self.state.theta[a:b], local, out=local)  # Δ = θ_global − θ_local
         residual = self.residual[a:b] if self.residual is not None else None
         encoded = {}
-        if self.feedback:  # quantised here, shard by shard as the all-reduce cuts the round
-            shards, uploaded = self.allreduce.upload_layout(b - a)
-            encoded = quantise_with_feedback(local, residual, self.settings.transport, shards, keep=uploaded)
+        if self.feedback:  # quantised here, piece by piece as the all-reduce cuts the round
+            pieces, uploaded = self.allreduce.upload_layout(cut)
+            encoded = quantise_with_feedback(local, residual, self.settings.transport, pieces, keep=uploaded)
             residual = None
         self.state.begin(r)
         try:
             result = self.lanes.agree(lambda: self.allreduce.run_round(
-                r, local, in_place=True, residual=residual, sink=self.state.sink(r), encoded=encoded,
+                r, local, cut=cut, in_place=True, residual=residual, sink=self.state.sink(r), encoded=encoded,
                 steps=work.steps if self.settings.round_seconds is not None else None))
         except FellBehind as exc:
             self.log(f"{exc}; rejoining from the latest checkpoint")
@@ -205,10 +208,11 @@ class Exchanger:
 
     def _record(self, row: RoundMetrics) -> None:
         """The replica's row for the round: one per replica (lane 0 writes it), with the digest
-        of every lane's state, so a divergence in any lane shows, and every lane's incidents."""
-        lanes = self.lanes.exchange({"digest": self.state.digest(), "incidents": row.incidents})
+        of its whole state (every lane's part of it: `outer.digest_of`), equal on every replica
+        whatever its lane count, so a divergence in any lane shows; and every lane's incidents."""
+        lanes = self.lanes.exchange({"digest": list(self.state.digest()), "incidents": row.incidents})
         if self.lanes.leader:
-            row.state_digest = "+".join(lane["digest"] for lane in lanes)
+            row.state_digest = digest_of([lane["digest"] for lane in lanes])
             row.incidents = [i for lane in lanes for i in lane["incidents"]]
             self.recorder.write_row(row)
             self.recorder.maybe_summarize(row.round, row.members)

@@ -28,15 +28,16 @@ KEPT = ("int8", "int4")  # their encodings are kept for the upload (a quarter of
 
 
 def quantise_with_feedback(delta: torch.Tensor, residual: torch.Tensor, codec: str,
-                           shards: list[tuple[int, int]], keep: set[int] = frozenset()) -> dict[int, list[memoryview]]:
-    """In place: Δ += residual; Δ ← what `codec` carries of it; residual ← what it dropped.
+                           pieces: dict[int, tuple[int, int]], keep: set[int] = frozenset()) -> dict[int, list[memoryview]]:
+    """In place: Δ += residual; Δ ← what `codec` carries of it, piece by piece as the all-reduce
+    sends Δ (`pieces`: shard -> [a, b) of Δ); residual ← what it dropped.
 
-    Returns the encodings of the shards in `keep` (indices into `shards`) if `codec` is one whose
-    encodings are worth keeping (`KEPT`), else nothing.
+    Returns the encodings of the pieces in `keep` (shards) if `codec` is one whose encodings are
+    worth keeping (`KEPT`), else nothing.
     """
     delta += residual
     kept = {}
-    for j, (a, b) in enumerate(shards):
+    for j, (a, b) in pieces.items():
         encoded = encode(delta[a:b], codec)
         carried = decode(b"".join(encoded), codec, b - a)
         torch.sub(delta[a:b], carried, out=residual[a:b])

@@ -1,6 +1,7 @@
 """Gathering a round's reduced shards, taking over any whose reducer died.
 
-Every replica downloads the reduced shards it did not reduce itself. One that does not appear
+Every lane downloads the reduced shards it holds a piece of and did not reduce itself, and hands
+its piece of each to the sink. One that does not appear
 within the round timeout (its reducer died) is taken over by exactly one waiting replica —
 whoever wins the create-only ``r/claim/j.<g>`` — while the rest keep waiting for its result; a
 claimant that dies too is replaced by generation g+1. A corrupt shard is repaired by its reducer
@@ -42,14 +43,13 @@ class Gatherer:
         """
         io, r = self.io, rnd.r
         prefix = io.keys.reduced(r)
-        wanted = [j for j in range(rnd.count) if j not in have]
+        wanted = [j for j in rnd.mine() if j not in have]  # the shards this lane holds a piece of
         generation = {j: 0 for j in wanted}
         gate = Window(self.window * rnd.parts)  # `window` shards' worth of parts
 
         def read_to_sink(j: int) -> None:
-            a, b = rnd.bounds[j]
             try:
-                sink(j, a, b, self.repairs.read_reduced(rnd, j))
+                rnd.deliver(sink, j, self.repairs.read_reduced(rnd, j))
             finally:
                 gate.release()
 
@@ -79,12 +79,11 @@ class Gatherer:
             if rnd.stop.is_set():  # this replica's own reduction failed: the round fails with it
                 break
             for j in list(wanted):  # its reducer (or the last claimant) never published
-                if not io.put(io.keys.claim(r, io.sid(j), generation[j]), str(io.rank).encode(), create_only=True):
+                if not io.put(io.keys.claim(r, j, generation[j]), str(io.rank).encode(), create_only=True):
                     generation[j] += 1  # someone else claimed it: wait for their result, then claim the next
                     continue
                 io.log(f"round {r}: reduced shard {j} did not appear in {io.round_timeout:g}s; reducing it here")
-                a, b = rnd.bounds[j]
-                sink(j, a, b, take_over(j))
+                rnd.deliver(sink, j, take_over(j))
                 rnd.takeovers.append(j)
                 wanted.remove(j)
             if wanted and all(generation[j] > len(rnd.members) for j in wanted):

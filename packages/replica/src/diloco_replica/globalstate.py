@@ -12,9 +12,14 @@ Inf stops the run with one line (`finite.NonFinite`) before any checkpoint of it
 Incidents met while loading or replaying (a corrupt checkpoint or reduced shard) are reported
 through `RoundIO.report`, to travel with the replica's next metrics row.
 
-With `fragments = K` the flat vector is K contiguous fragments and round r updates fragment
+This lane holds θ_global and the momentum of its slice of the model (`layout.lane_range`), so
+a lane's state, its rounds and its checkpoint pieces are all placed on the model's one flat
+vector, whatever this replica's lane count.
+
+With `fragments = K` the model is K contiguous fragments and round r updates fragment
 (r − 1) mod K only (Streaming DiLoCo's staggered schedule): each fragment keeps its own slice of
-θ_global and of the momentum, so a fragment's outer step sees exactly its own rounds.
+θ_global and of the momentum, so a fragment's outer step sees exactly its own rounds. A lane
+takes part in a round with what it holds of the fragment.
 Checkpoints hold the whole state after a round, whichever fragment it updated.
 """
 
@@ -29,12 +34,13 @@ from .allreduce import StoreAllReduce
 from .finite import NonFinite, all_finite
 from .lanes import Retry
 from .rounderrors import FellBehind, RoundFailed
+from .layout import Cut, clip, cover, lane_fragment, lane_range, shard_bounds
 from .outer import outer_step, state_digest
-from .storeaccess import Backoff, reducer_of, shard_bounds
+from .storeaccess import Backoff, reducer_of
 
 
 class GlobalState:
-    def __init__(self, allreduce: StoreAllReduce, numel: int, *, lr: float, momentum: float, nesterov: bool,
+    def __init__(self, allreduce: StoreAllReduce, total: int, *, lr: float, momentum: float, nesterov: bool,
                  checkpoint_every: int = 10, log: Callable[[str], None] | None = None, fragments: int = 1,
                  theta_out: torch.Tensor | None = None):
         self.ar = allreduce
@@ -47,12 +53,16 @@ class GlobalState:
         self.theta: torch.Tensor | None = None
         self.buf: torch.Tensor | None = None
         self.written: dict[int, list[int]] = {}  # checkpoint round -> shards this replica wrote
-        self.numel = numel  # of this lane
+        self.total = total  # values in the model
+        lanes = self.io.lanes
+        self.start, self.stop = lane_range(total, lanes.count, lanes.index)  # this lane's slice of it
+        self.numel = self.stop - self.start
+        self.checkpoints.total = total
         # θ_global lives here when given: a buffer the training process maps too (`sharedbuf`), so
         # a load copies into it and it never moves
         self.theta_out = theta_out
         self.fragments = fragments
-        self.fragment_bounds = shard_bounds(numel, fragments)
+        self.fragment_bounds = shard_bounds(total, fragments)  # of the model
 
     # -- fragments ---------------------------------------------------------------------------
 
@@ -61,8 +71,13 @@ class GlobalState:
         return (r - 1) % self.fragments
 
     def bounds(self, r: int) -> tuple[int, int]:
-        """Round r's slice of this lane's flat vector."""
-        return self.fragment_bounds[self.fragment(r)]
+        """What this lane holds of round r's fragment, in the lane's own coordinates (maybe empty)."""
+        lanes = self.io.lanes
+        return lane_fragment(self.total, lanes.count, lanes.index, self.fragment(r), self.fragments)
+
+    def cut(self, r: int) -> Cut:
+        """How round r is cut (`StoreAllReduce.cut`): its fragment of the model, in N·P shards."""
+        return self.ar.cut(self.total, *self.fragment_bounds[self.fragment(r)])
 
     # -- start -------------------------------------------------------------------------------
 
@@ -102,7 +117,7 @@ class GlobalState:
         return None
 
     def _load(self, c: int) -> None:
-        loaded = self.checkpoints.load(c, self.numel)
+        loaded = self.checkpoints.load(c, self.start, self.stop)
         if loaded is None:
             raise Retry(f"checkpoint {c} changed while loading")
         self.theta, self.buf = loaded
@@ -122,17 +137,15 @@ class GlobalState:
 
         def apply_next() -> None:
             r = self.round + 1
-            a, b = self.bounds(r)
             self.begin(r)
-            res = self.ar.fetch(r, b - a, sink=self.sink(r))  # the outer step shard by shard, as each arrives
+            res = self.ar.fetch(r, self.cut(r), sink=self.sink(r))  # the outer step shard by shard, as each arrives
             for incident in res.incidents:  # e.g. a corrupt reduced shard, re-published by its reducer
                 self.io.report({**incident, "during": during})
             self.finish(r, res.members)
 
         def replay_complete() -> None:
             while True:
-                a, b = self.bounds(self.round + 1)
-                if not self.ar.round_complete(self.round + 1, b - a):
+                if not self.ar.round_complete(self.round + 1, self.cut(self.round + 1)):
                     return
                 apply_next()
 
@@ -147,27 +160,34 @@ class GlobalState:
         return self.round - start
 
     def _write_initial(self, read_initial: Callable[[], torch.Tensor] | None) -> None:
-        """Round 0: shard i from this replica; after a wait, any missing shard from here too.
+        """Round 0: shard i of the model from replica i (each lane its piece of it); after a
+        wait, any piece of this lane's slice still missing from here too.
 
-        Create-only puts, so each shard has exactly one writer and everyone loads the same θ_0
+        Create-only puts, so each piece has one writer and everyone loads the same θ_0
         (replicas should seed their model init identically; if they did not, θ_0 is still one
-        consistent state that all of them adopt). Only the shards still missing are written.
+        consistent state that all of them adopt). Only the pieces still missing are written.
         """
         if read_initial is None:
             raise RoundFailed("round 0's checkpoint is missing although this replica joined the run before")
         initial = read_initial()
         if not all_finite(initial):
             raise NonFinite("the model's initial parameters hold NaN or Inf; fix the model's initialisation")
-        if self.io.rank not in self.checkpoints.present(0):
-            self.checkpoints.put_shard(0, self.io.rank, initial, None)
+        shards = [clip(a, b, self.start, self.stop) for a, b in shard_bounds(self.total, self.io.n)]
+
+        def missing(j: int, present: list[tuple[int, int]]) -> bool:
+            a, b = shards[j]
+            return a < b and cover(present, a, b) is None
+
+        if missing(self.io.rank, self.checkpoints.present(0)):
+            self.checkpoints.put_piece(0, shards[self.io.rank], self.start, initial, None)
         deadline = time.monotonic() + self.io.round_timeout
         backoff = Backoff(self.io.poll_interval, self.io.poll_max)
         present = self.checkpoints.present(0)
-        while len(present) < self.io.n and backoff.sleep(deadline):
+        while cover(present, self.start, self.stop) is None and backoff.sleep(deadline):
             present = self.checkpoints.present(0)
         for j in range(self.io.n):
-            if j not in present:  # its owner never came: write it from here (create-only)
-                self.checkpoints.put_shard(0, j, initial, None)
+            if missing(j, present):  # its owner never came: write it from here (create-only)
+                self.checkpoints.put_piece(0, shards[j], self.start, initial, None)
 
     # -- each round --------------------------------------------------------------------------
 
@@ -204,15 +224,19 @@ class GlobalState:
         self.round = r
         if r % self.checkpoint_every == 0:
             mine = [j for j in range(self.io.n) if reducer_of(j, members) == self.io.rank]
+            shards = shard_bounds(self.total, self.io.n)
             for j in mine:
-                self.checkpoints.put_shard(r, j, self.theta, self.buf, digest=self.digest())
+                piece = clip(*shards[j], self.start, self.stop)
+                if piece[0] < piece[1]:
+                    self.checkpoints.put_piece(r, piece, self.start, self.theta, self.buf)
             if mine:
                 self.written[r] = mine
             if reducer_of(0, members) == self.io.rank and self.io.lanes.leader:  # one collector, off the hot path
                 self.io.pool.submit(self.checkpoints.collect_garbage, r)
 
-    def digest(self) -> str:
-        return state_digest(self.theta, self.buf)
+    def digest(self) -> tuple[int, int]:
+        """This lane's part of the state's digest (`outer.state_digest`; the replica's is `digest_of` its lanes')."""
+        return state_digest(self.theta, self.buf, self.start)
 
     def repair_divergence(self, since: int, initial: Callable[[], torch.Tensor] | None) -> int:
         """This replica's state left the others' at round `since`: void the checkpoints it wrote

@@ -1,8 +1,10 @@
 """Who is in a round: decided once, by the first create-only write, and never for a dead round.
 
-A round waits until all N replicas are ready (their shards are up) or `round_timeout` passes,
+A round waits until all N replicas are ready (their pieces are up) or `round_timeout` passes,
 then one replica's create-only ``members.json`` fixes the members for every shard; everyone
-reads the winner's list. Fewer than `min_members` → `RoundFailed`. A replica that arrives after
+reads the winner's list. A ready marker's name carries its replica's lane count
+(``ready/<rank>.<lanes>``) and the record keeps it beside each member, so every reducer knows
+which pieces each member sent (`layout.Cut.pieces`). Fewer than `min_members` → `RoundFailed`. A replica that arrives after
 the decision is not a member: its update is left out and it adopts the round's result.
 
 History is never rewritten: a round at or below the store's low-water mark (see
@@ -13,8 +15,10 @@ History is never rewritten: a round at or below the store's low-water mark (see
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from .checkpoints import Checkpoints
+from .layout import MAX_LANES
 from .rounderrors import FellBehind, RoundFailed
 from .roundio import RoundIO
 from .wire import CorruptObject, Identity, pack_json
@@ -24,8 +28,8 @@ class Membership:
     def __init__(self, io: RoundIO, checkpoints: Checkpoints, *, min_members: int):
         self.io, self.checkpoints, self.min_members = io, checkpoints, min_members
 
-    def read(self, r: int) -> list[int] | None:
-        """The decided members of round r, or None if undecided (or deleted)."""
+    def read(self, r: int) -> Decided | None:
+        """The decided members of round r, with their lane counts, or None if undecided (or deleted)."""
         io = self.io
         key = io.keys.members(r)
         got, problem = io.get_verified(key, Identity(io.run_id, r, "members"))
@@ -37,7 +41,11 @@ class Membership:
         if not isinstance(members, list) or not members or not all(isinstance(m, int) and 0 <= m < io.n
                                                                    for m in members) or members != sorted(set(members)):
             raise CorruptObject(f"{key}: malformed membership record (members must be distinct ranks below {io.n})")
-        return members
+        lanes = got.meta.get("lanes")
+        if not isinstance(lanes, list) or len(lanes) != len(members) or not all(
+                type(k) is int and 1 <= k <= MAX_LANES for k in lanes):
+            raise CorruptObject(f"{key}: malformed membership record (a lane count in 1..{MAX_LANES} per member)")
+        return Decided(members, lanes)
 
     def check_not_collected(self, r: int) -> None:
         """Raise FellBehind if round r is at or below the low-water mark (one LIST)."""
@@ -46,7 +54,7 @@ class Membership:
             raise FellBehind(f"round {r} is at or below the store's retained history (rounds ≤ {mark} were "
                              f"garbage-collected); this replica is too far behind")
 
-    def decide(self, r: int) -> list[int]:
+    def decide(self, r: int) -> Decided:
         """Wait for the others, then fix round r's members (or adopt whoever decided first)."""
         io = self.io
         deadline = time.monotonic() + io.round_timeout
@@ -55,7 +63,8 @@ class Membership:
         waited = False  # the first LIST is the protocol's; every re-check after a wait is a poll
         while True:
             with io.store.polling(waited):
-                ready = sorted(int(x) for x in io.store.list_names(prefix) if x.isdigit() and int(x) < io.n)
+                lanes_of = ready_markers(io.store.list_names(prefix), io.n)
+            ready = sorted(lanes_of)
             if len(ready) == io.n:
                 break
             with io.store.polling():
@@ -70,10 +79,42 @@ class Membership:
         if len(ready) < self.min_members:
             raise RoundFailed(f"round {r}: only {len(ready)} of {io.n} replicas ready within "
                               f"{io.round_timeout:g}s, below min_members={self.min_members}")
-        record = pack_json(Identity(io.run_id, r, "members"), {"members": ready, "decided_by": io.rank})
+        decided = Decided(ready, [lanes_of[m] for m in ready])
+        record = pack_json(Identity(io.run_id, r, "members"), {"members": ready, "lanes": decided.lanes,
+                                                               "decided_by": io.rank})
         if not io.put(io.keys.members(r), record, create_only=True):
-            return self.read(r) or ready
+            return self.read(r) or decided
         if len(ready) < io.n:
             io.log(f"round {r}: proceeding with {len(ready)} of {io.n} replicas {ready} after "
                    f"{io.round_timeout:g}s")
-        return ready
+        return decided
+
+
+@dataclass(frozen=True)
+class Decided:
+    """A round's members (ranks, ascending) and each one's lane count, in the same order."""
+
+    members: list[int]
+    lanes: list[int]
+
+    @property
+    def layouts(self) -> dict[int, int]:
+        return dict(zip(self.members, self.lanes))
+
+    def to_json(self) -> list:
+        return [self.members, self.lanes]
+
+    @classmethod
+    def from_json(cls, value: list) -> Decided:
+        return cls(list(value[0]), list(value[1]))
+
+
+def ready_markers(names: list[str], n: int) -> dict[int, int]:
+    """rank -> lane count from ready markers' names (``<rank>.<lanes>``); anything else is ignored,
+    and a rank named twice counts with its fewest lanes (one ready marker per rank is written)."""
+    out: dict[int, int] = {}
+    for name in names:
+        rank, _, lanes = name.partition(".")
+        if rank.isdigit() and lanes.isdigit() and int(rank) < n and 1 <= int(lanes) <= MAX_LANES:
+            out[int(rank)] = min(int(lanes), out.get(int(rank), MAX_LANES))
+    return out

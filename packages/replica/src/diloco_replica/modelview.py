@@ -1,19 +1,23 @@
 """The part of a model one process syncs (its lane), as one flat fp32 vector on the host.
 
+Every lane syncs a contiguous slice of the model's flat parameter vector (`layout.lane_range`),
+whatever the parallelism inside the replica, so replicas of any lane count meet in one round:
+
 - A plain module (one process) syncs every parameter.
 - Replicated parameters (DDP, or a plain module in each of L processes): process k syncs lane
-  k, the k-th of L contiguous slices of the flat parameter vector. After the outer step every
-  process needs all of θ, so the lanes are broadcast over the replica's process group, chunk
-  by chunk straight into the parameters (NCCL for CUDA parameters, gloo on the host): at most
-  one chunk is in flight, never a second full copy of the model.
-- Sharded parameters (FSDP2's `fully_shard`, DTensor): each process syncs exactly the shards it
-  holds (`to_local()`), and writes them back; no traffic inside the replica at all.
+  k. After the outer step every process needs all of θ, so the lanes are broadcast over the
+  replica's process group, chunk by chunk straight into the parameters (NCCL for CUDA
+  parameters, gloo on the host): at most one chunk is in flight, never a second full copy.
+- Sharded parameters (FSDP2's `fully_shard`, DTensor sharded on dim 0): process k holds rows of
+  every parameter, not a slice of the vector, so its lane's values are moved to it by one
+  all-to-all over the replica's group as a round begins, and θ_global back the same way (each
+  value crosses the replica's interconnect once each way; nothing is gathered whole).
 
-A round reads its fragment with `gather_part` (one flat fp32 vector on the model's device, a
-device copy) and puts θ_global back with `write_part`, both through `torch.no_grad` copies, so
-any device and dtype works; θ_global and the outer momentum stay on the host (`transfers`).
-Fragment p of K (`fragments`) is the p-th of K contiguous slices of each lane, so a round that
-updates one fragment touches 1/K of the model and leaves the local progress of the others alone.
+A round reads its fragment with `gather_part` (one flat fp32 vector on the model's device) and
+puts θ_global back with `write_part`, both through `torch.no_grad` copies, so any device and
+dtype works; θ_global and the outer momentum stay on the host (`transfers`). Fragment p of K
+(`fragments`) is the p-th of K contiguous slices of the model; a lane's part of it is what it
+holds of that slice (`fragment`), maybe nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 from diloco.errors import UserError
 
 from .lanes import Lanes
-from .storeaccess import shard_bounds
+from .layout import clip, lane_fragment, lane_range
 
 CHUNK = 1 << 22  # elements per broadcast piece (16 MB in fp32)
 
@@ -31,10 +35,10 @@ CHUNK = 1 << 22  # elements per broadcast piece (16 MB in fp32)
 class ModelView:
     """The lane's parameters as a flat range: `gather_part` into a device vector, `write` back."""
 
-    def __init__(self, params: list[torch.Tensor], start: int, stop: int):
-        self.params = params
-        self.start, self.stop = start, stop
-        self.numel = stop - start
+    def __init__(self, params: list[torch.Tensor], lanes: Lanes, total: int):
+        self.params, self.lanes, self.total = params, lanes, total
+        self.start, self.stop = lane_range(total, lanes.count, lanes.index)
+        self.numel = self.stop - self.start
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -45,10 +49,14 @@ class ModelView:
     def device(self) -> torch.device:
         return self.tensors[0].device if self.tensors else torch.device("cpu")
 
+    def fragment(self, part: int, parts: int) -> tuple[int, int]:
+        """What this lane holds of fragment `part` of `parts`, in its own coordinates."""
+        return lane_fragment(self.total, self.lanes.count, self.lanes.index, part, parts)
+
     def gather_part(self, part: int, parts: int) -> torch.Tensor:
         """Fragment `part` of `parts` of this lane as a new fp32 vector on the model's device (a
         device copy: what a round snapshots and merges with, never through the host)."""
-        a, b = shard_bounds(self.numel, parts)[part]
+        a, b = self.fragment(part, parts)
         pieces = [t.detach().reshape(-1)[x:y].to(torch.float32)
                   for t, x, y, _ in self._pieces(self.start + a, self.start + b)]
         return torch.cat(pieces) if pieces else torch.empty(0, device=self.device)
@@ -59,7 +67,7 @@ class ModelView:
 
     def write_part(self, values: torch.Tensor, part: int, parts: int) -> None:
         """Put fragment `part` of `parts` of this lane into the model (every lane's, where replicated)."""
-        self._write_range(self.start + shard_bounds(self.numel, parts)[part][0], values)
+        self._write_range(self.start + self.fragment(part, parts)[0], values)
 
     def _write_range(self, start: int, values: torch.Tensor) -> None:
         with torch.no_grad():
@@ -78,34 +86,37 @@ class ModelView:
             if offset >= stop:
                 break
 
+    def _group(self):
+        """The replica's group for moving parameters: NCCL's for CUDA ones, diloco's gloo group
+        on the host."""
+        import torch.distributed as dist
+
+        return None if self.device.type == "cuda" and dist.get_backend() == "nccl" else self.lanes.group
+
 
 class ReplicatedView(ModelView):
     """Lane k of L over parameters every process holds whole (DDP)."""
 
     def __init__(self, params: list[torch.Tensor], lanes: Lanes):
-        total = sum(p.numel() for p in params)
-        self.bounds = shard_bounds(total, lanes.count)
-        super().__init__(params, *self.bounds[lanes.index])
-        self.lanes = lanes
-        self.total = total
+        super().__init__(params, lanes, sum(p.numel() for p in params))
+        self.bounds = [lane_range(self.total, lanes.count, k) for k in range(lanes.count)]
 
     def write_part(self, values: torch.Tensor, part: int, parts: int) -> None:
         if self.lanes.count == 1:
             return super().write_part(values, part, parts)
         import torch.distributed as dist
 
-        device = self.tensors[0].device if self.tensors else torch.device("cpu")
-        on_gpu = device.type == "cuda" and dist.get_backend() == "nccl"
-        group = None if on_gpu else self.lanes.group  # NCCL over the replica's GPUs, else diloco's gloo group
+        group = self._group()
+        device = self.device if group is None else torch.device("cpu")
         for k, (start, stop) in enumerate(self.bounds):  # lane k's fragment, broadcast from lane k
-            x, y = shard_bounds(stop - start, parts)[part]
+            x, y = lane_fragment(self.total, self.lanes.count, k, part, parts)
             a, b = start + x, start + y
             for lo in range(a, b, CHUNK):
                 hi = min(b, lo + CHUNK)
                 if k == self.lanes.index:
-                    piece = values[lo - a: hi - a].to(device if on_gpu else "cpu", non_blocking=False)
+                    piece = values[lo - a: hi - a].to(device, non_blocking=False)
                 else:
-                    piece = torch.empty(hi - lo, dtype=torch.float32, device=device if on_gpu else "cpu")
+                    piece = torch.empty(hi - lo, dtype=torch.float32, device=device)
                 try:
                     dist.broadcast(piece, src=k, group=group)
                 except RuntimeError as exc:  # a process of the replica died mid-broadcast
@@ -114,14 +125,110 @@ class ReplicatedView(ModelView):
 
 
 class ShardedView(ModelView):
-    """The shards of FSDP2 parameters this process holds: its lane is exactly those."""
+    """FSDP2 parameters (sharded on dim 0 over the replica's processes): lane k syncs its slice
+    of the model like any other lane, its values moved from and to the processes holding their
+    rows by one all-to-all each way (`_moves`)."""
 
-    def __init__(self, params: list[torch.Tensor]):
-        super().__init__(params, 0, sum(p.to_local().numel() for p in params))
+    def __init__(self, params: list[torch.Tensor], lanes: Lanes):
+        super().__init__(params, lanes, sum(p.numel() for p in params))
+        from torch.distributed.tensor import Shard
+
+        count, offset = lanes.count, 0
+        self.rows: list[list[tuple[int, int]]] = [[] for _ in range(count)]  # lane -> per parameter: its values
+        for i, p in enumerate(params):
+            placements = getattr(p, "placements", ())
+            if p.device_mesh.ndim != 1 or p.device_mesh.size() != count or not (
+                    len(placements) == 1 and isinstance(placements[0], Shard) and placements[0].dim == 0):
+                raise UserError(f"parameter {i} is sharded as {placements} over a mesh of {p.device_mesh.size()} "
+                                f"processes; DiLoCo syncs FSDP2 parameters sharded on dim 0 over the replica's "
+                                f"{count} processes (fully_shard on the default 1-D mesh)")
+            rows = p.shape[0] if p.dim() else 1
+            width, chunk = p.numel() // max(rows, 1), -(-rows // count)
+            for k in range(count):  # torch.chunk's split, as FSDP2 shards
+                r0, r1 = min(rows, k * chunk), min(rows, (k + 1) * chunk)
+                self.rows[k].append((offset + r0 * width, offset + r1 * width))
+            x, y = self.rows[lanes.index][i]
+            if p.to_local().numel() != y - x:
+                raise UserError(f"parameter {i}'s local shard has {p.to_local().numel()} values, not the {y - x} of "
+                                f"rows {chunk} per process; DiLoCo syncs FSDP2's even dim-0 sharding")
+            offset += p.numel()
 
     @property
     def tensors(self) -> list[torch.Tensor]:
         return [p.to_local() for p in self.params]  # asked each time: FSDP may re-register its shards
+
+    def _targets(self, part: int, parts: int) -> list[tuple[int, int]]:
+        """Each lane's part of the fragment, on the model's vector."""
+        out = []
+        for k in range(self.lanes.count):
+            a, _ = lane_range(self.total, self.lanes.count, k)
+            x, y = lane_fragment(self.total, self.lanes.count, k, part, parts)
+            out.append((a + x, a + y))
+        return out
+
+    def _moves(self, holder: int, target: tuple[int, int]) -> list[tuple[int, int, int]]:
+        """(parameter, a, b): the values lane `holder` holds rows of and `target` needs, in order."""
+        out = []
+        for i, (g0, g1) in enumerate(self.rows[holder]):
+            a, b = clip(g0, g1, *target)
+            if a < b:
+                out.append((i, a, b))
+        return out
+
+    def _all_to_all(self, sends: list[list[torch.Tensor]], receive: list[int]) -> torch.Tensor:
+        import torch.distributed as dist
+
+        group = self._group()
+        device = self.device if group is None else torch.device("cpu")
+        flat = [x.to(device, torch.float32) for per_lane in sends for x in per_lane]
+        data = torch.cat(flat) if flat else torch.empty(0, device=device)
+        out = torch.empty(sum(receive), dtype=torch.float32, device=device)
+        try:
+            dist.all_to_all_single(out, data, receive, [sum(x.numel() for x in per_lane) for per_lane in sends],
+                                   group=group)
+        except RuntimeError as exc:  # a process of the replica died mid-exchange
+            self.lanes.peer_lost(exc)
+        return out.to(self.device)
+
+    def gather_part(self, part: int, parts: int) -> torch.Tensor:
+        me, targets = self.lanes.index, self._targets(part, parts)
+        tensors = self.tensors
+        with torch.no_grad():
+            sends = [[tensors[i].detach().reshape(-1)[a - self.rows[me][i][0]:b - self.rows[me][i][0]]
+                      for i, a, b in self._moves(me, target)] for target in targets]
+            if self.lanes.count == 1:
+                got = torch.cat([x.to(torch.float32) for x in sends[0]]) if sends[0] else torch.empty(0)
+                return got.to(self.device)
+            received = self._all_to_all(sends, [sum(b - a for _, a, b in self._moves(k, targets[me]))
+                                                for k in range(self.lanes.count)])
+        lo, hi = targets[me]
+        out = torch.empty(hi - lo, dtype=torch.float32, device=self.device)
+        pos = 0
+        for k in range(self.lanes.count):
+            for _, a, b in self._moves(k, targets[me]):
+                out[a - lo:b - lo] = received[pos:pos + b - a]
+                pos += b - a
+        return out
+
+    def write_part(self, values: torch.Tensor, part: int, parts: int) -> None:
+        me, targets = self.lanes.index, self._targets(part, parts)
+        lo = targets[me][0]
+        tensors = self.tensors
+        with torch.no_grad():
+            if self.lanes.count == 1:
+                received, sources = values, [(0, self._moves(0, targets[0]))]
+            else:
+                sends = [[values[a - lo:b - lo] for _, a, b in self._moves(k, targets[me])]
+                         for k in range(self.lanes.count)]
+                received = self._all_to_all(sends, [sum(b - a for _, a, b in self._moves(me, targets[m]))
+                                                    for m in range(self.lanes.count)])
+                sources = [(m, self._moves(me, targets[m])) for m in range(self.lanes.count)]
+            pos = 0
+            for _, moves in sources:
+                for i, a, b in moves:
+                    g0 = self.rows[me][i][0]
+                    tensors[i].view(-1)[a - g0:b - g0].copy_(received[pos:pos + b - a])
+                    pos += b - a
 
 
 def _is_sharded(p: torch.Tensor) -> bool:
@@ -142,5 +249,5 @@ def model_view(model: torch.nn.Module, lanes: Lanes) -> ModelView:
         if not all(sharded):
             raise UserError("some trainable parameters are FSDP-sharded (DTensor) and some are not; shard the whole "
                             "model with fully_shard, or none of it")
-        return ShardedView(params)
+        return ShardedView(params, lanes)
     return ReplicatedView(params, lanes)

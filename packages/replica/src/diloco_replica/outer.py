@@ -15,6 +15,7 @@ import torch
 import xxhash
 
 from .finite import all_finite
+from .layout import BLOCK
 
 
 # Elements per step of the update: its one temporary stays 1 MB, not a model-sized buffer. Small
@@ -47,8 +48,23 @@ def outer_step(theta: torch.Tensor, momentum_buf: torch.Tensor, grad: torch.Tens
     return finite
 
 
-def state_digest(theta: torch.Tensor, momentum_buf: torch.Tensor) -> str:
-    """XXH3-64 of θ_global's and the momentum's bytes: equal on every replica, or one diverged."""
-    digest_theta = xxhash.xxh3_64_hexdigest(memoryview(theta.numpy()).cast("B"))
-    digest_buf = xxhash.xxh3_64_hexdigest(memoryview(momentum_buf.numpy()).cast("B"))
-    return f"{digest_theta}-{digest_buf}"
+def state_digest(theta: torch.Tensor, momentum_buf: torch.Tensor, start: int = 0) -> tuple[int, int]:
+    """This lane's part of the state's digest: θ_global's and the momentum's, for the slice of the
+    model starting at `start` (a multiple of `layout.BLOCK`, as every lane's is). `digest_of` the
+    lanes' parts is equal on every replica, whatever its lane count, or one diverged."""
+    return _blocks_digest(theta, start), _blocks_digest(momentum_buf, start)
+
+
+def digest_of(parts: list[tuple[int, int]] | list[list[int]]) -> str:
+    """The replica's digest from its lanes' parts (`state_digest`): Σ mod 2⁶⁴ of each."""
+    theta, buf = (sum(p[i] for p in parts) % (1 << 64) for i in (0, 1))
+    return f"{theta:016x}-{buf:016x}"
+
+
+def _blocks_digest(x: torch.Tensor, start: int) -> int:
+    """Σ over the model's `BLOCK`-value blocks of XXH3-64(block bytes, seed = block index), mod 2⁶⁴:
+    a sum, so lanes add theirs up in any order; per block, so it hashes at XXH3's speed."""
+    raw = memoryview(x.numpy()).cast("B")
+    first, step = start // BLOCK, 4 * BLOCK
+    return sum(xxhash.xxh3_64_intdigest(raw[o:o + step], seed=first + i)
+               for i, o in enumerate(range(0, raw.nbytes, step))) % (1 << 64)

@@ -1,6 +1,7 @@
 """Reducing one shard: average the members' contributions, publish the mean once, return it.
 
-The store cannot add, so shard j's reducer downloads the members' parts of it, folds them into
+The store cannot add, so shard j's reducer downloads the members' parts of it (each member's as
+the pieces its lanes sent, assembled), folds them into
 one shard-sized total in rank order in fp32 as they arrive (at most `window` downloads held at
 once, `streaming.Prefetch`), encodes the mean with the transport codec and create-only puts
 ``r/reduced/j``. It returns the mean as every reader decodes it, so the reducer holds the same
@@ -17,6 +18,8 @@ and the mean is FedNova's, mean_i(Δ_i / τ_i) · mean_i(τ_i) over the members 
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -41,50 +44,94 @@ class ShardReducer:
     def reduce(self, rnd: Round, j: int, *, takeover: bool) -> torch.Tensor:
         """Average shard j of `rnd` over its members, publish it (create-only), return the decoded mean.
 
-        `takeover`: shard j's reducer died, so its owner's own part (never uploaded) is gone too.
+        Each member's contribution is assembled from the pieces its lanes sent (`layout.Cut.pieces`
+        by its lane count); this lane's own piece is read locally.
+        `takeover`: shard j's reducer died, so its owner's kept piece (never uploaded) is gone too.
         If another replica publishes shard j meanwhile, its mean is returned instead.
         """
         io, r, numel = self.io, rnd.r, rnd.size(j)
-        sources = [m for m in rnd.members if m != io.rank or not rnd.member]
+        a = rnd.bounds[j][0]
         owner = rnd.owner(j)
+        local = io.rank if rnd.member else None  # whose contribution includes this lane's own piece
+
+        def remote(m: int) -> list[tuple[int, int, int]]:
+            """Member m's pieces of shard j in the store (lane, start, stop)."""
+            return [(k, p, q) for k, p, q in rnd.cut.pieces(j, rnd.layouts.get(m, 1))
+                    if not (m == local and k == rnd.lane)]
+
+        sources = [m for m in rnd.members if remote(m)]
         if takeover and owner in sources and owner != io.rank:
-            sources.remove(owner)  # a dead owner kept its own part of shard j locally: it is gone
-        prefetch = Prefetch(io.pool, lambda m: io.get_scatter(r, j, m, numel), sources, self.window)
+            sources.remove(owner)  # a dead owner kept its own piece of shard j locally: its update is gone
+        in_sum = [m for m in rnd.members if m in sources or m == local]
+
+        def fetch(m: int) -> tuple[list | None, str | None, str]:
+            got = []
+            for k, p, q in remote(m):
+                obj, problem = io.get_scatter(r, j, m, k, q - p)
+                if obj is None:
+                    return None, problem, io.keys.scatter(r, j, m, k)
+                got.append((k, p, q, obj))
+            return got, None, ""
+
+        prefetch = Prefetch(io.pool, fetch, sources, self.window)
         left_out: dict[str, str] = {}
         steps_of: dict[int, int] = {}  # time-based rounds: each contribution's inner steps
 
-        def leave_out(m: int, problem: str, *, nonfinite: bool = False) -> None:
-            key = io.keys.scatter(r, io.sid(j), m)  # for this replica's own part: the object it would be
+        def leave_out(m: int, problem: str, *, nonfinite: bool = False, key: str | None = None) -> None:
+            key = key or io.keys.scatter(r, j, m, rnd.cut.lead(j, rnd.layouts.get(m, 1)))
             rnd.left_out(j, key, m, problem, nonfinite=nonfinite)
             io.log(f"round {r}: {key} from rank {m}: {problem}; left out of shard {j}'s mean")
             left_out[str(m)] = problem
 
+        def assemble(readers: list[tuple[int, int, Callable[[], torch.Tensor]]]) -> Callable[[], torch.Tensor]:
+            """A member's whole shard from its pieces (one piece: as read, no copy)."""
+            if len(readers) == 1:
+                return readers[0][2]
+
+            def read() -> torch.Tensor:
+                out = torch.empty(numel, dtype=torch.float32)
+                for p, q, piece in readers:
+                    out[p - a:q - a] = piece()
+                return out
+
+            return read
+
         def contributions():
-            for m in rnd.members:
-                key = io.keys.scatter(r, io.sid(j), m)
-                if m == io.rank and rnd.member:
+            for m in in_sum:
+                key = io.keys.scatter(r, j, m, rnd.cut.lead(j, rnd.layouts.get(m, 1)))
+                readers: list[tuple[int, int, Callable[[], torch.Tensor]]] = []
+                if m == local:
                     if rnd.steps is not None:
                         steps_of[m] = rnd.steps
-                    yield Contribution(m, key, lambda: rnd.own(j), 1.0 / steps_of.get(m, 1))
-                elif m in sources:
-                    obj, problem = prefetch.next(m)
-                    if obj is None:
+                    p, q = rnd.piece(j)
+                    if p < q:
+                        readers.append((p, q, lambda: rnd.own(j)))
+                if m in sources:
+                    got, problem, where = prefetch.next(m)
+                    if got is None:
                         if problem == "missing":
                             self.membership.check_not_collected(r)
                         published = self.repairs.published_or_none(rnd, j)
                         if published is not None:  # reduced (and inputs cleaned) while we looked: use that
                             raise Published(published)
-                        leave_out(m, problem)
+                        leave_out(m, problem, key=where)
                         continue
                     if self.step_cap is not None:
-                        steps = obj.meta.get("steps")
+                        stated = {obj.meta.get("steps") for _, _, _, obj in got}
+                        stated |= {steps_of[m]} if m in steps_of else set()
+                        steps = next(iter(stated)) if len(stated) == 1 else None
                         if type(steps) is not int or not 1 <= steps <= self.step_cap:
-                            leave_out(m, f"its inner-step count {steps!r} is not an integer in 1..{self.step_cap}")
+                            leave_out(m, f"its inner-step count {steps!r} is not an integer in 1..{self.step_cap}"
+                                      if len(stated) == 1 else f"its pieces state different inner-step counts "
+                                      f"{sorted(stated, key=repr)}")
                             continue
                         steps_of[m] = steps
-                    reader = ReadOnceThenRefetch(obj, lambda m=m: io.get_scatter(r, j, m, numel))
-                    del obj  # this frame must not keep the download alive while the next one comes
-                    yield Contribution(m, key, reader.read, 1.0 / steps_of.get(m, 1))
+                    for k, p, q, obj in got:
+                        reader = ReadOnceThenRefetch(obj, lambda m=m, k=k, p=p, q=q: io.get_scatter(r, j, m, k, q - p))
+                        readers.append((p, q, reader.read))
+                    obj = got = None  # this frame must not keep the downloads alive while the next ones come
+                readers.sort(key=lambda x: x[0])
+                yield Contribution(m, key, assemble(readers), 1.0 / steps_of.get(m, 1))
 
         try:
             summed = accumulate(contributions(), numel)
@@ -124,7 +171,7 @@ class ShardReducer:
             raise NonFinite(f"round {r}: the mean of shard {j} would be non-finite in transport {io.codec!r} "
                             f"(it overflowed): training diverged; it is not published. Lower the learning rate and "
                             f"start a new run")
-        if io.put(io.keys.reduced(r, io.sid(j)), blob, create_only=True, written=("reduced", r, io.sid(j))):
+        if io.put(io.keys.reduced(r, j), blob, create_only=True, written=("reduced", r, j)):
             self.repairs.publish(r, j, blob)
             rnd.nonfinite.update(flagged)
             return decoded

@@ -67,7 +67,7 @@ class RepairDesk:
     def published_or_none(self, rnd: Round, j: int) -> torch.Tensor | None:
         """Shard j's mean if it is published already (a reducer that finds its inputs gone looks
         here: someone else reduced the shard and its inputs were cleaned up), else None."""
-        if not self.io.exists(self.io.keys.reduced(rnd.r, self.io.sid(j))):
+        if not self.io.exists(self.io.keys.reduced(rnd.r, j)):
             return None
         return self._read(rnd.r, j, rnd.size(j), rnd.parts, None, [], rnd.nonfinite)
 
@@ -81,7 +81,7 @@ class RepairDesk:
               incidents: list[dict[str, Any]], nonfinite: set[int]) -> torch.Tensor:
         io = self.io
         obj, problem = io.get_reduced(r, j, numel)
-        key = io.keys.reduced(r, io.sid(j))
+        key = io.keys.reduced(r, j)
         if obj is not None:
             try:
                 return self._usable(obj, nonfinite)
@@ -110,7 +110,7 @@ class RepairDesk:
         members = members or self.membership.read(r) or []
         writer = reducer_of(j, members, parts) if members else None
         io.log(f"round {r}: {problem}; asking its reducer (rank {writer}) to re-publish it")
-        io.put(io.keys.repair(r, io.sid(j)), json.dumps({"by": io.rank, "problem": problem}).encode(),
+        io.put(io.keys.repair(r, j), json.dumps({"by": io.rank, "problem": problem}).encode(),
                create_only=True)
         with self.waiting():
             return self._await_repair(r, j, key, numel, problem, writer, incidents, nonfinite)
@@ -131,7 +131,7 @@ class RepairDesk:
                 except CorruptObject as exc:  # re-published create-only: it will not get better
                     raise RoundFailed(f"{key} is corrupt ({problem}) and so is its re-publication: {exc}") from None
                 incidents.append({"round": r, "object": key, "writer": writer, "problem": problem,
-                                  "action": f"re-published by its reducer as {io.keys.repaired(r, io.sid(j))}"})
+                                  "action": f"re-published by its reducer as {io.keys.repaired(r, j)}"})
                 return mean
             if not backoff.sleep(deadline):
                 self.membership.check_not_collected(r)
@@ -158,7 +158,7 @@ class RepairDesk:
                 if j in asked:  # the very bytes it published first: readers verify them the same way
                     with self._lock:
                         _, blob = self.published.pop(j)
-                    io.put(io.keys.repaired(r, io.sid(j)), blob, create_only=True)
+                    io.put(io.keys.repaired(r, j), blob, create_only=True)
                     io.log(f"round {r}: re-published reduced shard {j} (a reader found it corrupt)")
         with self._lock:
             return not self.published

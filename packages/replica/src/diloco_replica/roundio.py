@@ -28,7 +28,7 @@ from diloco.store import ObjectExists
 
 from .faults import Faults
 from .lanes import Lanes
-from .storeaccess import Backoff, CountingStore, LaneShards, RunKeys
+from .storeaccess import Backoff, CountingStore, RunKeys
 from .wire import CorruptObject, Identity, Unpacked, unpack
 
 
@@ -36,7 +36,6 @@ from .wire import CorruptObject, Identity, Unpacked, unpack
 class RoundIO:
     store: CountingStore
     keys: RunKeys
-    shards: LaneShards
     lanes: Lanes
     pool: ThreadPoolExecutor
     run_id: str
@@ -49,10 +48,6 @@ class RoundIO:
     faults: Faults = field(default_factory=Faults)
     codec: str = "fp32"            # the run's transport codec: every scatter and reduced object is in it
     found: list[dict[str, Any]] = field(default_factory=list)  # incidents met outside a round, not yet reported
-
-    def sid(self, j: int) -> int:
-        """Shard j of this lane, as the store names it."""
-        return self.shards.sid(j)
 
     def backoff(self) -> Backoff:
         return Backoff(self.poll_interval, self.poll_max)
@@ -69,8 +64,9 @@ class RoundIO:
         return True
 
     def present(self, prefix: str) -> set[int]:
-        """This lane's shard indices among the objects under `prefix` (one LIST)."""
-        return self.shards.mine(self.store.list_names(prefix))
+        """The shard indices among the objects under `prefix` (`<shard>` or `<shard>/...`; one LIST)."""
+        firsts = (x.split("/", 1)[0] for x in self.store.list_names(prefix))
+        return {int(x) for x in firsts if x.isdigit()}
 
     def exists(self, key: str) -> bool:
         """Whether `key` is in the store (one GET: the store interface has no HEAD)."""
@@ -92,19 +88,23 @@ class RoundIO:
                 reason = str(exc)
         return None, reason
 
-    def get_scatter(self, r: int, j: int, writer: int, numel: int) -> tuple[Unpacked | None, str | None]:
-        """`writer`'s part of shard j in round r, verified (`get_verified`) in the run's codec."""
-        sid = self.sid(j)
-        return self.get_verified(self.keys.scatter(r, sid, writer), Identity(self.run_id, r, "scatter", sid, writer),
+    def get_scatter(self, r: int, j: int, writer: int, lane: int, numel: int) -> tuple[Unpacked | None, str | None]:
+        """Lane `lane` of replica `writer`: its piece of shard j in round r, verified (`get_verified`)
+        in the run's codec; the piece's lane is in its identity (`scatter_identity`)."""
+        return self.get_verified(self.keys.scatter(r, j, writer, lane), self.scatter_identity(r, j, writer, lane),
                                  numel=numel, codec=self.codec)
+
+    def scatter_identity(self, r: int, j: int, writer: int, lane: int) -> Identity:
+        """Who a piece claims to be: shard j from replica `writer`'s lane `lane`."""
+        return Identity(self.run_id, r, "scatter", j, writer, lane)
 
     def reduced_identity(self, r: int, j: int) -> Identity:
         """Who shard j's mean of round r claims to be, as published and as re-published."""
-        return Identity(self.run_id, r, "reduced", self.sid(j), -1)
+        return Identity(self.run_id, r, "reduced", j, -1)
 
     def get_reduced(self, r: int, j: int, numel: int, *, repaired: bool = False) -> tuple[Unpacked | None, str | None]:
         """Shard j's mean of round r (`repaired`: its reducer's re-publication), verified (`get_verified`)."""
-        key = self.keys.repaired(r, self.sid(j)) if repaired else self.keys.reduced(r, self.sid(j))
+        key = self.keys.repaired(r, j) if repaired else self.keys.reduced(r, j)
         return self.get_verified(key, self.reduced_identity(r, j), numel=numel, codec=self.codec)
 
     def report(self, incident: dict[str, Any]) -> None:

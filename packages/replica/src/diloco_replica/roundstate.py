@@ -19,8 +19,9 @@ import torch
 from diloco.wiresize import Traffic
 
 from .laps import Laps
-from .storeaccess import reducer_of, shard_bounds
-from .streaming import DeltaSource
+from .layout import Cut, clip
+from .storeaccess import reducer_of
+from .streaming import DeltaSource, RoundSink
 from .wire import decode_tensor
 
 
@@ -40,50 +41,74 @@ class RoundResult:
 
 @dataclass
 class Round:
-    """Round `r` of a vector of `numel` values among `n` replicas, for the replica `rank`.
+    """Round `r` as lane `lane` of `lanes` of replica `rank` takes part in it.
 
-    The vector is cut into N·`parts` shards: replica i owns shards i·P … i·P + P − 1 (`owner`),
-    each sent as an object of its own, so the steps of a round pipeline part by part.
-    Made when the round starts (`members` are filled in once decided); `replay`: the round is
-    read, not taken part in (`StoreAllReduce.fetch`), so it reports no phases and no NaN/Inf
-    senders — the round's own members learnt those when it ran.
+    `cut` says what the round syncs and how it is cut (`layout.Cut`: N·P shards of a fragment of
+    the model; replica i owns shards i·P … i·P + P − 1, `owner`); this lane holds `held` of it
+    and contributes its piece of each shard it overlaps. `layouts` (every member's lane count)
+    comes with the members, from the round's membership record.
+    Made when the round starts; `replay`: the round is read, not taken part in
+    (`StoreAllReduce.fetch`), so it reports no phases and no NaN/Inf senders — the round's own
+    members learnt those when it ran.
     """
 
     r: int
-    numel: int
-    n: int
+    cut: Cut
     rank: int
-    parts: int = 1                     # P: objects per replica's shard (`diloco.wiresize.parts_per_shard`)
-    source: DeltaSource | None = None  # this replica's Δ (None: it contributes nothing)
+    lane: int = 0
+    lanes: int = 1
+    source: DeltaSource | None = None  # this lane's Δ over `held` (None: it contributes nothing)
     steps: int | None = None           # this replica's inner steps behind Δ (time-based rounds)
     replay: bool = False
     members: list[int] = field(default_factory=list)
+    layouts: dict[int, int] = field(default_factory=dict)  # member -> its lane count
     codec: str = "fp32"                # the run's transport codec
-    sent: dict[int, list[memoryview]] = field(default_factory=dict)  # shards encoded before the upload, as sent
+    sent: dict[int, list[memoryview]] = field(default_factory=dict)  # pieces encoded before the upload, as sent
     incidents: list[dict[str, Any]] = field(default_factory=list)
     nonfinite: set[int] = field(default_factory=set)  # senders some shard's mean left out for NaN/Inf
-    takeovers: list[int] = field(default_factory=list)  # shards this replica reduced for a dead reducer
+    takeovers: list[int] = field(default_factory=list)  # shards this lane reduced for a dead reducer
     laps: Laps = field(default_factory=Laps)
     traffic_before: Traffic = field(default_factory=Traffic)
     stop: threading.Event = field(default_factory=threading.Event)  # set when a reduction fails: stop gathering
     started: float = field(default_factory=lambda: time.monotonic())  # looked up per call: benches swap `time`
-    bounds: list[tuple[int, int]] = field(init=False)  # shard j is [a, b) of the round's vector
 
-    def __post_init__(self) -> None:
-        self.bounds = shard_bounds(self.numel, self.count)
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        """Shard j is [a, b) of the round's vector (the fragment)."""
+        return self.cut.bounds
 
     @property
     def count(self) -> int:
         """Shards in the round: N·P."""
-        return self.n * self.parts
+        return self.cut.count
+
+    @property
+    def parts(self) -> int:
+        return self.cut.parts
+
+    @property
+    def held(self) -> tuple[int, int]:
+        """What this lane holds of the round's vector."""
+        return self.cut.held(self.lanes, self.lane)
 
     def owner(self, j: int) -> int:
-        """The replica whose shard j is: it keeps its own part of it and reduces it while a member."""
-        return j // self.parts
+        """The replica whose shard j is: it keeps its own piece of it and reduces it while a member."""
+        return j // self.cut.parts
 
-    def reducer(self, j: int) -> int:
-        """Who reduces shard j among the round's members (`storeaccess.reducer_of`)."""
-        return reducer_of(j, self.members, self.parts)
+    def reducer(self, j: int) -> tuple[int, int]:
+        """(replica, lane) that reduces shard j among the round's members (`storeaccess.reducer_of`,
+        then the lane of it holding the shard's first value)."""
+        m = reducer_of(j, self.members, self.cut.parts)
+        return m, self.cut.lead(j, self.layouts.get(m, 1))
+
+    def reduces(self, j: int) -> bool:
+        """Whether this lane reduces shard j (its replica a member)."""
+        return self.member and self.reducer(j) == (self.rank, self.lane)
+
+    def keeps(self, j: int) -> bool:
+        """Whether this lane keeps its piece of shard j instead of sending it: its replica owns
+        the shard and this lane would reduce it (a member's lead lane)."""
+        return self.owner(j) == self.rank and self.cut.lead(j, self.lanes) == self.lane
 
     @property
     def member(self) -> bool:
@@ -95,13 +120,31 @@ class Round:
         a, b = self.bounds[j]
         return b - a
 
-    def own(self, j: int) -> torch.Tensor:
-        """This replica's contribution to shard j, as the others decode it."""
+    def piece(self, j: int) -> tuple[int, int]:
+        """This lane's piece of shard j, in the round's coordinates (maybe empty)."""
         a, b = self.bounds[j]
+        return clip(a, b, *self.held)
+
+    def mine(self) -> list[int]:
+        """The shards this lane holds a piece of."""
+        return self.cut.overlapping(*self.held)
+
+    def own(self, j: int) -> torch.Tensor:
+        """This lane's piece of shard j, as the others decode it."""
+        p, q = self.piece(j)
         if j in self.sent:
-            return decode_tensor(b"".join(self.sent[j]), self.codec, b - a)
+            return decode_tensor(b"".join(self.sent[j]), self.codec, q - p)
         assert self.source is not None, "a replica that contributes nothing has no part of a shard"
-        return self.source.shard(a, b)
+        h = self.held[0]
+        return self.source.shard(p - h, q - h)
+
+    def deliver(self, sink: RoundSink, j: int, mean: torch.Tensor) -> None:
+        """Hand `sink` what this lane holds of shard j's mean, in the lane's own coordinates."""
+        a, _ = self.bounds[j]
+        p, q = self.piece(j)
+        if p < q:
+            h = self.held[0]
+            sink(j, p - h, q - h, mean[p - a:q - a])
 
     def left_out(self, j: int, key: str, writer: int, problem: str, *, nonfinite: bool = False) -> dict[str, Any]:
         """Record that `writer`'s part of shard j is not in its mean (an incident); returns it."""

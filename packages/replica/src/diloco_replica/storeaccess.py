@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from diloco.store import Store
+
 from diloco.wiresize import Traffic
 
 
@@ -113,40 +114,6 @@ class Backoff:
         return True
 
 
-def shard_bounds(numel: int, n: int) -> list[tuple[int, int]]:
-    """N contiguous, near-equal slices covering [0, numel)."""
-    base, extra = divmod(numel, n)
-    bounds, start = [], 0
-    for j in range(n):
-        end = start + base + (1 if j < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
-@dataclass(frozen=True)
-class LaneShards:
-    """How one lane's shards are named in the store: lane k of L has shard j as j·L + k (one lane: j).
-
-    A replica of L processes syncs L lanes side by side; each lane's scatter, reduced, claim,
-    repair and checkpoint objects carry these names, so lanes never collide and a checkpoint is
-    complete with N·L shards. Interleaved, a name does not depend on how many shards a lane's
-    round has (N·P, P from the lane's own length), so lanes of slightly different lengths agree.
-    """
-
-    lane: int
-    lanes: int = 1
-
-    def sid(self, j: int) -> int:
-        """Shard j of this lane as the store names it."""
-        return j * self.lanes + self.lane
-
-    def mine(self, names: list[str]) -> set[int]:
-        """This lane's shard indices among object names (`<shard>` or `<shard>/...`)."""
-        firsts = [x.split("/", 1)[0] for x in names]
-        return {int(x) // self.lanes for x in firsts if x.isdigit() and int(x) % self.lanes == self.lane}
-
-
 def reducer_of(shard: int, members: list[int], parts: int = 1) -> int:
     """Who reduces shard j of a round of N·`parts` shards: its owner (j // parts) if a member, else
     a member chosen by j, so a dead owner's parts are spread over the members."""
@@ -163,11 +130,14 @@ class RunKeys:
     def round(self, r: int) -> str:
         return f"{self.run}/r{r:08d}"
 
-    def scatter(self, r: int, owner: int, src: int) -> str:
-        return f"{self.round(r)}/scatter/{owner}/{src}"
+    def scatter(self, r: int, shard: int, src: int, lane: int) -> str:
+        """Lane `lane` of replica `src`: its piece of shard j (`layout.Cut.pieces`)."""
+        return f"{self.round(r)}/scatter/{shard}/{src}.{lane}"
 
-    def ready(self, r: int, src: int | None = None) -> str:
-        return f"{self.round(r)}/ready/" + ("" if src is None else str(src))
+    def ready(self, r: int, src: int | None = None, lanes: int = 1) -> str:
+        """Replica `src` of `lanes` processes has every piece it sends in the store (the name
+        carries its lane count, so whoever decides the round learns it from one LIST)."""
+        return f"{self.round(r)}/ready/" + ("" if src is None else f"{src}.{lanes}")
 
     def members(self, r: int) -> str:
         return f"{self.round(r)}/members.json"
@@ -187,8 +157,10 @@ class RunKeys:
     def claim(self, r: int, owner: int, generation: int) -> str:
         return f"{self.round(r)}/claim/{owner}.{generation}"
 
-    def checkpoint(self, r: int, shard: int | str | None = None) -> str:
-        return f"{self.run}/ckpt/r{r:08d}/" + ("" if shard is None else str(shard))
+    def checkpoint(self, r: int, piece: tuple[int, int] | str | None = None) -> str:
+        """Checkpoint r's piece [a, b) of the model (`<a>-<b>`), or its `void` marker."""
+        name = "" if piece is None else piece if isinstance(piece, str) else f"{piece[0]}-{piece[1]}"
+        return f"{self.run}/ckpt/r{r:08d}/{name}"
 
     def checkpoints(self) -> str:
         return f"{self.run}/ckpt/"

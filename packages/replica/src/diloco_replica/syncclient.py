@@ -44,6 +44,7 @@ from . import sharedbuf
 from .exchanger import Exchanger, Outcome, Work
 from .finite import NonFinite
 from .lanes import Lanes, PeerLost
+from .layout import lane_range
 from .rounderrors import FellBehind, RoundFailed
 from .syncwire import receive, send
 
@@ -64,11 +65,12 @@ def sync_threads(lanes: int) -> int:
 class InThread:
     """The rounds on one thread of this process (stores only this process can reach)."""
 
-    def __init__(self, ctx: ReplicaContext, settings: DilocoSettings, store: Any, numel: int, lanes: Lanes,
+    def __init__(self, ctx: ReplicaContext, settings: DilocoSettings, store: Any, total: int, lanes: Lanes,
                  log: Callable[[str], None]):
+        numel = lane_numel(total, lanes)
         self.theta = torch.zeros(numel)
         self.snapshot = torch.zeros(numel)
-        self.exchanger = Exchanger(ctx, settings, store, numel, lanes, log=log, theta_out=self.theta)
+        self.exchanger = Exchanger(ctx, settings, store, total, lanes, log=log, theta_out=self.theta)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="diloco-round")
         self._future: Future | None = None
 
@@ -105,9 +107,10 @@ class InThread:
 class SyncProcess:
     """The rounds in a sync process of this training process's own (`syncproc`)."""
 
-    def __init__(self, ctx: ReplicaContext, settings: DilocoSettings, numel: int, lanes: Lanes,
+    def __init__(self, ctx: ReplicaContext, settings: DilocoSettings, total: int, lanes: Lanes,
                  log: Callable[[str], None], threads: int | None = None):
         self.log = log
+        numel = lane_numel(total, lanes)
         theta_path, self.theta = sharedbuf.create(numel, "theta")
         snapshot_path, self.snapshot = sharedbuf.create(numel, "snapshot")
         lanes_file = None
@@ -127,7 +130,7 @@ class SyncProcess:
         self.conn = Connection(ours.detach())
         self._in_flight = False
         try:
-            self._send("start", numel=numel, theta=theta_path, snapshot=snapshot_path, lanes_file=lanes_file,
+            self._send("start", total=total, theta=theta_path, snapshot=snapshot_path, lanes_file=lanes_file,
                  threads=threads, settings=asdict(settings),
                  ctx={"rank": ctx.rank, "world_size": ctx.world_size, "run_id": ctx.run_id, "attempt": ctx.attempt,
                       "rendezvous": ctx.rendezvous, "lane": ctx.lane, "lanes": ctx.lanes})
@@ -216,3 +219,9 @@ class SyncProcess:
         if code < 0:
             return f"was killed by signal {code * -1}"
         return f"exited with code {code}"
+
+
+def lane_numel(total: int, lanes: Lanes) -> int:
+    """The values this lane syncs of a model of `total` (`layout.lane_range`)."""
+    a, b = lane_range(total, lanes.count, lanes.index)
+    return b - a

@@ -49,17 +49,19 @@ def serve(conn: Connection, parent: int) -> int:
     from . import sharedbuf
     from .exchanger import Exchanger, Work
     from .lanes import Lanes
+    from .syncclient import lane_numel
 
     start = receive(conn)
     if start["op"] != "start":
         raise ValueError(f"expected the start message, got {start['op']!r}")
     if start.get("threads"):
         torch.set_num_threads(int(start["threads"]))
-    numel = int(start["numel"])
+    total = int(start["total"])
+    c = start["ctx"]
+    numel = lane_numel(total, Lanes(int(c["lane"]), int(c["lanes"])))
     theta = sharedbuf.attach(start["theta"], numel)
     snapshot = sharedbuf.attach(start["snapshot"], numel)
     send(conn, "mapped")
-    c = start["ctx"]
     ctx = ReplicaContext(int(c["rank"]), int(c["world_size"]), str(c["run_id"]), int(c["attempt"]),
                          str(c["rendezvous"]), lane=int(c["lane"]), lanes=int(c["lanes"]))
     settings = DilocoSettings.from_table(start["settings"], where="the sync process's settings")
@@ -70,7 +72,7 @@ def serve(conn: Connection, parent: int) -> int:
         dist.init_process_group("gloo", init_method=f"file://{start['lanes_file']}", rank=ctx.lane,
                                 world_size=ctx.lanes)
         lanes = Lanes.join(ctx.lanes, ctx.lane, ctx.log.info)
-    exchanger = Exchanger(ctx, settings, ctx.store, numel, lanes, log=ctx.log.info, theta_out=theta)
+    exchanger = Exchanger(ctx, settings, ctx.store, total, lanes, log=ctx.log.info, theta_out=theta)
     while True:
         msg = receive(conn)
         op = msg["op"]

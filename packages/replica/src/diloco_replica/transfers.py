@@ -19,7 +19,6 @@ import torch
 
 from . import sharedbuf
 from .modelview import ModelView
-from .storeaccess import shard_bounds
 
 
 class Transfers:
@@ -36,14 +35,14 @@ class Transfers:
         """Fragment `part` of `parts` into the snapshot buffer; with `keep`, also returned (on the
         model's device) for the merge of an overlapped round."""
         local = self.view.gather_part(part, parts)
-        a, b = shard_bounds(self.view.numel, parts)[part]
+        a, b = self.view.fragment(part, parts)
         self._to_host(local, a, b)
         return local if keep else None
 
     def merge(self, part: int, parts: int, local_at_sync: torch.Tensor | None) -> None:
         """Fragment `part` of θ_global into the model (with overlap: on top of the progress since
         `local_at_sync`)."""
-        a, b = shard_bounds(self.view.numel, parts)[part]
+        a, b = self.view.fragment(part, parts)
         new = self.theta[a:b].to(self.view.device, non_blocking=self.pinned)
         if local_at_sync is not None:
             now = self.view.gather_part(part, parts)

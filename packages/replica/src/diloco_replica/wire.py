@@ -63,6 +63,7 @@ class Identity:
     kind: str
     owner: int = -1
     src: int = -1
+    lane: int = 0      # the writer's process (a piece of a shard comes from one lane of a replica)
 
 
 def payload_hash(parts: list[memoryview] | memoryview) -> int:
@@ -80,7 +81,7 @@ def pack(identity: Identity, parts: list[memoryview], *, codec: str, numel: int,
     """The object as a list of buffers (header first); the store writes them without joining."""
     nbytes = sum(part.nbytes for part in parts)
     header = json.dumps({"run": identity.run, "round": identity.round, "kind": identity.kind,
-                         "owner": identity.owner, "src": identity.src, "codec": codec, "numel": numel,
+                         "owner": identity.owner, "src": identity.src, "lane": identity.lane, "codec": codec, "numel": numel,
                          "nbytes": nbytes, "xxh3": payload_hash(parts), "meta": meta or {}},
                         separators=(",", ":")).encode()
     return [_PREFIX.pack(MAGIC, VERSION, len(header), xxhash.xxh3_64_intdigest(header)) + header, *parts]
@@ -151,10 +152,11 @@ def unpack(blob: bytes | memoryview, expect: Identity, key: str, *, numel: int |
                             f"header says {header.get('nbytes')})")
     if digest(payload) != header.get(field):
         raise CorruptObject(f"{key}: checksum mismatch: the payload is corrupt")
-    got = (header.get("run"), header.get("round"), header.get("kind"), header.get("owner"), header.get("src"))
-    want = (expect.run, expect.round, expect.kind, expect.owner, expect.src)
+    got = (header.get("run"), header.get("round"), header.get("kind"), header.get("owner"), header.get("src"),
+           header.get("lane", 0))
+    want = (expect.run, expect.round, expect.kind, expect.owner, expect.src, expect.lane)
     if got != want:
-        raise CorruptObject(f"{key}: foreign object: it is (run, round, kind, owner, src)={got}, expected {want}")
+        raise CorruptObject(f"{key}: foreign object: it is (run, round, kind, owner, src, lane)={got}, expected {want}")
     if header.get("codec") not in CODECS or encoded_nbytes(header["numel"], header["codec"], payload) != payload.nbytes:
         raise CorruptObject(f"{key}: payload size does not match codec {header.get('codec')!r}")
     return check_layout(Unpacked(header, payload, key), numel=numel, codec=codec)
