@@ -87,7 +87,7 @@ def run_diloco(spec: Path, replicas: int, tmp: Path, kill_after_round: int | Non
             proc.kill()
     rounds = RoundCache(run_dir).load()
     results = [r["result"] for r in json.loads((run_dir / "run.json").read_text())["ranks"]]
-    if len({r["theta_crc32"] for r in results}) != 1:
+    if len({r["theta_digest"] for r in results}) != 1:
         raise SystemExit("diloco replicas disagree on the global model")
     rows = [row for s in rounds for row in s.rows if row.member]
     result = {

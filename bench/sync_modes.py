@@ -56,7 +56,7 @@ def run_row(name: str, settings: dict, tmp: Path) -> dict:
     record = json.loads((runs / "run.json").read_text())
     results = [r["result"] for r in record["ranks"]]
     train_s = max(r["wall_s"] for r in results)
-    assert len({r["theta_crc32"] for r in results}) == 1, f"{name}: replicas disagree on θ_global"
+    assert len({r["theta_digest"] for r in results}) == 1, f"{name}: replicas disagree on θ_global"
     return {
         "row": name, "settings": settings, "eval_loss": round(summary["eval_loss"], 4),
         "tokens_per_s": round(summary["tokens"] / train_s), "sync_share": round(summary["sync_share"], 4),

@@ -1,4 +1,5 @@
-"""Uneven GPUs: fixed-H rounds against time-based rounds (`[diloco] round_seconds`), N = 4.
+"""Uneven GPUs: fixed-H rounds against time-based rounds (`[diloco] round_seconds`), N = 4; and
+replicas of different process counts in one run (a 2-process replica beside 1-process ones).
 
 Two of the four replicas take twice as long per inner step (tiny_lm's `slow_ranks`: a sleep as
 long as the step, a stand-in for a GPU half as fast). With fixed H every round waits for them:
@@ -9,6 +10,12 @@ mean normalises each update by its steps (FedNova's average), so nobody waits.
 Both rows run through `diloco run` on the main job. The fixed-H row runs first; the time-based
 row's `round_seconds` is the fast replicas' compute time per round in it, and its length is
 chosen so that both runs take the same wall-clock time (its rounds are shorter, so it has more).
+The mixed rows run N = 3 at equal steps: three replicas of one process, then one replica of two
+processes (DDP inside it, each process half the batch) beside two of one. Every replica syncs
+the same model whatever its process count (diloco_replica's `layout`), so the question is what
+the mixed replica pays: its bytes per round against a one-process replica's (bounded by one
+part per process boundary), and the run's eval loss against the uniform run's.
+
 Reported per row: replica-seconds spent waiting for a straggler (each round summary's
 `waited_s`, summed) and its share of all replica time, tokens processed, tokens per second,
 eval loss, wall time. Targets (issue "One run, many clouds"): waiting ≤ 2% of replica time with
@@ -35,11 +42,33 @@ H = int(knob("BENCH_H", "50", "20"))
 SLOW = [2, 3]
 
 
-def run_row(name: str, diloco: dict, tmp: Path) -> dict:
+MIXED_GROUPS = """
+[[group]]
+name = "node"
+replicas = 1
+processes_per_replica = 2
+[group.backend]
+name = "local"
+[[group]]
+name = "singles"
+replicas = 2
+processes_per_replica = 1
+[group.backend]
+name = "local"
+"""
+
+
+def run_row(name: str, diloco: dict, tmp: Path, *, slow: list[int] = SLOW, replicas: int = 4,
+            groups: str | None = None) -> dict:
     spec = tmp / f"{name}.toml"
     state = tmp / f"state-{name}"
-    data = tiny_lm_spec(args={"slow_ranks": SLOW, "eval_every": 0}, diloco={"sync_every": H, **diloco})
-    spec.write_text(toml_text(data))
+    data = tiny_lm_spec(args={"slow_ranks": slow, "eval_every": 0, "parallel": "ddp"},
+                        diloco={"sync_every": H, **diloco})
+    if groups is None:
+        data["replicas"] = replicas
+    else:
+        del data["replicas"], data["backend"]
+    spec.write_text(toml_text(data) + (groups or ""))
     tokens_per_step = data["args"]["batch_size"] * data["args"]["context"]
     run_dir, wall = run_spec(spec, state, name)
     from diloco.metrics import RoundCache
@@ -50,13 +79,17 @@ def run_row(name: str, diloco: dict, tmp: Path) -> dict:
         shutil.copy(run_dir / "artifacts" / "timeline.png", Path(plots) / f"uneven-{name}-timeline.png")
     summary = json.loads((run_dir / "artifacts" / "summary.json").read_text())
     results = [r["result"] for r in json.loads((run_dir / "run.json").read_text())["ranks"]]
-    if len({r["theta_crc32"] for r in results}) != 1:
+    if len({r["theta_digest"] for r in results}) != 1:
         raise SystemExit(f"{name}: replicas disagree on θ_global")
     replica_s = sum(r["wall_s"] for r in results)
     waited = sum(s.waited_s for s in rounds)
-    fast_compute = [row.compute_s for s in rounds[1:] for row in s.rows if row.rank not in SLOW]
+    fast_compute = [row.compute_s for s in rounds[1:] for row in s.rows if row.rank not in slow]
     steps_per_round = {rank: statistics.median(row.tokens for s in rounds[1:] for row in s.rows if row.rank == rank)
-                       // tokens_per_step for rank in range(4)} if len(rounds) > 1 else {}
+                       // tokens_per_step for rank in range(replicas)} if len(rounds) > 1 else {}
+    later = [row for s in rounds[1:] for row in s.rows]  # past the first round (it checks more, deletes nothing)
+    traffic = {rank: {"bytes_up": round(statistics.median(r.bytes_up for r in later if r.rank == rank)),
+                      "bytes_down": round(statistics.median(r.bytes_down for r in later if r.rank == rank))}
+               for rank in range(replicas)} if later else {}
     return {
         "row": name, "diloco": diloco, "rounds": len(rounds), "wall_s": round(wall, 1),
         "train_s": round(max(r["wall_s"] for r in results), 1), "replica_s": round(replica_s, 1),
@@ -67,6 +100,7 @@ def run_row(name: str, diloco: dict, tmp: Path) -> dict:
         "fast_compute_s_per_round": round(statistics.median(fast_compute), 3) if fast_compute else None,
         "sync_s_per_round": round(statistics.median(row.sync_s for s in rounds[1:] for row in s.rows), 3)
         if len(rounds) > 1 else None,
+        "traffic_per_round_by_rank": traffic,
     }
 
 
@@ -81,6 +115,9 @@ def main() -> None:
         per_round = probe["train_s"] / probe["rounds"]
         rounds = max(2, round(fixed["train_s"] / per_round))
         timed = run_row("round_seconds", {"round_seconds": seconds, "total_steps": rounds * H}, Path(tmp))
+        uniform = run_row("uniform-3x1", {"total_steps": STEPS}, Path(tmp), slow=[], replicas=3)
+        mixed = run_row("mixed-2+1+1", {"total_steps": STEPS}, Path(tmp), slow=[], replicas=3, groups=MIXED_GROUPS)
+    two, one = mixed["traffic_per_round_by_rank"].get(0), mixed["traffic_per_round_by_rank"].get(1)
     print(json.dumps({
         "bench": "uneven", "replicas": 4, "slow_ranks": SLOW, "slowdown": 2, "sync_every": H,
         "rows": [fixed, timed],
@@ -88,8 +125,13 @@ def main() -> None:
                                    "train_s": round(timed["train_s"] / fixed["train_s"], 3),
                                    "tokens": round(timed["tokens"] / fixed["tokens"], 3),
                                    "eval_loss": round(timed["eval_loss"] / fixed["eval_loss"] - 1, 4)},
+        "mixed_rows": [uniform, mixed],
+        "mixed_vs_uniform": {
+            "eval_loss": round(mixed["eval_loss"] / uniform["eval_loss"] - 1, 4),
+            "waiting_share": [uniform["waiting_share"], mixed["waiting_share"]],
+            "two_process_replica_bytes_vs_one": {k: round(two[k] / one[k], 3) for k in two} if two and one else None},
         "targets": {"round_seconds waiting_share": "<= 0.02", "round_seconds eval_loss vs fixed H": "<= 0 at equal "
-                    "wall-clock"},
+                    "wall-clock", "mixed eval_loss vs uniform": "within noise (the same model, batch and steps)"},
     }, indent=2))
 
 

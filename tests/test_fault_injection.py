@@ -88,7 +88,7 @@ def recovered(proc: subprocess.Popen, out: str, state: Path, run_id: str) -> tup
     record, events = record_of(state, run_id), events_of(state, run_id)
     results = final_results(record)
     assert len(results) == 4
-    assert len({r["theta_crc32"] for r in results}) == 1, "survivors disagree on the global model"
+    assert len({r["theta_digest"] for r in results}) == 1, "survivors disagree on the global model"
     assert all(math.isfinite(r["eval_loss"]) for r in results), "a final model is not finite"
     assert not any(e["event"] == "diverged" for e in events), "replicas disagreed after some round"
     for error in (e.get("error") or "" for e in events):
@@ -105,7 +105,7 @@ def reference(tmp_path_factory):
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
     results = final_results(record_of(state, run_id))
-    assert len(results) == 4 and len({r["theta_crc32"] for r in results}) == 1
+    assert len(results) == 4 and len({r["theta_digest"] for r in results}) == 1
     return results[0]
 
 
@@ -224,7 +224,7 @@ def test_launcher_killed_mid_run_then_resumed_reaches_the_same_state(tmp_path, r
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     results = final_results(record_of(state, run_id))
     assert len(results) == 4
-    assert {r["theta_crc32"] for r in results} == {reference["theta_crc32"]}
+    assert {r["theta_digest"] for r in results} == {reference["theta_digest"]}
 
 
 def short_spec(tmp_path: Path, steps: int) -> Path:

@@ -111,7 +111,7 @@ def train(ctx: ReplicaContext, steps: int | None = None, batch_size: int = 8, se
     eval_loss = evaluate(model, eval_data, batch_size, seq_len)
     diloco.close()  # DiLoCo
     result = {"rank": ctx.rank, "rounds": diloco.round, "eval_loss": eval_loss, "parameters": n_params,
-              "wall_s": time.monotonic() - started, "theta_crc32": zlib.crc32(diloco.theta.numpy().tobytes())}
+              "wall_s": time.monotonic() - started, "theta_digest": diloco.theta_digest()}
     ctx.log.info("done: %s", json.dumps(result))
     if ctx.rank == 0:
         from diloco_replica.report import write_run_report

@@ -50,7 +50,7 @@ def main() -> None:
         rounds = run.rounds()    # round summaries, read from the run's store
         outcome = {"run": run.id, "outer_lr": outer_lr, "eval_loss": results[0]["eval_loss"],
                    "rounds": len(rounds), "sync_share": round(rounds[-1].sync_share or 0.0, 3),
-                   "same_model_everywhere": len({r["theta_crc32"] for r in results}) == 1}
+                   "same_model_everywhere": len({r["theta_digest"] for r in results}) == 1}
         print(json.dumps(outcome), flush=True)
         outcomes.append(outcome)
     best = min(outcomes, key=lambda o: o["eval_loss"])

@@ -68,6 +68,7 @@ from .exchanger import MERGE, RESET, Outcome, Work
 from .faults import Faults
 from .lanes import Lanes
 from .modelview import model_view
+from .outer import blocks_digest
 from .roundclock import RoundClock
 from .syncclient import InThread, SyncProcess
 from .transfers import Transfers
@@ -158,6 +159,13 @@ class DiLoCo:
     def theta(self) -> torch.Tensor:
         """θ_global of this process's lane: fp32 on the host, the same bytes on every replica."""
         return self.sync.theta
+
+    def theta_digest(self) -> str:
+        """A digest of θ_global, the same on every replica whatever its number of processes (XXH3
+        per block of the model, summed: `outer.state_digest`). Every process of a replica calls it:
+        they add up their parts."""
+        part = blocks_digest(self.sync.theta, self.view.start)
+        return f"{sum(self.lanes.exchange(part)) % (1 << 64):016x}"
 
     @property
     def in_flight(self) -> bool:

@@ -52,7 +52,7 @@ def state_digest(theta: torch.Tensor, momentum_buf: torch.Tensor, start: int = 0
     """This lane's part of the state's digest: θ_global's and the momentum's, for the slice of the
     model starting at `start` (a multiple of `layout.BLOCK`, as every lane's is). `digest_of` the
     lanes' parts is equal on every replica, whatever its lane count, or one diverged."""
-    return _blocks_digest(theta, start), _blocks_digest(momentum_buf, start)
+    return blocks_digest(theta, start), blocks_digest(momentum_buf, start)
 
 
 def digest_of(parts: list[tuple[int, int]] | list[list[int]]) -> str:
@@ -61,7 +61,7 @@ def digest_of(parts: list[tuple[int, int]] | list[list[int]]) -> str:
     return f"{theta:016x}-{buf:016x}"
 
 
-def _blocks_digest(x: torch.Tensor, start: int) -> int:
+def blocks_digest(x: torch.Tensor, start: int) -> int:
     """Σ over the model's `BLOCK`-value blocks of XXH3-64(block bytes, seed = block index), mod 2⁶⁴:
     a sum, so lanes add theirs up in any order; per block, so it hashes at XXH3's speed."""
     raw = memoryview(x.numpy()).cast("B")

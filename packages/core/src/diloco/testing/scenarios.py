@@ -40,11 +40,11 @@ def wait_for_round(state: Path, run_id: str, n: int, timeout: float = 300) -> No
 
 
 def one_global_model(record: dict[str, Any]) -> None:
-    """Every rank succeeded holding the same global θ: the CRC each entrypoint returned, which remote
+    """Every rank succeeded holding the same global θ: the digest each entrypoint returned (`DiLoCo.theta_digest`), which remote
     backends read back from the replica's log as JSON (nothing is unpickled)."""
     ranks = record["ranks"]
     assert all(r["status"] == "succeeded" for r in ranks), [(r["rank"], r["status"], r["last_error"]) for r in ranks]
-    crcs = {r["result"]["theta_crc32"] for r in ranks}
+    crcs = {r["result"]["theta_digest"] for r in ranks}
     assert len(crcs) == 1, f"replicas disagree on the global model: {crcs}"
 
 
