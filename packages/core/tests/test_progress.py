@@ -57,8 +57,8 @@ def test_estimate_counts_the_all_reduce_at_the_byte_bound(tmp_path):
     assert e.rounds == 20
     assert e.round.bytes_up == pytest.approx(4 * shard, rel=0.01)       # N−1 shards + 1 reduced = S
     assert e.round.bytes_down == pytest.approx(6 * shard, rel=0.01)     # 2(N−1)/N·S
-    # steady rounds: ready + reduced + repair requests; the first also checks the low-water mark
-    assert (e.round.puts, e.round.lists) == (6, 3) and e.first_round.lists == 3
+    # steady rounds: ready + roster + reduced + repair requests; the first also checks the low-water mark
+    assert (e.round.puts, e.round.lists) == (6, 4) and e.first_round.lists == 4
     assert e.first_round.gets == e.round.gets + 1  # members.json, before it joins
     assert e.run.bytes_down > 20 * 4 * e.round.bytes_down * 0.99
     assert e.cost["transfer_internet"] == pytest.approx(e.run.bytes_down / 1e9 * 0.09)

@@ -121,7 +121,7 @@ def mixed_round(layouts: list[int], total: int, *, start: int = 0, stop: int | N
             ar = StoreAllReduce(store, run, i, n, codec=codec, round_timeout=20, poll_interval=0.002, poll_max=0.02,
                                 lanes=ThreadLanes(k, layouts[i], hub), part_mb=part_mb)
             try:
-                cut = ar.cut(total, start, stop)
+                cut = ar.cut(total, start, stop, 1)
                 a, b = cut.held(layouts[i], k)
                 res = ar.run_round(1, deltas[i][start + a:start + b].clone(), cut=cut)
                 means[i][a:b] = res.mean
@@ -191,7 +191,7 @@ def test_a_checkpoint_written_by_three_lanes_loads_into_two():
         for lo, hi in ((0, total // 2), (total // 2, total)):
             x, y = max(a, lo), min(b, hi)
             if x < y:
-                ckpt.put_piece(4, (x, y), a, theta[a:b], buf[a:b])
+                ckpt.put_piece(4, (x, y), a, theta[a:b], buf[a:b], [0, 1])
         ar.close()
     ar = StoreAllReduce(store, run, 1, 2)
     assert Checkpoints(ar.io, total).complete() == [4]
@@ -199,6 +199,7 @@ def test_a_checkpoint_written_by_three_lanes_loads_into_two():
         a, b = lane_range(total, 2, k)
         got = Checkpoints(ar.io, total).load(4, a, b)
         assert got is not None and torch.equal(got[0], theta[a:b]) and torch.equal(got[1], buf[a:b])
+        assert got[2] == [0, 1]  # the next round's roster travels with the checkpoint
     store.delete(next(m["path"] for m in store.list(f"{run}/ckpt/r00000004/")))
     assert Checkpoints(ar.io, total).complete() == []  # a piece gone: a gap, not a checkpoint
     ar.close()

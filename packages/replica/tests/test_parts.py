@@ -100,6 +100,7 @@ def test_a_round_of_parts_moves_what_the_estimate_predicts():
         assert got.puts == want.puts, (i, got, want)
         # the estimate's members.json GET is (N−1)/N of one; polls (waiting) it leaves out
         assert want.gets - 1 <= got.gets <= want.gets + got.polls, (i, got, want)
+        assert want.lists <= got.lists <= want.lists + got.polls, (i, got, want)  # ready, roster (`roster`), reduced
         assert abs(got.bytes_up - want.bytes_up) / want.bytes_up < 0.01
         assert abs(got.bytes_down - want.bytes_down) / want.bytes_down < 0.01
 
@@ -219,7 +220,7 @@ def test_a_peer_whose_parts_keep_coming_is_not_taken_over_however_long_its_round
 def test_error_feedback_quantises_by_the_shards_the_all_reduce_uploads():
     ar = StoreAllReduce(open_store(f"memory://{uuid.uuid4().hex}"), "run-layout", 1, 3, part_mb=PART_MB / 4)
     try:
-        pieces, uploaded = ar.upload_layout(ar.cut(NUMEL, 0, NUMEL))
+        pieces, uploaded = ar.upload_layout(1, ar.cut(NUMEL, 0, NUMEL, 1))
     finally:
         ar.close()
     assert sorted(pieces) == list(range(12)) and pieces[0] == (0, 1_000) and pieces[11] == (11_000, 12_000)

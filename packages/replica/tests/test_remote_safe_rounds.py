@@ -128,7 +128,7 @@ def test_replaying_a_round_that_retention_deletes_underneath_is_a_rejoin_not_a_c
     replayer = StoreAllReduce(store, run, 0, n, round_timeout=30.0, poll_interval=0.005)
     t0 = time.monotonic()
     with pytest.raises(FellBehind):
-        replayer.fetch(1, replayer.cut(10, 0, 10))
+        replayer.fetch(1, replayer.cut(10, 0, 10, 1))
     assert time.monotonic() - t0 < 5  # at once, not after the 30 s round timeout
     replayer.close()
 

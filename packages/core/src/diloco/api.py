@@ -9,10 +9,9 @@ For notebooks and sweep scripts, with the CLI's powers; the CLI is built on this
     run.rounds()[-1].members, run.results()
 
     same = diloco.attach(run.id)                               # from another process or machine's shell
-    same.progress().step, same.logs(rank=0), same.cancel()
+    same.progress().step, same.logs(rank=0), same.scale(8), same.cancel()
     for record in same.follow(): print(record.state)           # until it ends, as `diloco status --follow`
     for text in same.follow_logs(rank=0): print(text, end="")  # as `diloco logs --rank 0 --follow`
-
 A `Run` holds no state of its own: every method reads the run's record (run.json, events.jsonl
 under the state dir), its object store (round metrics), or its backend (live statuses, logs), so
 a `Run` from `attach` in another process sees exactly what the launching one does.
@@ -251,6 +250,15 @@ class Run:
         if not supervised_here and not launcher_alive(record) and not record.ended:
             record.mark_stopped(by="diloco cancel")
         return len(handles)
+
+    def scale(self, replicas: int, *, group: str | None = None) -> dict[str, Any]:
+        """Resize the running run (`diloco.scaling`): `group` (needed where it has several) to
+        `replicas` replicas. Its launcher applies it, or `resume` does where none runs."""
+        from .scaling import request_scale
+
+        req = request_scale(self.record, replicas, group)
+        by = "launcher" if self.supervisor is not None or launcher_alive(self.record) else "resume"
+        return {"run": self.id, "group": req.group, "replicas": req.replicas, "request": req.name, "applied_by": by}
 
     # -- supervision --------------------------------------------------------------------------
 

@@ -254,6 +254,24 @@ def cancel(run_id: str) -> None:
     click.echo(f"cancelled run {handle.id} ({n} replicas)")
 
 
+@main.command()
+@click.argument("run_id", metavar="RUN")
+@click.argument("replicas", type=int)
+@click.option("--group", default=None, help="The group to resize (a run with [[group]] tables).")
+def scale(run_id: str, replicas: int, group: str | None) -> None:
+    """Grow or shrink a running run to REPLICAS replicas (per group with --group), from any shell."""
+    from . import api
+
+    out = api.attach(run_id).scale(replicas, group=group)
+    what = f"group {out['group']} to {out['replicas']}" if out["group"] else f"{out['replicas']} replicas"
+    if out["applied_by"] == "launcher":
+        click.echo(f"run {out['run']}: scale to {what} requested; its launcher applies it within seconds "
+                   f"(a `scaled` event; new replicas join at the next round, retired ones leave after theirs)")
+    else:
+        click.echo(f"run {out['run']}: scale to {what} recorded; no launcher supervises the run now: "
+                   f"`diloco resume {out['run']}` applies it")
+
+
 @main.command(name="list")
 @click.option("--limit", default=20, show_default=True)
 def list_runs(limit: int) -> None:

@@ -173,8 +173,8 @@ def exchange(n: int, lanes: int, numel: int, transport: str, density: float, *, 
         bytes_down=parts * (n - 1) * (scatter + reduced) + cuts * reduced + loser * MEMBERS_NBYTES,
         puts=parts * (n - 1) + cuts + 1 + 1 + parts,              # pieces, ready marker, members.json, reduced parts
         gets=(1 if first else 0) + loser + 2 * parts * (n - 1) + cuts,  # [members.json, absent], the winner's,
-        lists=(1 if first else 0) + 1 + lanes + (0 if first else lanes),  # pieces in, means; [low-water], ready;
-        deletes=0 if first else reducing * -(-(n - 1) * parts // (reducing * bulk_delete)))  # reduced; repairs
+        lists=(1 if first else 0) + 2 + lanes + (0 if first else lanes),  # pieces in, means; [low-water], ready,
+        deletes=0 if first else reducing * -(-(n - 1) * parts // (reducing * bulk_delete)))  # roster; reduced; repairs
 
 
 def estimate(spec: Any, *, parameters: int | None = None, parameters_from: str | None = None,

@@ -39,6 +39,11 @@ class GroupedExecutor:
         self.groups = [g for g, _ in parts]
         self._build = {g.name: build for g, build in parts}
         self._built: dict[str, Any] = {}
+        self._added: dict[int, ReplicaGroup] = {}  # ranks `diloco scale` added to a group
+
+    def assign(self, rank: int, group: str) -> None:
+        """Rank `rank` (added by `diloco scale`) belongs to `group`."""
+        self._added[rank] = next(g for g in self.groups if g.name == group)
 
     def executor_for_group(self, name: str) -> Any:
         if name not in self._built:
@@ -64,7 +69,7 @@ class GroupedExecutor:
             log_files=all(c.log_files for c in caps))
 
     def group_of(self, rank: int) -> ReplicaGroup:
-        return group_of(self.groups, rank)
+        return self._added[rank] if rank in self._added else group_of(self.groups, rank)
 
     def executor_of(self, rank: int) -> Any:
         return self.executor_for_group(self.group_of(rank).name)
@@ -81,7 +86,7 @@ class GroupedExecutor:
     def plan(self, request: LaunchRequest) -> LaunchPlan:
         parts = []
         for g in self.groups:
-            ranks = [r for r in request.ranks if r in g.ranks]
+            ranks = [r for r in request.ranks if self.group_of(r) is g]
             if not ranks:
                 continue
             try:

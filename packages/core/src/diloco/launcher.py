@@ -120,7 +120,10 @@ def new_run(spec: RunSpec, **supervisor_kwargs: Any) -> Supervisor:
 
 
 def executor_for(record: RunRecord) -> Executor:
-    return executor_of_spec(record.spec)
+    executor = executor_of_spec(record.spec)
+    for rank, group in (record.data.get("scaled_ranks") or {}).items():  # ranks `diloco scale` added
+        executor.assign(int(rank), str(group))
+    return executor
 
 
 def resume_run(record: RunRecord, **supervisor_kwargs: Any) -> Supervisor:

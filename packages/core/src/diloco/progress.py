@@ -53,14 +53,18 @@ def progress_of(data: dict[str, Any], events: list[dict[str, Any]], now: float) 
     start = launches[0]["t"] if launches else data.get("created_at", now)
     ended = data.get("state") in FINAL_STATES
     last_t = events[-1]["t"] if ended and events else now
-    p = Progress(state=str(data.get("state", "?")), replicas=int((data.get("launch") or {}).get("n_replicas") or 0),
+    # the replicas the run should have: the launch's, or its target since `diloco scale`
+    replicas = data.get("target_replicas") or (data.get("launch") or {}).get("n_replicas") or 0
+    p = Progress(state=str(data.get("state", "?")), replicas=int(replicas),
                  restarts=int(data.get("restarts_used", 0)), preemptions=int(data.get("preemptions_used", 0)),
                  elapsed_s=max(0.0, last_t - start))
     names = rank_groups(data.get("spec"))
     if names:
+        names.update({int(r): str(g) for r, g in (data.get("scaled_ranks") or {}).items()})
+        retired = {r.get("rank") for r in data.get("ranks") or [] if isinstance(r, dict) and r.get("retired")}
         p.groups = {}
-        for name in names.values():
-            p.groups.setdefault(name, [0, 0])[1] += 1
+        for rank, name in names.items():
+            p.groups.setdefault(name, [0, 0])[1] += rank not in retired
     rounds = [e for e in events if e.get("event") == "round"]
     if not rounds:
         return p

@@ -55,6 +55,7 @@ class RankState:
     preemptions: int = 0                 # times the platform took this rank's machine away
     preempted: bool = False              # the scheduled relaunch replaces a preempted attempt
     group: str | None = None             # its replica group's name, in a run with [[group]] tables
+    retired: bool = False                # scaled away (`diloco scale`): it leaves after its round, never relaunched
 
     def to_dict(self) -> dict[str, Any]:
         return to_record(self)

@@ -109,7 +109,10 @@ class RunRecord:
         """Rank → its group's name, for a run with [[group]] tables; empty otherwise (`diloco.groups`)."""
         from .groups import rank_groups
 
-        return rank_groups(self.data.get("spec"))
+        groups = rank_groups(self.data.get("spec"))
+        if groups:  # ranks added by `diloco scale` to a group
+            groups.update({int(r): str(g) for r, g in (self.data.get("scaled_ranks") or {}).items()})
+        return groups
 
     @property
     def launch(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from .errors import BackendError
@@ -27,6 +28,7 @@ from .rankstate import RankState, RankStatus
 from .request import LaunchPlan, LaunchRequest
 from .roundwatch import RoundWatcher
 from .procinfo import started_at
+from .resizer import Resizer
 from .state import RunRecord
 
 
@@ -73,8 +75,11 @@ class Supervisor:
         self.restarts_used = int(record.data.get("restarts_used", 0))
         self.preemptions_used = int(record.data.get("preemptions_used", 0))
         self.state = RunState(record.data.get("state", RunState.INIT.value))
+        if len(self.ranks) > request.n_replicas:  # resumed after `diloco scale` added ranks
+            self.request = request = replace(request, n_replicas=len(self.ranks))
         self.rounds = RoundWatcher(record, rendezvous=request.rendezvous, run_id=request.run_id,
-                                   n_replicas=request.n_replicas, clock=clock)
+                                   n_replicas=sum(not r.retired for r in self.ranks), clock=clock)
+        self.resizer = Resizer(self)  # `diloco scale` requests
         self._outage_since: dict[str, float] = {}  # by group: one backend's outage is timed on its own
         self.lease: Any = None  # a diloco.lease.SupervisorLease while this supervisor runs
 
@@ -84,7 +89,7 @@ class Supervisor:
         self.record.data.update({
             "state": self.state.value, "ranks": [r.to_dict() for r in self.ranks],
             "restarts_used": self.restarts_used, "preemptions_used": self.preemptions_used, "policy": self.settings.policy,
-            **self.rounds.state(),
+            **self.rounds.state(), **self.resizer.state(),
             "launcher": {"pid": os.getpid(), "host": socket.gethostname(), "heartbeat": self.clock(),
                          "started": started_at(os.getpid())},
         })
@@ -167,6 +172,7 @@ class Supervisor:
         """One monitor pass: poll every rank, react to changes, relaunch what is due."""
         now = self.clock()
         changed = self.rounds.poll()
+        changed = self.resizer.apply_pending() or changed
         for st in self.ranks:
             if st.handle is None or st.relaunch_at is not None or st.status.ended:
                 continue
@@ -184,6 +190,9 @@ class Supervisor:
                 self._event("succeeded", rank=st.rank, attempt=st.handle.attempt)
             elif status is ReplicaStatus.CANCELLED:
                 self._event("cancelled", rank=st.rank, attempt=st.handle.attempt)
+            elif status is ReplicaStatus.FAILED and st.retired:  # scaled away: it is not relaunched
+                st.last_error = self._rank_result(st).error
+                self._event("retired_failed", rank=st.rank, attempt=st.handle.attempt, error=shorten(st.last_error))
             elif status is ReplicaStatus.FAILED:
                 stop = self._failed(st, now)
                 if self.state is RunState.FAILED:
@@ -201,7 +210,8 @@ class Supervisor:
             self._launch([st.rank for st in due], {st.rank: st.handle.attempt + 1 for st in due})
             changed = True
         succeeded = sum(r.status is RankStatus.SUCCEEDED for r in self.ranks)
-        o = outcome(self.settings.min_replicas, n_replicas=self.request.n_replicas, live=len(self.alive()),
+        active = len(self.resizer.active())  # `diloco scale` moves the run's size: min_replicas follows it down
+        o = outcome(min(self.settings.min_replicas, active), n_replicas=active, live=len(self.alive()),
                     succeeded=succeeded, waiting=sum(r.relaunch_at is not None for r in self.ranks),
                     given_up=sum(r.given_up for r in self.ranks), alone=self.rounds.alone)
         if o.state is RunState.FAILED:

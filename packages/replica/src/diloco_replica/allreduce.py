@@ -104,6 +104,7 @@ class StoreAllReduce:
         self.reducer = ShardReducer(self.io, self.membership, self.repairs, window=self.window, step_cap=step_cap)
         self.gatherer = Gatherer(self.io, self.membership, self.repairs, window=self.window)
         self._cleanup_due: list[str] | None = None  # the inputs of the last round this lane reduced
+        self.rosters: dict[int, list[int]] = {}  # round -> its ranks, as decided with the round before (`roster`)
         self._finished: tuple[int, float] | None = None  # (round, when) this replica last completed one
 
     @property
@@ -114,13 +115,30 @@ class StoreAllReduce:
         """Where this replica is in round r, for the fault-injection harness."""
         self.io.faults.phase(name, r)
 
-    def cut(self, total: int, start: int, stop: int) -> Cut:
-        """How a round syncing [start, stop) of a model of `total` values is cut (`layout.Cut`):
-        N·P shards, P from the fragment's size, the same for every replica whatever its lanes."""
-        return Cut(total, start, stop, self.n, self.parts(stop - start))
+    def roster(self, r: int) -> list[int]:
+        """Round r's ranks, in order: as round r − 1's membership record decided them (learnt when
+        this replica finished or replayed it, or from the checkpoint it loaded); round 1's, if
+        nothing says otherwise, are the launch's 0 … N−1."""
+        if r not in self.rosters and r > 1:
+            decided = self.membership.read(r - 1)
+            if decided is not None:
+                self.rosters[r] = decided.next
+        return self.rosters.get(r) or list(range(self.n))
+
+    def cut(self, total: int, start: int, stop: int, r: int) -> Cut:
+        """How round r, syncing [start, stop) of a model of `total` values, is cut (`layout.Cut`):
+        N·P shards (N from its roster, P from the fragment's size), the same for every replica
+        whatever its lanes."""
+        n = len(self.roster(r))
+        return Cut(total, start, stop, n, parts_per_shard(stop - start, n, self.part_mb))
 
     def _round(self, r: int, cut: Cut, **kw: Any) -> Round:
-        return Round(r, cut, self.rank, self.lanes.index, self.lanes.count, codec=self.codec, **kw)
+        return Round(r, cut, self.rank, self.lanes.index, self.lanes.count, codec=self.codec,
+                     roster=self.roster(r), **kw)
+
+    def _learn(self, r: int, decided: Decided) -> None:
+        """Round r's record: the next round's roster."""
+        self.rosters[r + 1] = decided.next
 
     def run_round(self, r: int, delta: torch.Tensor | DeltaSource, *, cut: Cut | None = None, in_place: bool = False,
                   residual: torch.Tensor | None = None, sink: RoundSink | None = None,
@@ -150,7 +168,7 @@ class StoreAllReduce:
         if cut is None:
             if self.lanes.count != 1:
                 raise ValueError("a replica of several lanes states how its round is cut (`cut`)")
-            cut = self.cut(source.numel, 0, source.numel)
+            cut = self.cut(source.numel, 0, source.numel, r)
         rnd = self._round(r, cut, source=source, sent=encoded if encoded is not None else {},
                           steps=steps if self.step_cap is not None else None, laps=laps, traffic_before=before,
                           started=started)
@@ -186,6 +204,7 @@ class StoreAllReduce:
         rnd.laps.lap("wait")
         members = Decided.from_json(decided)
         rnd.members, rnd.layouts = members.members, members.layouts
+        self._learn(r, members)
         # The previous round's reduced shards stay servable until this round is formed: a reader
         # that found one corrupt is still finishing that round, and this round waits for it.
         self.repairs.next_round()
@@ -269,7 +288,7 @@ class StoreAllReduce:
     def _ready_and_decide(self, r: int) -> list:
         """(Lane 0, once per replica) mark this replica ready, then fix the round's members."""
         self.io.put(self.io.keys.ready(r, self.rank, self.lanes.count), b"{}", create_only=True)
-        return self.membership.decide(r).to_json()
+        return self.membership.decide(r, self.roster(r)).to_json()
 
     def fetch(self, r: int, cut: Cut, *, sink: RoundSink | None = None) -> RoundResult:
         """Read round `r`'s result without contributing (replay, catching up): what this lane
@@ -280,6 +299,7 @@ class StoreAllReduce:
             self.membership.check_not_collected(r)
             raise RoundFailed(f"round {r} has no membership record; it has not happened yet")
         rnd.members, rnd.layouts = decided.members, decided.layouts
+        self._learn(r, decided)
         mean = None
         if sink is None:
             mean = torch.empty(rnd.held[1] - rnd.held[0], dtype=torch.float32)
@@ -291,15 +311,12 @@ class StoreAllReduce:
         """Whether every reduced shard of round `r` is in the store (one LIST request)."""
         return set(cut.live) <= self.io.present(self.io.keys.reduced(r))
 
-    def parts(self, numel: int) -> int:
-        """P for a round of `numel` values (`diloco.wiresize.parts_per_shard`)."""
-        return parts_per_shard(numel, self.n, self.part_mb)
 
-    def upload_layout(self, cut: Cut) -> tuple[dict[int, tuple[int, int]], set[int]]:
-        """This lane's pieces of a round cut as `cut` (shard -> [a, b) in the lane's own
+    def upload_layout(self, r: int, cut: Cut) -> tuple[dict[int, tuple[int, int]], set[int]]:
+        """This lane's pieces of round r, cut as `cut` (shard -> [a, b) in the lane's own
         coordinates) and which of them it uploads (those it does not keep): error feedback
         quantises Δ the same way."""
-        rnd = self._round(0, cut)
+        rnd = self._round(r, cut)
         h = rnd.held[0]
         pieces = {j: (rnd.piece(j)[0] - h, rnd.piece(j)[1] - h) for j in rnd.mine()}
         return pieces, {j for j in pieces if not rnd.keeps(j)}

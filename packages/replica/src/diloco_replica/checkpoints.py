@@ -26,6 +26,7 @@ import torch
 from .finite import all_finite
 from .roundio import RoundIO
 from .layout import clip, cover
+from .roster import MAX_RANK
 from .wire import CorruptObject, Identity, check_layout, encode_tensor, pack, unpack
 
 VOID = "void"
@@ -52,15 +53,16 @@ class Checkpoints:
     # -- checkpoints -------------------------------------------------------------------------
 
     def put_piece(self, r: int, piece: tuple[int, int], start: int, theta: torch.Tensor,
-                  buf: torch.Tensor | None) -> None:
+                  buf: torch.Tensor | None, roster: list[int]) -> None:
         """[θ ; momentum] of the model's values `piece` = [a, b), from a lane whose `theta` and
-        `buf` begin at the model's value `start` (momentum None: zeros, as at round 0)."""
+        `buf` begin at the model's value `start` (momentum None: zeros, as at round 0); `roster`:
+        round r + 1's ranks (`roster`), which a replica rejoining from here needs."""
         io, (a, b) = self.io, piece
         x, y = a - start, b - start
         parts = encode_tensor(theta[x:y], "fp32") + encode_tensor(buf[x:y] if buf is not None else torch.zeros(b - a),
                                                                   "fp32")  # written as two buffers, never joined
         blob = pack(Identity(io.run_id, r, "ckpt", a, b), parts, codec="fp32", numel=2 * (b - a),
-                    meta={"numel": self.total})
+                    meta={"numel": self.total, "next": roster})
         io.put(io.keys.checkpoint(r, piece), blob, create_only=True)  # a piece already there is the same
 
     def complete(self) -> list[int]:
@@ -93,12 +95,13 @@ class Checkpoints:
         for r in rounds:
             self.io.put(self.io.keys.checkpoint(r, VOID), json.dumps({"why": why}).encode(), create_only=True)
 
-    def load(self, r: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """θ and momentum of checkpoint r for the model's values [start, stop) (a lane's); None if
-        a piece vanished (GC raced us), is corrupt, or the pieces leave a gap."""
+    def load(self, r: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+        """θ and momentum of checkpoint r for the model's values [start, stop) (a lane's), and round
+        r + 1's roster; None if a piece vanished (GC raced us), is corrupt, or the pieces leave a gap."""
         io = self.io
-        theta, buf = torch.empty(stop - start), torch.empty(stop - start)
-        chain = cover(self.present(r), start, stop)
+        theta, buf, rosters = torch.empty(stop - start), torch.empty(stop - start), []
+        # a lane holding nothing of the model (a tiny one) still reads one piece: its roster
+        chain = cover(self.present(r), start, stop) if start < stop else cover(self.present(r), 0, 1)
         if chain is None:
             io.log(f"checkpoint {r} no longer covers values [{start}, {stop}); trying the next checkpoint")
             return None
@@ -122,6 +125,11 @@ class Checkpoints:
                     raise UserError(f"{key} holds a model of {got.meta.get('numel')} parameters, this replica has "
                                     f"{self.total}: the rendezvous store already holds run {io.run_id!r} of another "
                                     f"model; use a new run or another rendezvous")
+                roster = got.meta.get("next")
+                if not isinstance(roster, list) or not roster or roster != sorted(set(roster)) or not all(
+                        type(m) is int and 0 <= m < MAX_RANK for m in roster) or rosters and roster != rosters[0]:
+                    raise CorruptObject(f"{key}: malformed or disagreeing roster of the next round: {str(roster)[:80]}")
+                rosters.append(roster)
                 part = check_layout(got, numel=2 * (b - a), codec="fp32").tensor()
                 if not all_finite(part):
                     raise CorruptObject(f"{key}: non-finite values in a checkpoint (no replica writes them)")
@@ -130,7 +138,7 @@ class Checkpoints:
                 return None
             x, y = clip(a, b, start, stop)  # copies out of the downloaded buffer
             theta[x - start:y - start], buf[x - start:y - start] = part[x - a:y - a], part[b - a + x - a:b - a + y - a]
-        return theta, buf
+        return theta, buf, rosters[0]
 
     def _void_corrupt(self, r: int, key: str, exc: CorruptObject) -> None:
         """A checkpoint shard no replica can use: void the checkpoint (loaders go to an older one)

@@ -133,6 +133,7 @@ class DiLoCo:
         self._round = self.sync.join(initial=True)
         self.view.write(self.sync.theta)
         self._inflight: BackgroundRound | None = None
+        self.left = False  # the run was scaled down without this replica: its loop ends (`roster`)
         self.local_steps = 0          # inner steps since the last sync
         self._losses: list[float] = []
         self._tokens = 0
@@ -198,7 +199,7 @@ class DiLoCo:
             raise UserError(f"with round_seconds, the run's length ({self.total_steps} steps) must be a multiple of "
                             f"sync_every ({self.H}): a round counts as sync_every steps, and a run that ends inside "
                             f"a round leaves its replicas on different models")
-        while self.global_step < total_steps:
+        while self.global_step < total_steps and not self.left:
             yield self.global_step
         self.finish()
         self.sync.settle()  # the last round's record shares the lanes' group with the write below
@@ -251,6 +252,8 @@ class DiLoCo:
         """
         compute_s = time.monotonic() - self.clock.phase_start
         merged = self._merge() if self._inflight is not None else None  # the one wait overlap has: a round late
+        if self.left:  # that round was this replica's last
+            return merged
         t0 = time.monotonic()  # (the merge's wait is in the merged round's row)
         r = self._round + 1
         part = (r - 1) % self.fragments
@@ -279,6 +282,7 @@ class DiLoCo:
         self.faults.phase("outer", outcome.round)
         outer_t0 = time.monotonic()
         self._round = outcome.round
+        self.left = self.left or outcome.leave
         if outcome.action == MERGE:
             self.transfers.merge(outcome.part, self.fragments, local_at_sync)
         else:  # the whole global model: caught up, rejoined, repaired, or reset after a non-finite update

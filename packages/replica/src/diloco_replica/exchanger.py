@@ -64,6 +64,7 @@ class Outcome:
     part: int                   # the fragment round `round` updated (MERGE)
     row: RoundMetrics
     exchange_s: float = 0.0     # seconds the exchange took here
+    leave: bool = False         # the next round's roster drops this replica (the run shrank): it stops
 
 
 class Exchanger:
@@ -99,8 +100,38 @@ class Exchanger:
         self._unrecorded: dict[int, RoundMetrics] = {}  # rows waiting for the training loop's timings
 
     def join(self, initial: Callable[[], torch.Tensor] | None) -> int:
-        """Adopt the run's global state (`initial()`: θ_0 from the model, read only if the run is new)."""
-        return self.state.bootstrap(initial)
+        """Adopt the run's global state (`initial()`: θ_0 from the model, read only if the run is new)
+        and, a replica the run grew by, wait until a round admits it (`roster`)."""
+        self.state.bootstrap(initial)
+        return self._admitted()
+
+    def _admitted(self) -> int:
+        """A replica the next round's roster does not hold yet (launched by `diloco scale`)
+        announces that it holds the state, then follows the rounds until one admits it — or the
+        run ends first. Rounds never wait for a replica that is still starting."""
+        ar, rank, lanes = self.allreduce, self.ctx.rank, self.lanes
+
+        def admitted() -> bool:
+            return rank in ar.roster(self.state.round + 1)
+
+        if lanes.on_leader(admitted):
+            return self.state.round
+        if lanes.leader:
+            ar.membership.rosters.announce(rank)
+        self.log(f"holding round {self.state.round}; waiting for a round to admit this replica")
+        while not lanes.on_leader(admitted):
+            if self.total_steps is not None and self.state.round * self.stride >= self.total_steps:
+                break  # the run is over: nothing to join
+            time.sleep(ar.io.poll_max)
+            self.state.catch_up()
+        return self.state.round
+
+    def leaving(self) -> bool:
+        """Whether the roster of the round after the state's drops this replica (the run shrank)."""
+        leave = self.ctx.rank not in self.allreduce.roster(self.state.round + 1)
+        if leave:
+            self.log(f"round {self.state.round}: the run was scaled down without this replica; it leaves")
+        return leave
 
     # -- a round -----------------------------------------------------------------------------
 
@@ -126,7 +157,7 @@ class Exchanger:
         residual = self.residual[a:b] if self.residual is not None else None
         encoded = {}
         if self.feedback:  # quantised here, piece by piece as the all-reduce cuts the round
-            pieces, uploaded = self.allreduce.upload_layout(cut)
+            pieces, uploaded = self.allreduce.upload_layout(r, cut)
             encoded = quantise_with_feedback(local, residual, self.settings.transport, pieces, keep=uploaded)
             residual = None
         self.state.begin(r)
@@ -170,14 +201,14 @@ class Exchanger:
         self._warn_if_alone(row)
         self._unrecorded[row.round] = row
         return Outcome(self.state.round, action, self.state.fragment(result.round), row,
-                       exchange_s=time.monotonic() - t0)
+                       exchange_s=time.monotonic() - t0, leave=self.leaving())
 
     def _adopted(self, work: Work, t0: float) -> Outcome:
         """Took no part in a round: adopted the run's state instead (rejoin or divergence repair)."""
         row = RoundMetrics(round=self.state.round, rank=self.ctx.rank, attempt=self.ctx.attempt, member=False,
                            tokens=work.tokens, compute_s=work.compute_s, phases={"compute": work.compute_s},
                            step=self.state.round * self.stride, total_steps=self.total_steps, evals=list(work.evals))
-        return Outcome(self.state.round, WHOLE, 0, row, exchange_s=time.monotonic() - t0)
+        return Outcome(self.state.round, WHOLE, 0, row, exchange_s=time.monotonic() - t0, leave=self.leaving())
 
     def _reset(self, r: int) -> list[dict[str, Any]]:
         """Round r left this replica's update out for NaN/Inf values: its residual restarts at zero

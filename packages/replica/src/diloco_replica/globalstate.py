@@ -77,7 +77,7 @@ class GlobalState:
 
     def cut(self, r: int) -> Cut:
         """How round r is cut (`StoreAllReduce.cut`): its fragment of the model, in N·P shards."""
-        return self.ar.cut(self.total, *self.fragment_bounds[self.fragment(r)])
+        return self.ar.cut(self.total, *self.fragment_bounds[self.fragment(r)], r)
 
     # -- start -------------------------------------------------------------------------------
 
@@ -120,7 +120,7 @@ class GlobalState:
         loaded = self.checkpoints.load(c, self.start, self.stop)
         if loaded is None:
             raise Retry(f"checkpoint {c} changed while loading")
-        self.theta, self.buf = loaded
+        self.theta, self.buf, self.ar.rosters[c + 1] = loaded
         if self.theta_out is not None:
             self.theta = self.theta_out.copy_(self.theta)
         self.round = c
@@ -173,13 +173,14 @@ class GlobalState:
         if not all_finite(initial):
             raise NonFinite("the model's initial parameters hold NaN or Inf; fix the model's initialisation")
         shards = [clip(a, b, self.start, self.stop) for a, b in shard_bounds(self.total, self.io.n)]
+        launch = list(range(self.io.n))  # round 1's roster: the launch's replicas
 
         def missing(j: int, present: list[tuple[int, int]]) -> bool:
             a, b = shards[j]
             return a < b and cover(present, a, b) is None
 
         if missing(self.io.rank, self.checkpoints.present(0)):
-            self.checkpoints.put_piece(0, shards[self.io.rank], self.start, initial, None)
+            self.checkpoints.put_piece(0, shards[self.io.rank], self.start, initial, None, launch)
         deadline = time.monotonic() + self.io.round_timeout
         backoff = Backoff(self.io.poll_interval, self.io.poll_max)
         present = self.checkpoints.present(0)
@@ -187,7 +188,7 @@ class GlobalState:
             present = self.checkpoints.present(0)
         for j in range(self.io.n):
             if missing(j, present):  # its owner never came: write it from here (create-only)
-                self.checkpoints.put_piece(0, shards[j], self.start, initial, None)
+                self.checkpoints.put_piece(0, shards[j], self.start, initial, None, launch)
 
     # -- each round --------------------------------------------------------------------------
 
@@ -223,15 +224,16 @@ class GlobalState:
         """Round r's outer step is applied everywhere: it is the state's round; checkpoint it if due."""
         self.round = r
         if r % self.checkpoint_every == 0:
-            mine = [j for j in range(self.io.n) if reducer_of(j, members) == self.io.rank]
-            shards = shard_bounds(self.total, self.io.n)
+            roster = self.ar.roster(r)
+            mine = [j for j in range(len(roster)) if reducer_of(j, members, 1, roster) == self.io.rank]
+            shards = shard_bounds(self.total, len(roster))
             for j in mine:
                 piece = clip(*shards[j], self.start, self.stop)
                 if piece[0] < piece[1]:
-                    self.checkpoints.put_piece(r, piece, self.start, self.theta, self.buf)
+                    self.checkpoints.put_piece(r, piece, self.start, self.theta, self.buf, self.ar.roster(r + 1))
             if mine:
                 self.written[r] = mine
-            if reducer_of(0, members) == self.io.rank and self.io.lanes.leader:  # one collector, off the hot path
+            if reducer_of(0, members, 1, roster) == self.io.rank and self.io.lanes.leader:  # one collector, off the hot path
                 self.io.pool.submit(self.checkpoints.collect_garbage, r)
 
     def digest(self) -> tuple[int, int]:

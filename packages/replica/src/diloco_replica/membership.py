@@ -1,6 +1,7 @@
 """Who is in a round: decided once, by the first create-only write, and never for a dead round.
 
-A round waits until all N replicas are ready (their pieces are up) or `round_timeout` passes,
+A round waits until all N replicas of its roster (`roster`) are ready (their pieces are up) or
+`round_timeout` passes,
 then one replica's create-only ``members.json`` fixes the members for every shard; everyone
 reads the winner's list. A ready marker's name carries its replica's lane count
 (``ready/<rank>.<lanes>``) and the record keeps it beside each member, so every reducer knows
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 from .checkpoints import Checkpoints
 from .layout import MAX_LANES
+from .roster import MAX_RANK, Rosters, next_roster
 from .rounderrors import FellBehind, RoundFailed
 from .roundio import RoundIO
 from .wire import CorruptObject, Identity, pack_json
@@ -27,6 +29,7 @@ from .wire import CorruptObject, Identity, pack_json
 class Membership:
     def __init__(self, io: RoundIO, checkpoints: Checkpoints, *, min_members: int):
         self.io, self.checkpoints, self.min_members = io, checkpoints, min_members
+        self.rosters = Rosters(io.store, io.keys, io.run_id, io.log)
 
     def read(self, r: int) -> Decided | None:
         """The decided members of round r, with their lane counts, or None if undecided (or deleted)."""
@@ -37,15 +40,16 @@ class Membership:
             if problem == "missing":
                 return None
             raise CorruptObject(problem)
-        members = got.meta.get("members")
-        if not isinstance(members, list) or not members or not all(isinstance(m, int) and 0 <= m < io.n
-                                                                   for m in members) or members != sorted(set(members)):
-            raise CorruptObject(f"{key}: malformed membership record (members must be distinct ranks below {io.n})")
+        members, nxt = got.meta.get("members"), got.meta.get("next")
+        for what, ranks in (("members", members), ("next", nxt)):
+            if not isinstance(ranks, list) or not ranks or not all(type(m) is int and 0 <= m < MAX_RANK for m in ranks) \
+                    or ranks != sorted(set(ranks)):
+                raise CorruptObject(f"{key}: malformed membership record ({what} must be distinct, ascending ranks)")
         lanes = got.meta.get("lanes")
         if not isinstance(lanes, list) or len(lanes) != len(members) or not all(
                 type(k) is int and 1 <= k <= MAX_LANES for k in lanes):
             raise CorruptObject(f"{key}: malformed membership record (a lane count in 1..{MAX_LANES} per member)")
-        return Decided(members, lanes)
+        return Decided(members, lanes, nxt)
 
     def check_not_collected(self, r: int) -> None:
         """Raise FellBehind if round r is at or below the low-water mark (one LIST)."""
@@ -54,18 +58,19 @@ class Membership:
             raise FellBehind(f"round {r} is at or below the store's retained history (rounds ≤ {mark} were "
                              f"garbage-collected); this replica is too far behind")
 
-    def decide(self, r: int) -> Decided:
-        """Wait for the others, then fix round r's members (or adopt whoever decided first)."""
-        io = self.io
+    def decide(self, r: int, roster: list[int]) -> Decided:
+        """Wait for the replicas of round r's `roster`, then fix its members and the next round's
+        roster (`roster.next_roster`), or adopt whoever decided first."""
+        io, n = self.io, len(roster)
         deadline = time.monotonic() + io.round_timeout
         backoff = io.backoff()
         prefix = io.keys.ready(r)
         waited = False  # the first LIST is the protocol's; every re-check after a wait is a poll
         while True:
             with io.store.polling(waited):
-                lanes_of = ready_markers(io.store.list_names(prefix), io.n)
+                lanes_of = ready_markers(io.store.list_names(prefix), roster)
             ready = sorted(lanes_of)
-            if len(ready) == io.n:
+            if len(ready) == n:
                 break
             with io.store.polling():
                 decided = self.read(r) if len(ready) > 1 else None
@@ -74,47 +79,53 @@ class Membership:
             if not backoff.sleep(deadline):
                 break
             waited = True
-        if len(ready) < io.n:  # paused past the history (even our own ready marker went): rejoin
+        if len(ready) < n:  # paused past the history (even our own ready marker went): rejoin
             self.check_not_collected(r)  # (with every marker there, this round is not collected)
         if len(ready) < self.min_members:
-            raise RoundFailed(f"round {r}: only {len(ready)} of {io.n} replicas ready within "
+            raise RoundFailed(f"round {r}: only {len(ready)} of {n} replicas ready within "
                               f"{io.round_timeout:g}s, below min_members={self.min_members}")
-        decided = Decided(ready, [lanes_of[m] for m in ready])
+        target, joined = self.rosters.look()
+        decided = Decided(ready, [lanes_of[m] for m in ready], next_roster(roster, target, joined))
         record = pack_json(Identity(io.run_id, r, "members"), {"members": ready, "lanes": decided.lanes,
-                                                               "decided_by": io.rank})
+                                                               "next": decided.next, "decided_by": io.rank})
         if not io.put(io.keys.members(r), record, create_only=True):
             return self.read(r) or decided
-        if len(ready) < io.n:
-            io.log(f"round {r}: proceeding with {len(ready)} of {io.n} replicas {ready} after "
+        if len(ready) < n:
+            io.log(f"round {r}: proceeding with {len(ready)} of {n} replicas {ready} after "
                    f"{io.round_timeout:g}s")
+        if decided.next != roster:
+            io.log(f"round {r}: the next round's replicas are {decided.next} (were {roster})")
         return decided
 
 
 @dataclass(frozen=True)
 class Decided:
-    """A round's members (ranks, ascending) and each one's lane count, in the same order."""
+    """A round's members (ranks, ascending), each one's lane count in the same order, and the
+    next round's roster (`roster`)."""
 
     members: list[int]
     lanes: list[int]
+    next: list[int]
 
     @property
     def layouts(self) -> dict[int, int]:
         return dict(zip(self.members, self.lanes))
 
     def to_json(self) -> list:
-        return [self.members, self.lanes]
+        return [self.members, self.lanes, self.next]
 
     @classmethod
     def from_json(cls, value: list) -> Decided:
-        return cls(list(value[0]), list(value[1]))
+        return cls(list(value[0]), list(value[1]), list(value[2]))
 
 
-def ready_markers(names: list[str], n: int) -> dict[int, int]:
-    """rank -> lane count from ready markers' names (``<rank>.<lanes>``); anything else is ignored,
-    and a rank named twice counts with its fewest lanes (one ready marker per rank is written)."""
+def ready_markers(names: list[str], roster: list[int]) -> dict[int, int]:
+    """rank -> lane count from ready markers' names (``<rank>.<lanes>``) of the round's roster;
+    anything else is ignored, and a rank named twice counts with its fewest lanes."""
     out: dict[int, int] = {}
+    expected = set(roster)
     for name in names:
         rank, _, lanes = name.partition(".")
-        if rank.isdigit() and lanes.isdigit() and int(rank) < n and 1 <= int(lanes) <= MAX_LANES:
+        if rank.isdigit() and lanes.isdigit() and int(rank) in expected and 1 <= int(lanes) <= MAX_LANES:
             out[int(rank)] = min(int(lanes), out.get(int(rank), MAX_LANES))
     return out

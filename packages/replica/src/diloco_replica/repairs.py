@@ -38,6 +38,7 @@ from .membership import Membership
 from .rounderrors import RoundFailed
 from .roundio import RoundIO
 from .roundstate import Round
+from .roster import MAX_RANK
 from .storeaccess import reducer_of
 from .wire import CorruptObject, Unpacked
 
@@ -98,7 +99,7 @@ class RepairDesk:
         if not all_finite(mean):
             raise CorruptObject(f"{obj.key}: non-finite values in a reduced shard (no reducer publishes them)")
         flagged = obj.meta.get("nonfinite", [])
-        if not isinstance(flagged, list) or not all(isinstance(m, int) and 0 <= m < self.io.n for m in flagged):
+        if not isinstance(flagged, list) or not all(type(m) is int and 0 <= m < MAX_RANK for m in flagged):
             raise CorruptObject(f"{obj.key}: malformed record of non-finite contributions")
         if nonfinite is not None:
             nonfinite.update(flagged)

@@ -62,6 +62,7 @@ class Round:
     replay: bool = False
     members: list[int] = field(default_factory=list)
     layouts: dict[int, int] = field(default_factory=dict)  # member -> its lane count
+    roster: list[int] = field(default_factory=list)  # the ranks of the round, in order (`roster`; default 0 … N−1)
     codec: str = "fp32"                # the run's transport codec
     sent: dict[int, list[memoryview]] = field(default_factory=dict)  # pieces encoded before the upload, as sent
     incidents: list[dict[str, Any]] = field(default_factory=list)
@@ -91,14 +92,21 @@ class Round:
         """What this lane holds of the round's vector."""
         return self.cut.held(self.lanes, self.lane)
 
+    def __post_init__(self) -> None:
+        if not self.roster:
+            self.roster = list(range(self.cut.n))
+        if len(self.roster) != self.cut.n:
+            raise ValueError(f"round {self.r} is cut for {self.cut.n} replicas, its roster has {len(self.roster)}")
+
     def owner(self, j: int) -> int:
-        """The replica whose shard j is: it keeps its own piece of it and reduces it while a member."""
-        return j // self.cut.parts
+        """The replica whose shard j is (the rank at position j // P of the roster): it keeps its
+        own piece of it and reduces it while a member."""
+        return self.roster[j // self.cut.parts]
 
     def reducer(self, j: int) -> tuple[int, int]:
         """(replica, lane) that reduces shard j among the round's members (`storeaccess.reducer_of`,
         then the lane of it holding the shard's first value)."""
-        m = reducer_of(j, self.members, self.cut.parts)
+        m = reducer_of(j, self.members, self.cut.parts, self.roster)
         return m, self.cut.lead(j, self.layouts.get(m, 1))
 
     def reduces(self, j: int) -> bool:

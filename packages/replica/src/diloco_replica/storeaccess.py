@@ -114,10 +114,11 @@ class Backoff:
         return True
 
 
-def reducer_of(shard: int, members: list[int], parts: int = 1) -> int:
-    """Who reduces shard j of a round of N·`parts` shards: its owner (j // parts) if a member, else
-    a member chosen by j, so a dead owner's parts are spread over the members."""
-    owner = shard // parts
+def reducer_of(shard: int, members: list[int], parts: int = 1, roster: list[int] | None = None) -> int:
+    """Who reduces shard j of a round of N·`parts` shards: its owner (the rank at position
+    j // parts of the round's `roster`; ranks 0 … N−1 if none is given) if a member, else a member
+    chosen by j, so a dead owner's parts are spread over the members."""
+    owner = shard // parts if roster is None else roster[shard // parts]
     return owner if owner in members else members[shard % len(members)]
 
 
@@ -164,6 +165,16 @@ class RunKeys:
 
     def checkpoints(self) -> str:
         return f"{self.run}/ckpt/"
+
+    def roster(self) -> str:
+        """The launcher's scale requests and new replicas' join markers (`roster`)."""
+        return f"{self.run}/roster/"
+
+    def scale(self, seq: int) -> str:
+        return f"{self.roster()}scale-{seq:08d}.json"
+
+    def join(self, rank: int) -> str:
+        return f"{self.roster()}join-{rank}"
 
     def low_water(self, r: int | None = None) -> str:
         return f"{self.run}/history/" + ("" if r is None else f"gc-through-r{r:08d}")

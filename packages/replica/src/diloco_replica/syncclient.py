@@ -157,7 +157,7 @@ class SyncProcess:
         self._in_flight = False
         return Outcome(int(msg["round"]), str(msg["action"]), int(msg["part"]),
                        from_record(RoundMetrics, msg["row"], where="the sync process's row"),
-                       exchange_s=float(msg["exchange_s"]))
+                       exchange_s=float(msg["exchange_s"]), leave=bool(msg["leave"]))
 
     def applied(self, r: int, **timings: float) -> None:
         self._send("applied", round=r, **timings)

@@ -1,0 +1,91 @@
+"""Carrying out `diloco scale` requests for the supervisor (`diloco.scaling` says what they mean).
+
+Kept apart from the supervisor's restart logic, as `diloco.roundwatch` is: it reads the
+requests, decides with `scaling.plan_resize`, writes the run's new target into the store, and
+asks the supervisor to launch the ranks it adds; the ranks it retires are only marked (they
+leave by themselves after their round) or, if not running yet, cancelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from .failures import shorten
+from .rankstate import RankState, RankStatus
+from .scaling import ScaleRequest, pending, plan_resize, roster_body
+
+if TYPE_CHECKING:
+    from .supervisor import Supervisor
+
+
+class Resizer:
+    def __init__(self, sup: Supervisor):
+        self.sup = sup
+        self.applied: list[str] = list(sup.record.data.get("applied_scales") or [])
+
+    def state(self) -> dict[str, Any]:
+        return {"applied_scales": list(self.applied), "target_replicas": len(self.active())}
+
+    def active(self) -> list[RankState]:
+        return [st for st in self.sup.ranks if not st.retired]
+
+    def apply_pending(self) -> bool:
+        """Apply every request not applied yet, oldest first; True if there was one."""
+        requests = pending(self.sup.record, self.applied)
+        for req in requests:
+            try:
+                self._apply(req)
+            finally:
+                self.applied.append(req.name)  # applied, or refused with an event: never retried in a loop
+        return bool(requests)
+
+    def _apply(self, req: ScaleRequest) -> None:
+        sup = self.sup
+        by_group: dict[str, list[int]] = {}
+        for st in self.active():
+            by_group.setdefault(st.group or "g0", []).append(st.rank)
+        names = [g.name for g in sup.record.spec.replica_groups()]
+        group = req.group or names[0]
+        if group not in names:
+            sup._event("scale_refused", group=group, replicas=req.replicas, reason=f"no group {group!r}")
+            return
+        before = len(self.active())
+        added, retired = plan_resize(by_group, len(sup.ranks), group, req.replicas)
+        ranks = sorted({st.rank for st in self.active()} - set(retired) | set(added))
+        if not ranks:
+            sup._event("scale_refused", group=group, replicas=req.replicas, reason="it would leave no replica")
+            return
+        seq = len(self.applied) + 1
+        try:  # the replicas read the target from the store: it goes first, or nothing changes
+            from .store import open_store
+
+            open_store(sup.request.rendezvous).put(f"{sup.request.run_id}/roster/scale-{seq:08d}.json",
+                                                    roster_body(sup.request.run_id, seq, ranks), create_only=True)
+        except Exception as exc:  # noqa: BLE001 - a store that cannot be written: one event, the run goes on
+            sup._event("scale_failed", group=group, replicas=req.replicas, error=shorten(str(exc)))
+            return
+        for rank in retired:
+            self._retire(sup.ranks[rank])
+        grouped = bool(sup.group_names)
+        for rank in added:
+            sup.ranks.append(RankState(rank, group=group if grouped else None))
+            if grouped:
+                sup.record.data.setdefault("scaled_ranks", {})[str(rank)] = group
+                sup.group_names[rank] = group
+                sup.executor.assign(rank, group)
+        sup.request = replace(sup.request, n_replicas=len(sup.ranks))  # every rank id is below it
+        sup.rounds.n_replicas = len(ranks)
+        sup._event("scaled", group=group if grouped else None, replicas_from=before, replicas_to=len(ranks),
+                   added=added, retired=retired, seq=seq)
+        if added:
+            sup._launch(added, {r: 0 for r in added})
+
+    def _retire(self, st: RankState) -> None:
+        """The rank leaves after the round it is in; one that is not running is stopped now."""
+        st.retired = True
+        if st.relaunch_at is not None:  # waiting for a relaunch that will not come
+            st.relaunch_at, st.status = None, RankStatus.CANCELLED_BY_SUPERVISOR
+        elif st.handle is not None and st.status is RankStatus.PENDING:  # not started: nothing of a round to lose
+            self.sup.executor.cancel(st.handle)
+            st.status = RankStatus.CANCELLED_BY_SUPERVISOR
