@@ -10,6 +10,10 @@ mean normalises each update by its steps (FedNova's average), so nobody waits.
 Both rows run through `diloco run` on the main job. The fixed-H row runs first; the time-based
 row's `round_seconds` is the fast replicas' compute time per round in it, and its length is
 chosen so that both runs take the same wall-clock time (its rounds are shorter, so it has more).
+The resize row starts 2 replicas, asks `diloco scale` for 4 a quarter of the way in and for 2
+again at three quarters, as a user moving capacity between clouds would: how long a new replica
+takes from the request to its first round, how many rounds ran at each size, and the loss.
+
 The mixed rows run N = 3 at equal steps: three replicas of one process, then one replica of two
 processes (DDP inside it, each process half the batch) beside two of one. Every replica syncs
 the same model whatever its process count (diloco_replica's `layout`), so the question is what
@@ -32,7 +36,10 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 from _common import knob, run_spec, tiny_lm_spec, toml_text  # noqa: E402 - bench/ is the script's directory
@@ -58,8 +65,41 @@ name = "local"
 """
 
 
+def run_resized(spec: Path, state: Path, label: str, resize: list[tuple[int, int]]) -> tuple[Path, float, list]:
+    """`run_spec`, asking `diloco scale` for resize[i][1] replicas once round resize[i][0] is done;
+    also when each request was made and when the first round of the new size came."""
+    env = {**os.environ, "DILOCO_STATE_DIR": str(state)}
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec), "--on-interrupt", "cancel"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    run_id = proc.stdout.readline().split()[1].rstrip(":")
+    events_path, log, todo = state / "runs" / run_id / "events.jsonl", [], list(resize)
+    while proc.poll() is None and (todo or (log and log[-1].get("reached_round") is None)):
+        rounds = [json.loads(x) for x in events_path.read_text().splitlines() if '"round"' in x] \
+            if events_path.exists() else []
+        rounds = [e for e in rounds if e.get("event") == "round"]
+        if todo and rounds and rounds[-1]["round"] >= todo[0][0]:
+            at, n = todo.pop(0)
+            subprocess.run([sys.executable, "-m", "diloco", "scale", run_id, str(n)], env=env, check=True,
+                           capture_output=True)
+            log.append({"replicas": n, "asked_after_round": rounds[-1]["round"], "asked_t": time.time(),
+                        "reached_round": None})
+        if log and log[-1]["reached_round"] is None:
+            reached = [e for e in rounds if e["round"] > log[-1]["asked_after_round"]
+                       and len(e["members"]) == log[-1]["replicas"]]
+            if reached:  # the first round of the new size, and the seconds from the request to its end
+                log[-1].update(reached_round=reached[0]["round"], seconds=round(reached[0]["t"] - log[-1]["asked_t"], 1))
+        time.sleep(0.2)
+    out, _ = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"diloco run ({label}) failed:\n{out[-4000:]}")
+    for entry in log:
+        entry.pop("asked_t")
+    return state / "runs" / run_id, time.monotonic() - t0, log
+
+
 def run_row(name: str, diloco: dict, tmp: Path, *, slow: list[int] = SLOW, replicas: int = 4,
-            groups: str | None = None) -> dict:
+            groups: str | None = None, resize: list[tuple[int, int]] | None = None) -> dict:
     spec = tmp / f"{name}.toml"
     state = tmp / f"state-{name}"
     data = tiny_lm_spec(args={"slow_ranks": slow, "eval_every": 0, "parallel": "ddp"},
@@ -70,7 +110,10 @@ def run_row(name: str, diloco: dict, tmp: Path, *, slow: list[int] = SLOW, repli
         del data["replicas"], data["backend"]
     spec.write_text(toml_text(data) + (groups or ""))
     tokens_per_step = data["args"]["batch_size"] * data["args"]["context"]
-    run_dir, wall = run_spec(spec, state, name)
+    if resize:
+        run_dir, wall, resized = run_resized(spec, state, name, resize)
+    else:
+        (run_dir, wall), resized = run_spec(spec, state, name), None
     from diloco.metrics import RoundCache
 
     rounds = RoundCache(run_dir).load()
@@ -78,18 +121,19 @@ def run_row(name: str, diloco: dict, tmp: Path, *, slow: list[int] = SLOW, repli
     if plots and name != "probe" and (run_dir / "artifacts" / "timeline.png").exists():
         shutil.copy(run_dir / "artifacts" / "timeline.png", Path(plots) / f"uneven-{name}-timeline.png")
     summary = json.loads((run_dir / "artifacts" / "summary.json").read_text())
-    results = [r["result"] for r in json.loads((run_dir / "run.json").read_text())["ranks"]]
+    results = [r["result"] for r in json.loads((run_dir / "run.json").read_text())["ranks"] if r.get("result")]
     if len({r["theta_digest"] for r in results}) != 1:
         raise SystemExit(f"{name}: replicas disagree on θ_global")
     replica_s = sum(r["wall_s"] for r in results)
     waited = sum(s.waited_s for s in rounds)
     fast_compute = [row.compute_s for s in rounds[1:] for row in s.rows if row.rank not in slow]
+    ranks = sorted({row.rank for s in rounds[1:] for row in s.rows})
     steps_per_round = {rank: statistics.median(row.tokens for s in rounds[1:] for row in s.rows if row.rank == rank)
-                       // tokens_per_step for rank in range(replicas)} if len(rounds) > 1 else {}
+                       // tokens_per_step for rank in ranks}
     later = [row for s in rounds[1:] for row in s.rows]  # past the first round (it checks more, deletes nothing)
     traffic = {rank: {"bytes_up": round(statistics.median(r.bytes_up for r in later if r.rank == rank)),
                       "bytes_down": round(statistics.median(r.bytes_down for r in later if r.rank == rank))}
-               for rank in range(replicas)} if later else {}
+               for rank in ranks} if later else {}
     return {
         "row": name, "diloco": diloco, "rounds": len(rounds), "wall_s": round(wall, 1),
         "train_s": round(max(r["wall_s"] for r in results), 1), "replica_s": round(replica_s, 1),
@@ -101,6 +145,7 @@ def run_row(name: str, diloco: dict, tmp: Path, *, slow: list[int] = SLOW, repli
         "sync_s_per_round": round(statistics.median(row.sync_s for s in rounds[1:] for row in s.rows), 3)
         if len(rounds) > 1 else None,
         "traffic_per_round_by_rank": traffic,
+        **({"resize": resized, "members_by_round": [len(s.members) for s in rounds]} if resize else {}),
     }
 
 
@@ -117,6 +162,10 @@ def main() -> None:
         timed = run_row("round_seconds", {"round_seconds": seconds, "total_steps": rounds * H}, Path(tmp))
         uniform = run_row("uniform-3x1", {"total_steps": STEPS}, Path(tmp), slow=[], replicas=3)
         mixed = run_row("mixed-2+1+1", {"total_steps": STEPS}, Path(tmp), slow=[], replicas=3, groups=MIXED_GROUPS)
+        rounds_in = STEPS // H
+        resized = run_row("resize-2-4-2", {"total_steps": STEPS}, Path(tmp), slow=[], replicas=2,
+                          resize=[(max(1, rounds_in // 4), 4), (max(2, 3 * rounds_in // 4), 2)])
+        pair = run_row("uniform-2x1", {"total_steps": STEPS}, Path(tmp), slow=[], replicas=2)
     two, one = mixed["traffic_per_round_by_rank"].get(0), mixed["traffic_per_round_by_rank"].get(1)
     print(json.dumps({
         "bench": "uneven", "replicas": 4, "slow_ranks": SLOW, "slowdown": 2, "sync_every": H,
@@ -126,6 +175,10 @@ def main() -> None:
                                    "tokens": round(timed["tokens"] / fixed["tokens"], 3),
                                    "eval_loss": round(timed["eval_loss"] / fixed["eval_loss"] - 1, 4)},
         "mixed_rows": [uniform, mixed],
+        "resize_rows": [pair, resized],
+        "resize_vs_two": {"tokens": round(resized["tokens"] / pair["tokens"], 3),
+                          "eval_loss": round(resized["eval_loss"] / pair["eval_loss"] - 1, 4),
+                          "waiting_share": [pair["waiting_share"], resized["waiting_share"]]},
         "mixed_vs_uniform": {
             "eval_loss": round(mixed["eval_loss"] / uniform["eval_loss"] - 1, 4),
             "waiting_share": [uniform["waiting_share"], mixed["waiting_share"]],

@@ -27,7 +27,7 @@ BENCHES = {
     "tiny_lm.py": ["diloco", "data_parallel", "diloco_vs_dp_eval_loss"],
     "sync_modes.py": ["rows", "targets"],
     "scale.py": ["rows", "targets"],
-    "uneven.py": ["rows", "targets", "round_seconds_vs_fixed", "mixed_rows", "mixed_vs_uniform"],
+    "uneven.py": ["rows", "targets", "round_seconds_vs_fixed", "mixed_rows", "mixed_vs_uniform", "resize_rows"],
     "gpu_sync.py": ["rows", "targets"],
     "peers.py": ["rows", "diloco_vs_torchft", "targets"],
 }

@@ -1,0 +1,44 @@
+"""Each round's roster (`roster`): who comes and goes, as a table; and what a decider reads
+from the store — the newest well-formed target and the join markers — trusting nothing."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from diloco.scaling import roster_body
+from diloco.store import open_store
+from diloco_replica.roster import Rosters, Target, next_roster
+from diloco_replica.storeaccess import CountingStore, RunKeys
+
+
+@pytest.mark.parametrize("current, target, joined, want", [
+    ([0, 1], None, set(), [0, 1]),                              # never scaled
+    ([0, 1], Target(1, (0, 1, 2, 3)), set(), [0, 1]),           # new ranks not ready: no round waits for them
+    ([0, 1], Target(1, (0, 1, 2, 3)), {3}, [0, 1, 3]),          # each comes in once it has said so
+    ([0, 1, 3], Target(1, (0, 1, 2, 3)), {2, 3}, [0, 1, 2, 3]),
+    ([0, 1, 2, 3], Target(2, (0, 1)), {2, 3}, [0, 1]),          # shrink: at once, joined or not
+    ([0, 1], Target(3, (4, 5)), set(), [0, 1]),                 # it would leave nobody: the roster stays
+    ([0, 1], Target(3, (4, 5)), {4}, [4]),                      # all swapped for a new one that is ready
+    ([0, 2], Target(1, (0, 1, 2)), {1, 7}, [0, 1, 2]),          # a join marker the target lacks is ignored
+])
+def test_the_next_rounds_roster(current, target, joined, want):
+    assert next_roster(current, target, joined) == want
+
+
+def test_a_decider_reads_the_newest_wellformed_target_and_the_join_markers():
+    store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-roster"
+    keys, logged = RunKeys(run), []
+    rosters = Rosters(CountingStore(store), keys, run, logged.append)
+    assert rosters.look() == (None, set())
+    store.put(keys.scale(1), roster_body(run, 1, [0, 1, 2]))
+    store.put(keys.scale(2), b"{not json")                      # newer, but malformed: ignored, logged once
+    store.put(keys.scale(3), roster_body("another-run", 3, [0]))
+    rosters.announce(2)
+    rosters.announce(2)                                         # a relaunch announces again: as good
+    store.put(f"{keys.roster()}join-x", b"{}")
+    assert rosters.look() == (Target(1, (0, 1, 2)), {2})
+    assert rosters.look() == (Target(1, (0, 1, 2)), {2}) and len(logged) == 2
+    store.put(keys.scale(4), roster_body(run, 4, [0, 1]))
+    assert rosters.look()[0] == Target(4, (0, 1))
