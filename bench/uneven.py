@@ -121,8 +121,10 @@ def run_row(name: str, diloco: dict, tmp: Path, *, slow: list[int] = SLOW, repli
     if plots and name != "probe" and (run_dir / "artifacts" / "timeline.png").exists():
         shutil.copy(run_dir / "artifacts" / "timeline.png", Path(plots) / f"uneven-{name}-timeline.png")
     summary = json.loads((run_dir / "artifacts" / "summary.json").read_text())
-    results = [r["result"] for r in json.loads((run_dir / "run.json").read_text())["ranks"] if r.get("result")]
-    if len({r["theta_digest"] for r in results}) != 1:
+    recorded = json.loads((run_dir / "run.json").read_text())["ranks"]
+    results = [r["result"] for r in recorded if r.get("result")]
+    # the replicas that trained to the end hold one global model (a retired one, the round it left after)
+    if len({r["result"]["theta_digest"] for r in recorded if r.get("result") and not r.get("retired")}) != 1:
         raise SystemExit(f"{name}: replicas disagree on θ_global")
     replica_s = sum(r["wall_s"] for r in results)
     waited = sum(s.waited_s for s in rounds)

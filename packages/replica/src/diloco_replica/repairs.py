@@ -70,15 +70,15 @@ class RepairDesk:
         here: someone else reduced the shard and its inputs were cleaned up), else None."""
         if not self.io.exists(self.io.keys.reduced(rnd.r, j)):
             return None
-        return self._read(rnd.r, j, rnd.size(j), rnd.parts, None, [], rnd.nonfinite)
+        return self._read(rnd.r, j, rnd.size(j), (rnd.parts, rnd.roster), None, [], rnd.nonfinite)
 
     def read_reduced(self, rnd: Round, j: int) -> torch.Tensor:
         """Shard j's published mean, verified; a corrupt one is replaced by its reducer's
         re-publication (an incident of `rnd`). `rnd.nonfinite` gathers whom the reducer left out
         for NaN/Inf."""
-        return self._read(rnd.r, j, rnd.size(j), rnd.parts, rnd.members, rnd.incidents, rnd.nonfinite)
+        return self._read(rnd.r, j, rnd.size(j), (rnd.parts, rnd.roster), rnd.members, rnd.incidents, rnd.nonfinite)
 
-    def _read(self, r: int, j: int, numel: int, parts: int, members: list[int] | None,
+    def _read(self, r: int, j: int, numel: int, cut: tuple[int, list[int]], members: list[int] | None,
               incidents: list[dict[str, Any]], nonfinite: set[int]) -> torch.Tensor:
         io = self.io
         obj, problem = io.get_reduced(r, j, numel)
@@ -91,7 +91,7 @@ class RepairDesk:
         elif problem == "missing":
             self.membership.check_not_collected(r)  # deleted by retention: rejoin
             raise RoundFailed(f"{key} vanished")
-        return self._repaired(r, j, key, numel, problem, parts, members, incidents, nonfinite)
+        return self._repaired(r, j, key, numel, problem, cut, members, incidents, nonfinite)
 
     def _usable(self, obj: Unpacked, nonfinite: set[int] | None) -> torch.Tensor:
         """A verified reduced shard's values, if they are finite and its left-out record is well-formed."""
@@ -105,11 +105,14 @@ class RepairDesk:
             nonfinite.update(flagged)
         return mean
 
-    def _repaired(self, r: int, j: int, key: str, numel: int, problem: str, parts: int, members: list[int] | None,
+    def _repaired(self, r: int, j: int, key: str, numel: int, problem: str, cut: tuple[int, list[int]],
+                  members: list[int] | None,
                   incidents: list[dict[str, Any]], nonfinite: set[int]) -> torch.Tensor:
         io = self.io
-        members = members or self.membership.read(r) or []
-        writer = reducer_of(j, members, parts) if members else None
+        if not members:
+            decided = self.membership.read(r)
+            members = decided.members if decided is not None else []
+        writer = reducer_of(j, members, *cut) if members else None  # cut: the round's parts and roster
         io.log(f"round {r}: {problem}; asking its reducer (rank {writer}) to re-publish it")
         io.put(io.keys.repair(r, j), json.dumps({"by": io.rank, "problem": problem}).encode(),
                create_only=True)
