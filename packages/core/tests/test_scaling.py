@@ -68,3 +68,18 @@ def test_scale_through_the_cli_is_one_line_for_a_run_that_is_not_there(cli):
             run_id, ended, state = "r", True, "SUCCEEDED"
 
         request_scale(Ended(), 2, None)
+
+
+def test_the_bar_shows_the_last_rounds_members_against_the_target_per_group():
+    from diloco.progress import progress_line, progress_of
+
+    spec = {"groups": [{"name": "node", "first_rank": 0, "replicas": 1},
+                       {"name": "singles", "first_rank": 1, "replicas": 2}]}
+    data = {"state": "HEALTHY", "launch": {"n_replicas": 3}, "target_replicas": 4, "spec": spec,
+            "scaled_ranks": {"3": "singles", "4": "singles"},
+            "ranks": [{"rank": 2, "retired": True}]}  # singles: ranks 1, 3, 4 now (2 retired)
+    events = [{"t": 100.0, "event": "launch"},
+              {"t": 110.0, "event": "round", "round": 7, "step": 70, "members": [0, 1, 3]}]
+    p = progress_of(data, events, now=111.0)
+    assert p.replicas == 4 and p.members == 3 and p.groups == {"node": [1, 1], "singles": [2, 3]}
+    assert "members 3/4" in progress_line(p)
