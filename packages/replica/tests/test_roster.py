@@ -42,3 +42,30 @@ def test_a_decider_reads_the_newest_wellformed_target_and_the_join_markers():
     assert rosters.look() == (Target(1, (0, 1, 2)), {2}) and len(logged) == 2
     store.put(keys.scale(4), roster_body(run, 4, [0, 1]))
     assert rosters.look()[0] == Target(4, (0, 1))
+
+
+@pytest.mark.parametrize("meta, problem", [
+    ({"members": [0, 1], "lanes": [1, 2]}, "next must be"),                        # no next round's roster
+    ({"members": [0, 1], "lanes": [1, 2], "next": []}, "next must be"),
+    ({"members": [0, 1], "lanes": [1, 2], "next": [2, 1]}, "next must be"),
+    ({"members": [0, 1], "lanes": [1, 2], "next": [0, True]}, "next must be"),
+    ({"members": [1, 0], "lanes": [1, 2], "next": [0, 1]}, "members must be"),
+    ({"members": [0, 1], "lanes": [1], "next": [0, 1]}, "a lane count"),
+    ({"members": [0, 1], "lanes": [1, 0], "next": [0, 1]}, "a lane count"),
+    ({"members": [0, 1], "lanes": [1, 5000], "next": [0, 1]}, "a lane count"),
+])
+def test_a_malformed_membership_record_is_corrupt_not_a_crash(meta, problem):
+    from diloco_replica.allreduce import StoreAllReduce
+    from diloco_replica.wire import CorruptObject, Identity, pack_json
+
+    store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-members"
+    store.put(RunKeys(run).members(3), pack_json(Identity(run, 3, "members"), meta))
+    ar = StoreAllReduce(store, run, 0, 2)
+    try:
+        with pytest.raises(CorruptObject, match=problem):
+            ar.membership.read(3)
+        store.put(RunKeys(run).members(4), pack_json(Identity(run, 4, "members"),
+                                                    {"members": [0, 1], "lanes": [1, 2], "next": [0, 1, 5]}))
+        assert ar.membership.read(4).layouts == {0: 1, 1: 2} and ar.roster(5) == [0, 1, 5]
+    finally:
+        ar.close()
