@@ -42,5 +42,6 @@ def regress(ctx: ReplicaContext, dim: int = 256, width: int = 512, slow_rank: in
             with torch.no_grad():
                 x = torch.randn(256, dim, generator=torch.Generator().manual_seed(99))
                 diloco.report_eval(((model(x).squeeze(-1) - x @ target) ** 2).mean().item())
+    digest = diloco.theta_digest()
     diloco.close()
-    return {"theta_digest": diloco.theta_digest(), "rounds": diloco.round}
+    return {"theta_digest": digest, "rounds": diloco.round}

@@ -109,9 +109,10 @@ def train(ctx: ReplicaContext, steps: int | None = None, batch_size: int = 8, se
         if eval_every and ctx.rank == 0 and (step + 1) % eval_every == 0:
             diloco.report_eval(evaluate(model, eval_data, batch_size, seq_len, batches=4))
     eval_loss = evaluate(model, eval_data, batch_size, seq_len)
+    digest = diloco.theta_digest()  # the global model's digest (every process adds its part): before close()
     diloco.close()  # DiLoCo
     result = {"rank": ctx.rank, "rounds": diloco.round, "eval_loss": eval_loss, "parameters": n_params,
-              "wall_s": time.monotonic() - started, "theta_digest": diloco.theta_digest()}
+              "wall_s": time.monotonic() - started, "theta_digest": digest}
     ctx.log.info("done: %s", json.dumps(result))
     if ctx.rank == 0:
         from diloco_replica.report import write_run_report

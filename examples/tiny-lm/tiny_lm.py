@@ -187,9 +187,10 @@ def train(ctx: ReplicaContext, steps: int | None = None, batch_size: int = 16, c
             diloco.report_eval(evaluate(model, eval_data.to(device), context, batches=4))
             next_eval = (step + 1) // eval_every * eval_every + eval_every
     eval_loss = evaluate(model, eval_data.to(device), context)
+    digest = diloco.theta_digest()  # every process of the replica adds its part: before close()
     diloco.close()
     result = {"rank": ctx.rank, "rounds": diloco.round, "eval_loss": eval_loss,
-              "wall_s": time.monotonic() - started, "theta_digest": diloco.theta_digest()}
+              "wall_s": time.monotonic() - started, "theta_digest": digest}
     ctx.log.info("done: %s", json.dumps(result))
     if ctx.rank == 0 and ctx.lane == 0:
         from diloco_replica.report import write_run_report

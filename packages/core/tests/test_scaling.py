@@ -70,6 +70,23 @@ def test_scale_through_the_cli_is_one_line_for_a_run_that_is_not_there(cli):
         request_scale(Ended(), 2, None)
 
 
+def test_a_run_is_scaled_only_once_it_trains(tmp_path):
+    """Round 1's replicas are the launch's, written with round 0's checkpoint: a replica added
+    before that could write a round 0 of its own."""
+    from diloco.scaling import request_scale
+    from diloco.spec import parse_spec
+
+    class Starting:
+        run_id, ended, state, dir = "r", False, "HEALTHY", tmp_path
+        spec = parse_spec({"entrypoint": "job:main", "backend": "local", "replicas": 2}, base_dir=tmp_path)
+        data, ranks, rank_groups = {"last_round": 0}, [], {}
+
+    with pytest.raises(UserError, match="has not finished its first round yet"):
+        request_scale(Starting(), 3, None)
+    Starting.data = {"last_round": 1}
+    assert request_scale(Starting(), 3, None).replicas == 3 and len(list((tmp_path / "scale").iterdir())) == 1
+
+
 def test_the_bar_shows_the_last_rounds_members_against_the_target_per_group():
     from diloco.progress import progress_line, progress_of
 

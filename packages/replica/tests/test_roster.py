@@ -69,3 +69,12 @@ def test_a_malformed_membership_record_is_corrupt_not_a_crash(meta, problem):
         assert ar.membership.read(4).layouts == {0: 1, 1: 2} and ar.roster(5) == [0, 1, 5]
     finally:
         ar.close()
+
+
+@pytest.mark.parametrize("current, target, joined, min_members, want", [
+    ([0, 1, 2], Target(2, (2, 3)), set(), 2, [0, 1, 2]),     # [2] alone is below min_members: wait for 3
+    ([0, 1, 2], Target(2, (2, 3)), {3}, 2, [2, 3]),          # 3 is in: the swap happens at once
+    ([0, 1, 2], Target(2, (2,)), set(), 2, [2]),             # the target itself is smaller: it is what was asked
+])
+def test_a_roster_never_drops_below_min_members_while_new_ranks_load(current, target, joined, min_members, want):
+    assert next_roster(current, target, joined, min_members) == want

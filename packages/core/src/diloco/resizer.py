@@ -28,7 +28,8 @@ class Resizer:
         return {"applied_scales": list(self.applied), "target_replicas": len(self.active())}
 
     def active(self) -> list[RankState]:
-        return [st for st in self.sup.ranks if not st.retired]
+        """The ranks the run has now: not retired, not given up (a given-up rank never comes back)."""
+        return [st for st in self.sup.ranks if not st.retired and not st.given_up]
 
     def apply_pending(self) -> bool:
         """Apply every request not applied yet, oldest first; True if there was one."""
@@ -56,12 +57,14 @@ class Resizer:
         if not ranks:
             sup._event("scale_refused", group=group, replicas=req.replicas, reason="it would leave no replica")
             return
-        seq = len(self.applied) + 1
         try:  # the replicas read the target from the store: it goes first, or nothing changes
             from .store import open_store
 
-            open_store(sup.request.rendezvous).put(f"{sup.request.run_id}/roster/scale-{seq:08d}.json",
-                                                    roster_body(sup.request.run_id, seq, ranks), create_only=True)
+            store, prefix = open_store(sup.request.rendezvous), f"{sup.request.run_id}/roster/"
+            # after the newest target there, even one a launcher wrote before dying unsaved
+            seqs = [m["path"][len(prefix) + 6:-5] for m in store.list(prefix) if m["path"].endswith(".json")]
+            seq = max((int(x) for x in seqs if x.isdigit()), default=0) + 1
+            store.put(f"{prefix}scale-{seq:08d}.json", roster_body(sup.request.run_id, seq, ranks), create_only=True)
         except Exception as exc:  # noqa: BLE001 - a store that cannot be written: one event, the run goes on
             sup._event("scale_failed", group=group, replicas=req.replicas, error=shorten(str(exc)))
             return

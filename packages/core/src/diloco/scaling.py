@@ -92,6 +92,9 @@ def request_scale(record: Any, replicas: Any, group: str | None) -> ScaleRequest
     if total < max(1, min_members):
         raise UserError(f"that leaves the run {total} replicas, below min_members = {min_members}; keep at least "
                         f"{max(1, min_members)}")
+    if int(record.data.get("last_round") or 0) < 1:  # round 0's checkpoint says who is in round 1
+        raise UserError(f"run {run} has not finished its first round yet; scale it once it trains (`diloco status "
+                        f"{run}` shows the rounds)")
     req = ScaleRequest(f"{time.time_ns():020d}-{secrets.token_hex(4)}", replicas,
                        None if not record.rank_groups else group, time.time())
     private_dir(record.dir / "scale")

@@ -209,7 +209,7 @@ class Supervisor:
                 st.preempted = False
             self._launch([st.rank for st in due], {st.rank: st.handle.attempt + 1 for st in due})
             changed = True
-        succeeded = sum(r.status is RankStatus.SUCCEEDED for r in self.ranks)
+        succeeded = sum(r.status is RankStatus.SUCCEEDED and not r.retired for r in self.ranks)  # a retired one left
         active = len(self.resizer.active())  # `diloco scale` moves the run's size: min_replicas follows it down
         o = outcome(min(self.settings.min_replicas, active), n_replicas=active, live=len(self.alive()),
                     succeeded=succeeded, waiting=sum(r.relaunch_at is not None for r in self.ranks),
@@ -241,7 +241,7 @@ class Supervisor:
         pass must stop looking at other ranks (the run failed, or every rank restarts)."""
         res = self._rank_result(st)
         st.last_error = res.error
-        peers = [Peer(r.failure_signature, r.failed_soon) for r in self.ranks if r is not st]
+        peers = [Peer(r.failure_signature, r.failed_soon) for r in self.ranks if r is not st and not r.retired]
         d = decide(self.settings, Failure(res.exit_code, res.error, st.launched_at, now), rank=st.rank,
                    restarts=st.restarts, restarts_used=self.restarts_used, preemptions_used=self.preemptions_used,
                    peers=peers)
@@ -279,7 +279,8 @@ class Supervisor:
         self._event("gang_restart", failed_rank=failed.rank)
         self._stop_all()
         for st in self.ranks:
-            st.status, st.relaunch_at, st.preempted = RankStatus.FAILED, now + delay, preempted
+            if not st.retired:  # scaled away: never relaunched, a gang restart included
+                st.status, st.relaunch_at, st.preempted = RankStatus.FAILED, now + delay, preempted
 
     def _spend(self, st: RankState, spent: Spend) -> None:
         """Pay what the policy priced (`spent_on_decision`, `spent_on_relaunch`) from `st`'s and the run's budgets."""

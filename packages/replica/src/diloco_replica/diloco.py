@@ -130,10 +130,10 @@ class DiLoCo:
                                  self.lanes, self._log)
         self.transfers = Transfers(self.view, self.sync.theta, self.sync.snapshot)
         self.transfers.initial()  # θ_0 from this replica's model, used only if the run is new
-        self._round = self.sync.join(initial=True)
+        self._round, left = self.sync.join(initial=True)
         self.view.write(self.sync.theta)
         self._inflight: BackgroundRound | None = None
-        self.left = False  # the run was scaled down without this replica: its loop ends (`roster`)
+        self.left = left  # the run was scaled down without this replica: its loop ends (`roster`)
         self.local_steps = 0          # inner steps since the last sync
         self._losses: list[float] = []
         self._tokens = 0
@@ -165,6 +165,8 @@ class DiLoCo:
         """A digest of θ_global, the same on every replica whatever its number of processes (XXH3
         per block of the model, summed: `outer.state_digest`). Every process of a replica calls it:
         they add up their parts."""
+        if self.lanes.count > 1 and self.lanes.group is None:
+            raise RuntimeError("DiLoCo.theta_digest() adds up the replica's processes' parts: call it before close()")
         part = blocks_digest(self.sync.theta, self.view.start)
         return f"{sum(self.lanes.exchange(part)) % (1 << 64):016x}"
 

@@ -99,32 +99,40 @@ class Exchanger:
         self._pending: Future | None = None           # the last round's record, being written
         self._unrecorded: dict[int, RoundMetrics] = {}  # rows waiting for the training loop's timings
 
-    def join(self, initial: Callable[[], torch.Tensor] | None) -> int:
+    def join(self, initial: Callable[[], torch.Tensor] | None) -> tuple[int, bool]:
         """Adopt the run's global state (`initial()`: θ_0 from the model, read only if the run is new)
-        and, a replica the run grew by, wait until a round admits it (`roster`)."""
+        and, a replica the run grew by, wait until a round admits it (`roster`). Returns the
+        state's round, and whether this replica is to leave instead (scaled away before it got in)."""
         self.state.bootstrap(initial)
         return self._admitted()
 
-    def _admitted(self) -> int:
+    def _admitted(self) -> tuple[int, bool]:
         """A replica the next round's roster does not hold yet (launched by `diloco scale`)
         announces that it holds the state, then follows the rounds until one admits it — or the
-        run ends first. Rounds never wait for a replica that is still starting."""
+        launcher's newest target drops it, or the run ends, first. Rounds never wait for a
+        replica that is still starting."""
         ar, rank, lanes = self.allreduce, self.ctx.rank, self.lanes
 
-        def admitted() -> bool:
-            return rank in ar.roster(self.state.round + 1)
+        def where() -> str:
+            if rank in ar.roster(self.state.round + 1):
+                return "in"
+            target = ar.membership.rosters.look()[0]
+            return "out" if target is not None and rank not in target.ranks else "waiting"
 
-        if lanes.on_leader(admitted):
-            return self.state.round
-        if lanes.leader:
-            ar.membership.rosters.announce(rank)
-        self.log(f"holding round {self.state.round}; waiting for a round to admit this replica")
-        while not lanes.on_leader(admitted):
+        state = lanes.on_leader(where)
+        if state == "waiting":
+            if lanes.leader:
+                ar.membership.rosters.announce(rank)
+            self.log(f"holding round {self.state.round}; waiting for a round to admit this replica")
+        while state == "waiting":
             if self.total_steps is not None and self.state.round * self.stride >= self.total_steps:
                 break  # the run is over: nothing to join
             time.sleep(ar.io.poll_max)
             self.state.catch_up()
-        return self.state.round
+            state = lanes.on_leader(where)
+        if state == "out":
+            self.log("the run was scaled down without this replica before it joined; it leaves")
+        return self.state.round, state == "out"
 
     def leaving(self) -> bool:
         """Whether the roster of the round after the state's drops this replica (the run shrank)."""

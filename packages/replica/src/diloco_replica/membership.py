@@ -85,7 +85,7 @@ class Membership:
             raise RoundFailed(f"round {r}: only {len(ready)} of {n} replicas ready within "
                               f"{io.round_timeout:g}s, below min_members={self.min_members}")
         target, joined = self.rosters.look()
-        decided = Decided(ready, [lanes_of[m] for m in ready], next_roster(roster, target, joined))
+        decided = Decided(ready, [lanes_of[m] for m in ready], next_roster(roster, target, joined, self.min_members))
         record = pack_json(Identity(io.run_id, r, "members"), {"members": ready, "lanes": decided.lanes,
                                                                "next": decided.next, "decided_by": io.rank})
         if not io.put(io.keys.members(r), record, create_only=True):

@@ -117,7 +117,7 @@ class ShardReducer:
                         leave_out(m, problem, key=where)
                         continue
                     if self.step_cap is not None:
-                        stated = {obj.meta.get("steps") for _, _, _, obj in got}
+                        stated = {s if type(s := obj.meta.get("steps")) is int else repr(s) for _, _, _, obj in got}
                         stated |= {steps_of[m]} if m in steps_of else set()
                         steps = next(iter(stated)) if len(stated) == 1 else None
                         if type(steps) is not int or not 1 <= steps <= self.step_cap:

@@ -42,15 +42,16 @@ class Target:
     ranks: tuple[int, ...]
 
 
-def next_roster(current: list[int], target: Target | None, joined: set[int]) -> list[int]:
+def next_roster(current: list[int], target: Target | None, joined: set[int], min_members: int = 1) -> list[int]:
     """The roster of the round after one whose roster is `current`: the target's ranks already in
     it, and the target's new ranks that have joined (loaded the state and said so). With no
-    target, or one that would leave nobody, the roster stays."""
+    target, or while that would leave fewer than `min_members` (of the target's) — every later
+    round would fail, and no new rank could ever be let in — the roster stays."""
     if target is None:
         return list(current)
     wanted = set(target.ranks)
     out = sorted({r for r in current if r in wanted} | {r for r in wanted if r not in current and r in joined})
-    return out or list(current)
+    return out if len(out) >= max(1, min(min_members, len(wanted))) else list(current)
 
 
 class Rosters:

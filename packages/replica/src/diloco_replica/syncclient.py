@@ -74,7 +74,7 @@ class InThread:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="diloco-round")
         self._future: Future | None = None
 
-    def join(self, initial: bool) -> int:
+    def join(self, initial: bool) -> tuple[int, bool]:
         return self.exchanger.join((lambda: self.snapshot.clone()) if initial else None)
 
     def start(self, r: int, work: Work) -> None:
@@ -141,9 +141,10 @@ class SyncProcess:
 
     # -- the requests ------------------------------------------------------------------------
 
-    def join(self, initial: bool) -> int:
+    def join(self, initial: bool) -> tuple[int, bool]:
         self._send("join", initial=initial)
-        return int(self._expect("joined")["round"])
+        joined = self._expect("joined")
+        return int(joined["round"]), bool(joined["left"])
 
     def start(self, r: int, work: Work) -> None:
         self._send("round", round=r, work=asdict(work))

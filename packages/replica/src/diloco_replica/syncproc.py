@@ -78,7 +78,8 @@ def serve(conn: Connection, parent: int) -> int:
         op = msg["op"]
         if op == "join":
             initial = (lambda: snapshot.clone()) if msg.get("initial") else None
-            send(conn, "joined", round=exchanger.join(initial))
+            r, left = exchanger.join(initial)
+            send(conn, "joined", round=r, left=left)
         elif op == "round":
             out = exchanger.run(int(msg["round"]), snapshot, Work(**msg["work"]))
             send(conn, "done", round=out.round, action=out.action, part=out.part, row=asdict(out.row), leave=out.leave,
