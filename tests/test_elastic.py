@@ -104,6 +104,9 @@ def test_a_run_grows_from_two_to_four_and_shrinks_back_while_it_trains(tmp_path,
     fixed_id = fixed.stdout.split()[1].rstrip(":")
     loss = ranks[0].result["eval_loss"]
     fixed_loss = RunRecord.load(fixed_id, state_dir).ranks[0].result["eval_loss"]
+    print(json.dumps({"members_by_round": sizes, "tokens": tokens, "eval_loss": round(loss, 4),
+                      "fixed_4": {"steps": fixed_steps, "eval_loss": round(fixed_loss, 4)},
+                      "delta": round(loss / fixed_loss - 1, 4)}))
     assert loss <= fixed_loss * 1.03, (loss, fixed_loss, tokens, fixed_steps)
 
 
