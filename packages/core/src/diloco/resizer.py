@@ -9,18 +9,18 @@ leave by themselves after their round) or, if not running yet, cancelled.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .failures import shorten
 from .rankstate import RankState, RankStatus
 from .scaling import ScaleRequest, pending, plan_resize, roster_body
 
-if TYPE_CHECKING:
-    from .supervisor import Supervisor
-
 
 class Resizer:
-    def __init__(self, sup: Supervisor):
+    """`sup`: the `diloco.supervisor.Supervisor` it works for (its ranks, record, request,
+    executor, round watcher, `_launch` and `_event`)."""
+
+    def __init__(self, sup: Any):
         self.sup = sup
         self.applied: list[str] = list(sup.record.data.get("applied_scales") or [])
 
