@@ -84,3 +84,28 @@ def test_eks_refuses_a_rendezvous_on_the_launchers_disk(tmp_path, cluster, s3):
         proc = run_cli(tmp_path / "state", cmd, str(spec))
         assert proc.returncode == 2 and "which 'eks' replicas do not see" in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_run_on_eks_grows_by_a_pod_while_it_trains(tmp_path, cluster, s3):
+    """`diloco scale` on a remote backend: the EKS backend launches the new rank as a pod of its
+    own, which meets the others on S3 at the next round, and the run ends with one global model."""
+    from test_elastic import check_rounds, wait_for
+
+    state = tmp_path / "state"
+    spec = eks_spec(tmp_path, cluster, s3, steps=600, sync_every=10, replicas=2)  # room for a pod to start
+    proc = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "DILOCO_STATE_DIR": str(state)})
+    run_id = proc.stdout.readline().split()[1].rstrip(":")
+    try:
+        wait_for(state, run_id, lambda e: e["event"] == "round" and e["round"] >= 2)
+        scaled = run_cli(state, "scale", run_id, "3")
+        assert scaled.returncode == 0, scaled.stderr
+        wait_for(state, run_id, lambda e: e["event"] == "round" and len(e["members"]) == 3)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    record = json.loads(run_cli(state, "status", run_id, "--json").stdout)["record"]
+    assert [r["status"] for r in record["ranks"]] == ["succeeded"] * 3 and record["ranks"][2]["handle"]["backend_name"] == "eks"
+    assert len({r["result"]["theta_digest"] for r in record["ranks"]}) == 1
+    check_rounds(s3["uri"], run_id)
