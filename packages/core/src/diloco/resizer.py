@@ -25,10 +25,15 @@ class Resizer:
         self.applied: list[str] = list(sup.record.data.get("applied_scales") or [])
 
     def state(self) -> dict[str, Any]:
-        return {"applied_scales": list(self.applied), "target_replicas": len(self.active())}
+        return {"applied_scales": list(self.applied), "target_replicas": self.size()}
+
+    def size(self) -> int:
+        """The replicas the run is to have (its launch, as resized): every rank not retired. A
+        rank given up still counts: the run has lost it, and `min_replicas` says what that costs."""
+        return sum(not st.retired for st in self.sup.ranks)
 
     def active(self) -> list[RankState]:
-        """The ranks the run has now: not retired, not given up (a given-up rank never comes back)."""
+        """The ranks a resize works from: not retired, not given up (a given-up rank never comes back)."""
         return [st for st in self.sup.ranks if not st.retired and not st.given_up]
 
     def apply_pending(self) -> bool:

@@ -210,8 +210,8 @@ class Supervisor:
             self._launch([st.rank for st in due], {st.rank: st.handle.attempt + 1 for st in due})
             changed = True
         succeeded = sum(r.status is RankStatus.SUCCEEDED and not r.retired for r in self.ranks)  # a retired one left
-        active = len(self.resizer.active())  # `diloco scale` moves the run's size: min_replicas follows it down
-        o = outcome(min(self.settings.min_replicas, active), n_replicas=active, live=len(self.alive()),
+        size = self.resizer.size()  # `diloco scale` moves the run's size: min_replicas follows it down
+        o = outcome(min(self.settings.min_replicas, size), n_replicas=size, live=len(self.alive()),
                     succeeded=succeeded, waiting=sum(r.relaunch_at is not None for r in self.ranks),
                     given_up=sum(r.given_up for r in self.ranks), alone=self.rounds.alone)
         if o.state is RunState.FAILED:
