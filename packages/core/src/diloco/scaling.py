@@ -52,6 +52,12 @@ def plan_resize(active: Mapping[str, list[int]], next_rank: int, group: str, rep
     return [], have[replicas:]
 
 
+def ranks_ok(ranks: Any) -> bool:
+    """Whether `ranks` (read from a store) is a roster: distinct rank ids, ascending, at least one."""
+    return isinstance(ranks, list) and bool(ranks) and all(type(r) is int and 0 <= r < MAX_RANK for r in ranks) \
+        and ranks == sorted(set(ranks))
+
+
 def roster_body(run_id: str, seq: int, ranks: list[int]) -> bytes:
     """The run's target in the store (`<run>/roster/scale-<seq>.json`): every rank it should have."""
     return json.dumps({"kind": ROSTER_KIND, "run": run_id, "seq": seq, "ranks": sorted(ranks)}).encode()
@@ -66,8 +72,7 @@ def parse_roster(run_id: str, seq: int, body: bytes | memoryview) -> list[int]:
     if not isinstance(data, dict) or data.get("kind") != ROSTER_KIND or data.get("run") != run_id:
         raise ValueError("not a roster target of this run")
     ranks = data.get("ranks")
-    if data.get("seq") != seq or not isinstance(ranks, list) or not ranks or not all(
-            type(r) is int and 0 <= r < MAX_RANK for r in ranks) or ranks != sorted(set(ranks)):
+    if data.get("seq") != seq or not ranks_ok(ranks):
         raise ValueError(f"malformed: its seq must be {seq} and its ranks distinct, ascending ids below {MAX_RANK}")
     return ranks
 

@@ -23,10 +23,11 @@ import json
 
 import torch
 
+from diloco.scaling import ranks_ok
+
 from .finite import all_finite
 from .roundio import RoundIO
 from .layout import clip, cover
-from .roster import MAX_RANK
 from .wire import CorruptObject, Identity, check_layout, encode_tensor, pack, unpack
 
 VOID = "void"
@@ -126,9 +127,7 @@ class Checkpoints:
                                     f"{self.total}: the rendezvous store already holds run {io.run_id!r} of another "
                                     f"model; use a new run or another rendezvous")
                 roster = got.meta.get("next")
-                if not isinstance(roster, list) or not roster or not all(type(m) is int and 0 <= m < MAX_RANK
-                                                                         for m in roster) \
-                        or roster != sorted(set(roster)) or rosters and roster != rosters[0]:
+                if not ranks_ok(roster) or rosters and roster != rosters[0]:
                     raise CorruptObject(f"{key}: malformed or disagreeing roster of the next round: {str(roster)[:80]}")
                 rosters.append(roster)
                 part = check_layout(got, numel=2 * (b - a), codec="fp32").tensor()

@@ -78,10 +78,6 @@ class Cut:
         object.__setattr__(self, "bounds", shard_bounds(self.stop - self.start, self.n * self.parts))
 
     @property
-    def size(self) -> int:
-        return self.stop - self.start
-
-    @property
     def count(self) -> int:
         return self.n * self.parts
 

@@ -18,9 +18,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from diloco.scaling import ranks_ok
+
 from .checkpoints import Checkpoints
 from .layout import MAX_LANES
-from .roster import MAX_RANK, Rosters, next_roster
+from .roster import Rosters, next_roster
 from .rounderrors import FellBehind, RoundFailed
 from .roundio import RoundIO
 from .wire import CorruptObject, Identity, pack_json
@@ -42,8 +44,7 @@ class Membership:
             raise CorruptObject(problem)
         members, nxt = got.meta.get("members"), got.meta.get("next")
         for what, ranks in (("members", members), ("next", nxt)):
-            if not isinstance(ranks, list) or not ranks or not all(type(m) is int and 0 <= m < MAX_RANK for m in ranks) \
-                    or ranks != sorted(set(ranks)):
+            if not ranks_ok(ranks):
                 raise CorruptObject(f"{key}: malformed membership record ({what} must be distinct, ascending ranks)")
         lanes = got.meta.get("lanes")
         if not isinstance(lanes, list) or len(lanes) != len(members) or not all(
