@@ -357,8 +357,8 @@ def test_mixed_fault_soak(tmp_path, reference, s3, run_index):
                 time.sleep(rng.uniform(2.0, 5.0))
                 if proc.poll() is not None:
                     break
-                if k in (1, 4):
-                    if stop_straggler(state, run_id, rng, hold_s=12.0):
+                if k in (1, 4):  # the second is kept away for many rounds (they go on without it)
+                    if stop_straggler(state, run_id, rng, hold_s=12.0 if k == 1 else 25.0):
                         injected["sigstop"] += 1
                     continue
                 hit = kill_in_phase(state, run_id, phase_dir, rng, PHASES[(k + run_index) % len(PHASES)])

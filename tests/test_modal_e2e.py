@@ -74,8 +74,8 @@ def start(cloud, state, *args):
 
 
 def test_tiny_lm_through_modal_survives_a_kill_a_preemption_and_a_timeout(tmp_path, cloud, s3):
-    """A SIGKILLed container (rank 2) and one that reached its timeout (rank 3, exit 124) are
-    relaunched; a preempted one (rank 1) too, without spending the restart budget; the run goes on."""
+    """A SIGKILLed container (rank 2) is relaunched; a preempted one (rank 1) and one that reached its
+    timeout (rank 3, exit 124) too, without spending the restart budget; the run goes on."""
     state = tmp_path / "state"
     spec = modal_spec(tmp_path, s3, steps=200, sync_every=25, restart="backoff = 0.2\nmax_restarts_per_rank = 3")
     dry = modal_cli(cloud, state, "dryrun", str(spec))
@@ -109,10 +109,12 @@ def test_tiny_lm_through_modal_survives_a_kill_a_preemption_and_a_timeout(tmp_pa
     ranks = record["ranks"]
     assert ranks[2]["restarts"] == 1 and ranks[2]["handle"]["metadata"]["attempt"] == 1
     assert ranks[1]["restarts"] == 0 and ranks[1]["preemptions"] == 1  # not a failure: no budget spent
-    assert ranks[3]["restarts"] == 1 and ranks[3]["handle"]["metadata"]["attempt"] == 1
+    assert ranks[3]["restarts"] == 0 and ranks[3]["time_limits"] == 1  # a time limit: its own budget
+    assert ranks[3]["handle"]["metadata"]["attempt"] == 1
     kinds = [(e["event"], e.get("rank")) for e in events_of(state, run_id)]
     assert ("preempted", 1) in kinds and ("failed", 2) in kinds and ("failed", 1) not in kinds
-    timed_out = next(e for e in events_of(state, run_id) if e["event"] == "failed" and e.get("rank") == 3)
+    assert ("failed", 3) not in kinds
+    timed_out = next(e for e in events_of(state, run_id) if e["event"] == "time_limit" and e.get("rank") == 3)
     assert "timed out (exit code 124)" in timed_out["error"]
     assert cloud.exit(ids[3])["status"] == "timeout"
     preempted = next(e for e in events_of(state, run_id) if e["event"] == "preempted")

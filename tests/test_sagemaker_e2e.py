@@ -120,8 +120,9 @@ def test_tiny_lm_on_sagemaker_survives_a_failed_job_and_a_spot_interruption(tmp_
 
 def test_one_rank_reaching_its_max_runtime_fails_alone_and_is_relaunched(tmp_path, plane, s3):
     """SageMaker stops a job at MaxRuntimeInSeconds: Training → Stopping → Stopped/MaxRuntimeExceeded.
-    Stopping must read as still running (not cancelled: that would cancel the run), the end as a
-    failure with exit 124, relaunched like any failure while the other ranks train on."""
+    Stopping must read as still running (not cancelled: that would be a cancel from outside diloco),
+    the end as a time limit (exit 124), relaunched without spending the restart budget while the
+    other ranks train on."""
     state = tmp_path / "state"
     spec = sm_spec(tmp_path, s3, steps=150, sync_every=25, restart="backoff = 0.2\nmax_restarts_per_rank = 2")
     launcher, run_id = start(plane, state, "run", str(spec))
@@ -133,14 +134,15 @@ def test_one_rank_reaching_its_max_runtime_fails_alone_and_is_relaunched(tmp_pat
     record = record_of(state, run_id)
     one_global_model(record)
     rank3 = record["ranks"][3]
-    assert rank3["restarts"] == 1 and rank3["handle"]["metadata"]["job"] == jobs[3].removesuffix("-a0") + "-a1"
-    assert all(r["restarts"] == 0 for r in record["ranks"] if r["rank"] != 3)
+    assert (rank3["restarts"], rank3["time_limits"]) == (0, 1)
+    assert rank3["handle"]["metadata"]["job"] == jobs[3].removesuffix("-a0") + "-a1"
+    assert all(r["restarts"] == 0 and r["time_limits"] == 0 for r in record["ranks"] if r["rank"] != 3)
     seen = [t["Status"] for t in plane.job(jobs[3])["SecondaryStatusTransitions"]]
     assert seen[-2:] == ["Stopping", "MaxRuntimeExceeded"], seen
     events = events_of(state, run_id)
-    failed = [e for e in events if e["event"] == "failed"]
-    assert [e["rank"] for e in failed] == [3] and "ran past the spec's timeout" in failed[0]["error"], failed
-    assert not [e for e in events if e["event"] in ("cancelled", "run_cancelled")], events
+    timed_out = [e for e in events if e["event"] == "time_limit"]
+    assert [e["rank"] for e in timed_out] == [3] and "ran past the spec's timeout" in timed_out[0]["error"], timed_out
+    assert not [e for e in events if e["event"] in ("failed", "cancelled", "cancelled_outside", "run_cancelled")], events
 
 
 def standin(plane) -> StandIn:

@@ -190,7 +190,7 @@ def train(ctx: ReplicaContext, steps: int | None = None, batch_size: int = 16, c
     digest = diloco.theta_digest()  # every process of the replica adds its part: before close()
     diloco.close()
     result = {"rank": ctx.rank, "rounds": diloco.round, "eval_loss": eval_loss,
-              "wall_s": time.monotonic() - started, "theta_digest": digest}
+              "wall_s": time.monotonic() - started, "theta_digest": digest, "peak_rss_mb": peak_rss_mb()}
     ctx.log.info("done: %s", json.dumps(result))
     if ctx.rank == 0 and ctx.lane == 0:
         from diloco_replica.report import write_run_report
@@ -202,3 +202,15 @@ def train(ctx: ReplicaContext, steps: int | None = None, batch_size: int = 16, c
 if __name__ == "__main__":  # a plain single-process run, no launcher: python tiny_lm.py
     os.environ.setdefault("DILOCO_RENDEZVOUS", Path("/tmp/tiny-lm-store").as_uri())
     print(train(ReplicaContext.from_env(), steps=100))
+
+
+def peak_rss_mb() -> float | None:
+    """This process's peak resident memory (Linux's VmHWM), MB; None where /proc has none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None

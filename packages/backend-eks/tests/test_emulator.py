@@ -109,6 +109,64 @@ def test_diloco_run_through_eks_with_a_relaunched_rank(cluster, tmp_path):
 
 
 
+HELD = """
+import time
+from pathlib import Path
+
+def main(ctx, marker_dir):
+    Path(marker_dir, f"{ctx.rank}.{ctx.attempt}").touch()
+    if (ctx.rank, ctx.attempt) == (1, 0):
+        raise RuntimeError("first attempt of rank 1 dies")
+    if (ctx.rank, ctx.attempt) == (1, 1):
+        time.sleep(300)  # until its Job is deleted from outside diloco
+    deadline = time.monotonic() + 120
+    while not Path(marker_dir, "1.2").exists() and time.monotonic() < deadline:  # the others wait for its return
+        time.sleep(0.1)
+    return ctx.rank
+"""
+
+
+def test_a_job_deleted_outside_diloco_is_that_ranks_loss_not_the_runs_end(cluster, tmp_path):
+    """`kubectl delete job` of one rank's Job (its relaunch, a Job of its own): the rank reads
+    cancelled, is relaunched as a new Job within its restart budget, the others train on untouched,
+    and the run succeeds. Only `diloco cancel` ends a run."""
+    (tmp_path / "held.py").write_text(HELD)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    cluster.extra_pythonpath.append(str(tmp_path))
+    spec = tmp_path / "diloco.toml"
+    spec.write_text(f'replicas = 3\nentrypoint = "held:main"\nrendezvous = "s3://bucket/runs"\n'
+                    f'[args]\nmarker_dir = "{markers}"\n[restart]\nmonitor_interval = 0.1\nbackoff = 0.1\n'
+                    f'[backend]\nname = "eks"\nimage = "img"\nnamespace = "runs"\napi_url = "{cluster.url}"\n'
+                    f'command = {json.dumps(RUNNER)}\n')
+    env = {**os.environ, "DILOCO_STATE_DIR": str(tmp_path / "state")}
+    launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        run_id = launcher.stdout.readline().split()[1].rstrip(":")
+        deadline = time.monotonic() + 90
+        while not (markers / "1.1").exists():
+            assert time.monotonic() < deadline and launcher.poll() is None, "rank 1's relaunch never started"
+            time.sleep(0.1)
+        record = json.loads((tmp_path / "state" / "runs" / run_id / "run.json").read_text())
+        job = record["ranks"][1]["handle"]["metadata"]["job"]
+        assert job.endswith("-r1-a1")
+        cluster.batch.delete_namespaced_job(job, "runs", propagation_policy="Background")  # kubectl delete job
+        out, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, out
+    status = json.loads(subprocess.run([sys.executable, "-m", "diloco", "status", run_id, "--json"],
+                                       capture_output=True, text=True, env=env).stdout)
+    ranks = status["record"]["ranks"]
+    assert [r["status"] for r in ranks] == ["succeeded"] * 3 and [r["restarts"] for r in ranks] == [0, 2, 0]
+    assert [len(r["attempts"]) for r in ranks] == [1, 3, 1]  # ranks 0 and 2 never stopped
+    kinds = [(e["event"], e.get("rank"), e.get("attempt")) for e in status["events"]]
+    assert ("cancelled_outside", 1, 1) in kinds and not [k for k in kinds if k[0] == "run_cancelled"]
+
+
 def _record_creates(monkeypatch, ex, fail_on_job=None):
     """Record the body of every create call the executor makes (then make it for real), and
     optionally refuse the creation of one Job as the API would."""

@@ -323,12 +323,14 @@ def _wait(condition, timeout=20.0):
 
 def test_a_job_past_its_deadline_fails_and_its_pods_stop(cluster):
     """The spec's timeout becomes activeDeadlineSeconds: the Job controller fails the Job
-    (DeadlineExceeded) and deletes its running pods, and the backend reports why."""
+    (DeadlineExceeded) and deletes its running pods, and the backend reports a time limit (exit 124)."""
     ex = EksExecutor(image="img", namespace="lifecycle", api_url=cluster.url, command=["python", "-m", "diloco.runner"],
                      cache_seconds=0.05)
     (handle,) = launch(ex, 1, "diloco.testing.entrypoints:sleep", {"seconds": 300}, run_id="deadline", timeout=1)
     (result,) = ex.collect([handle], timeout=30)
     assert result.status == "failed" and "DeadlineExceeded" in result.error, result.error
+    assert result.exit_code == 124 and result.error.startswith(f"Job {handle.metadata['job']} reached its "
+                                                               f"activeDeadlineSeconds")  # a time limit, not a crash
     _wait(lambda: not cluster.pods_of(handle.metadata["job"]))
 
 

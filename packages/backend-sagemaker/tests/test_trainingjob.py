@@ -339,6 +339,11 @@ def test_a_spot_interruption_reads_as_waiting_with_the_reason():
     assert st.detail(job("InProgress", "Training")) is None
 
 
+def test_a_job_stopped_from_outside_says_by_what_and_a_timed_out_one_is_not_cancelled():
+    assert "was stopped by a StopTrainingJob call" in st.detail(job("Stopped", "Stopped"))
+    assert st.detail(job("Stopped", "MaxRuntimeExceeded")) is None
+
+
 def test_failures_read_cause_first_with_the_replicas_exit_code():
     own = job("Failed", "Failed", FailureReason="AlgorithmError: exit code 78: store s3://b/r ignores create-only puts")
     assert st.exit_code(own) == 78 and st.failure_cause(own) == "store s3://b/r ignores create-only puts"

@@ -11,7 +11,7 @@ import pytest
 
 from diloco.errors import UserError
 from diloco.testing import REPORT, plan_for
-from diloco_slurm import SlurmExecutor
+from diloco_slurm import SlurmExecutor, limits
 
 
 def one_job(executor, **fields):
@@ -35,6 +35,45 @@ def test_the_default_time_limit_leaves_room_for_the_replicas_own_timeout_and_the
     script = one_job(SlurmExecutor(state_dir="/s"), timeout=3600)["script"]
     script = "\n".join(script) + "\n"
     assert "#SBATCH --time=63\n" in script  # 3600 s + 120 s notice + a minute, in minutes
+
+
+@pytest.mark.parametrize("text, minutes", [
+    ("30", 30), ("30:59", 30), ("2:00:00", 120), ("00:02:00", 2), ("1-00:00:00", 1440), ("2-12", 3600),
+    ("1-01:30", 1530), ("UNLIMITED", None), ("INFINITE", None), ("", None), ("soon", None), ("1:2:3:4", None),
+])
+def test_slurm_times_read_in_whole_minutes(text, minutes):
+    assert limits.parse_minutes(text) == minutes
+
+
+PARTITIONS = ("PartitionName=debug AllowGroups=ALL Default=YES MaxTime=UNLIMITED State=UP\n"
+              "PartitionName=short AllowGroups=ALL Default=NO MaxTime=00:02:00 State=UP\n"
+              "PartitionName=day Default=NO MaxTime=1-00:00:00 State=UP\n")
+
+
+@pytest.mark.parametrize("partition, minutes", [(None, None), ("short", 2), ("day", 1440), ("gone", None)])
+def test_the_partitions_max_time_is_read_from_scontrol(partition, minutes):
+    assert limits.max_time_minutes(PARTITIONS, partition) == minutes
+
+
+@pytest.mark.parametrize("asked, timeout, max_minutes, minutes, clamped", [
+    (None, 3600, None, 63, False),      # the spec's timeout + 120 s notice + a minute
+    (None, 3600, 1440, 63, False),
+    (None, 86_400, 1440, 1440, True),   # a day's timeout on a day's partition: clamped, said so
+    (None, 3600, 2, 2, True),
+    (30, 3600, 30, 30, False),          # asked for: as given, up to the maximum
+    (30, 3600, None, 30, False),
+])
+def test_the_time_limit_stays_inside_the_partitions_max_time(asked, timeout, max_minutes, minutes, clamped):
+    got = limits.time_limit(asked, timeout, 120, max_minutes, "p")
+    assert got.minutes == minutes and (got.note is not None) is clamped
+    if clamped:
+        assert f"clamped to {minutes} minutes, the MaxTime of partition 'p'" in got.note
+
+
+def test_a_time_limit_asked_over_the_partitions_max_time_is_one_line():
+    with pytest.raises(UserError) as info:
+        limits.time_limit(60, 3600, 120, 2, "short")
+    assert "over the MaxTime of partition 'short' (2 minutes)" in str(info.value) and "\n" not in str(info.value)
 
 
 def test_values_are_quoted_and_secrets_stay_out_of_the_script():

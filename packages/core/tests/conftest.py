@@ -62,6 +62,25 @@ def write_spec(directory: Path, text: str, name: str = "diloco.toml") -> Path:
     return path
 
 
+def marker_spec(project: Path, module: str, source: str, *, replicas: int, args: str, restart: str = "",
+                top: str = "") -> tuple[Path, Path]:
+    """A local spec running `module:main` (written from `source`) with its `marker_dir` argument,
+    polled and relaunched fast; the spec and the directory where its attempts leave markers."""
+    (project / f"{module}.py").write_text(source)
+    markers = project / "markers"
+    markers.mkdir(exist_ok=True)
+    return write_spec(project, f'backend = "local"\nreplicas = {replicas}\nentrypoint = "{module}:main"\n{top}\n'
+                               f'[args]\nmarker_dir = "{markers}"\n{args}\n'
+                               f'[restart]\nmonitor_interval = 0.05\nbackoff = 0.05\n{restart}\n'), markers
+
+
+def status_json(cli, run_id: str) -> dict:
+    """`diloco status RUN --json`, read."""
+    import json
+
+    return json.loads(cli("status", run_id, "--json").stdout)
+
+
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05) -> bool:
     """Poll `predicate` until it holds or `timeout` passes; its last value. Tests wait on a
     condition, never for a fixed time."""

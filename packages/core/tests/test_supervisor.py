@@ -13,7 +13,7 @@ import pytest
 
 from diloco.testing import process_alive
 
-from conftest import wait_until, write_spec
+from conftest import marker_spec, status_json, wait_until, write_spec
 
 FLAKY = '''
 import os, sys, time
@@ -32,17 +32,10 @@ def main(ctx, fail_rank: int = 1, fail_attempts: int = 1, work: float = 0.3, mar
 
 
 def _spec(project, restart: str, args: str, replicas: int = 3):
-    (project / "flaky.py").write_text(FLAKY)
-    markers = project / "markers"
-    markers.mkdir(exist_ok=True)
-    return write_spec(project, f'backend = "local"\nreplicas = {replicas}\nentrypoint = "flaky:main"\n'
-                               f'[args]\nmarker_dir = "{markers}"\n{args}\n'
-                               f'[restart]\nmonitor_interval = 0.05\nbackoff = 0.05\n{restart}\n'), markers
+    return marker_spec(project, "flaky", FLAKY, replicas=replicas, args=args, restart=restart)
 
 
-
-def _record(cli, run_id):
-    return json.loads(cli("status", run_id, "--json").stdout)
+_record = status_json
 
 
 def test_per_rank_relaunch_replaces_only_the_failed_rank(cli, project):

@@ -62,17 +62,25 @@ def test_bit_identical_global_state_every_round_and_bytes_at_the_bound(replicas,
                                   {"overlap": True, "fragments": 2, "transport": "topk"}],
                          ids=["sync", "overlap+fragments", "overlap+fragments+topk"])
 def test_absent_replica_is_left_out_then_rejoins(replicas, store_uri, mode):
-    """Rank 3 misses round 2 (asleep past round_timeout): the others finish it with 3; it rejoins."""
+    """Rank 3 misses round 2 (asleep past round_timeout): the others finish it with 3, and the
+    rounds after it do not wait for rank 3 at all (it missed a round: nothing says it is back);
+    it wakes, adopts the global state, rejoins at a round boundary and takes part again."""
     settings = {"sync_every": 2, "round_timeout": 3.0, **mode}
     handles = replicas.launch("mlp_rounds", 4, rendezvous=store_uri, settings=settings,
-                              args={"steps": 8, "dim": 32, "delay_rank": 3, "delay_before_round": 2, "delay_s": 6.0})
+                              args={"steps": 24, "dim": 32, "delay_rank": 3, "delay_before_round": 2, "delay_s": 6.0,
+                                    "slow_ranks": [0, 1, 2], "step_sleep": 0.3})
     results = replicas.results(handles)
     by_rank = {r["rank"]: r for r in results}
     for rank in (0, 1, 2):
         members = {x["round"]: x["members"] for x in by_rank[rank]["rounds"]}
         assert members[2] == [0, 1, 2], members
-    late = [x for x in by_rank[3]["rounds"] if not x["member"]]
-    assert late and late[0]["round"] == 2
+        without = [x for x in by_rank[rank]["rounds"] if x["round"] > 2 and 3 not in x["members"]]
+        assert without, "rank 3 was back at once: the test proves nothing"
+        # a round after the miss waits for nobody: far below round_timeout (3 s) and the grace window
+        assert max(x["wait_s"] for x in without) < 1.5, [(x["round"], x["wait_s"]) for x in without]
+    assert 2 not in {x["round"] for x in by_rank[3]["rounds"] if x["member"]}
+    late = [x for x in by_rank[3]["rounds"] if not x["member"]]  # its row: the round whose state it holds
+    assert late and late[0]["round"] > 2 and late[0]["members"] == [0, 1, 2]
     assert len({r["final"] for r in results}) == 1  # all four end bit-identical
     last = {r["rank"]: r["rounds"][-1] for r in results}
     assert last[0]["members"] == [0, 1, 2, 3]  # it took part again after rejoining

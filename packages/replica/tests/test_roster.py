@@ -31,15 +31,17 @@ def test_a_decider_reads_the_newest_wellformed_target_and_the_join_markers():
     store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-roster"
     keys, logged = RunKeys(run), []
     rosters = Rosters(CountingStore(store), keys, run, logged.append)
-    assert rosters.look() == (None, set())
+    assert rosters.look()[0] is None and rosters.look()[1].joined() == set()
     store.put(keys.scale(1), roster_body(run, 1, [0, 1, 2]))
     store.put(keys.scale(2), b"{not json")                      # newer, but malformed: ignored, logged once
     store.put(keys.scale(3), roster_body("another-run", 3, [0]))
-    rosters.announce(2)
-    rosters.announce(2)                                         # a relaunch announces again: as good
+    rosters.announce(2, 5, 0)
+    rosters.announce(2, 5, 0)                                   # the same words again: as good
     store.put(f"{keys.roster()}join-x", b"{}")
-    assert rosters.look() == (Target(1, (0, 1, 2)), {2})
-    assert rosters.look() == (Target(1, (0, 1, 2)), {2}) and len(logged) == 2
+    store.put(f"{keys.roster()}join-3", b"{}")                  # not rank.round.attempt: ignored
+    target, presence = rosters.look()
+    assert target == Target(1, (0, 1, 2)) and presence.joined() == {2} and presence.announced(2, 5)
+    assert rosters.look()[0] == Target(1, (0, 1, 2)) and len(logged) == 2
     store.put(keys.scale(4), roster_body(run, 4, [0, 1]))
     assert rosters.look()[0] == Target(4, (0, 1))
 
@@ -53,6 +55,10 @@ def test_a_decider_reads_the_newest_wellformed_target_and_the_join_markers():
     ({"members": [0, 1], "lanes": [1], "next": [0, 1]}, "a lane count"),
     ({"members": [0, 1], "lanes": [1, 0], "next": [0, 1]}, "a lane count"),
     ({"members": [0, 1], "lanes": [1, 5000], "next": [0, 1]}, "a lane count"),
+    ({"members": [0, 1], "lanes": [1, 2], "next": [0, 1]}, "an attempt per member"),              # none
+    ({"members": [0, 1], "lanes": [1, 2], "next": [0, 1], "attempts": [0]}, "an attempt per member"),
+    ({"members": [0, 1], "lanes": [1, 2], "next": [0, 1], "attempts": [0, -1]}, "an attempt per member"),
+    ({"members": [0, 1], "lanes": [1, 2], "next": [0, 1], "attempts": [0, "1"]}, "an attempt per member"),
 ])
 def test_a_malformed_membership_record_is_corrupt_not_a_crash(meta, problem):
     from diloco_replica.allreduce import StoreAllReduce
@@ -65,8 +71,10 @@ def test_a_malformed_membership_record_is_corrupt_not_a_crash(meta, problem):
         with pytest.raises(CorruptObject, match=problem):
             ar.membership.read(3)
         store.put(RunKeys(run).members(4), pack_json(Identity(run, 4, "members"),
-                                                    {"members": [0, 1], "lanes": [1, 2], "next": [0, 1, 5]}))
+                                                    {"members": [0, 1], "lanes": [1, 2], "next": [0, 1, 5],
+                                                     "attempts": [0, 3]}))
         assert ar.membership.read(4).layouts == {0: 1, 1: 2} and ar.roster(5) == [0, 1, 5]
+        assert ar.membership.read(4).attempts_of == {0: 0, 1: 3}
     finally:
         ar.close()
 

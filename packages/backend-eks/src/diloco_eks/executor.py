@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from diloco.errors import BackendError
+from diloco.errors import EXIT_TIME_LIMIT, BackendError
 from diloco.options import options_from
 from diloco.protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
 from diloco.request import LaunchPlan, LaunchRequest
@@ -29,7 +29,7 @@ from diloco.waiting import collect_results
 from .api import KubeApi
 from .manifest import job_ranks, launch_documents, secret_refs
 from .options import EksOptions
-from .results import failure_text
+from .results import deadline_cause, failure_text
 from .status import index_status, terminated, waiting_problem
 
 
@@ -152,7 +152,11 @@ class EksExecutor:
         error = self._errors.get((md["job"], md["index"]))
         if error is None:
             tail = self.stream_logs(handle, n_lines=20).strip() if pod else ""
-            error = failure_text(self.api.job(md["namespace"], md["job"]), term, tail)
+            job = self.api.job(md["namespace"], md["job"])
+            error = failure_text(job, term, tail)
+            deadline = deadline_cause(job)
+            if deadline:  # Kubernetes' time limit ended it (the pod's own exit code is its SIGTERM's)
+                code, error = EXIT_TIME_LIMIT, f"{deadline}\n{error}"
         return ReplicaResult(handle.rank, status, code if code is not None else 1, error, None, handle.attempt)
 
     # -- stopping ------------------------------------------------------------------------------

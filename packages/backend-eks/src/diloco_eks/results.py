@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from diloco.errors import EXIT_TIME_LIMIT
 from diloco.failures import cause_from_log, signal_cause
 
 
@@ -15,6 +16,16 @@ def exit_cause(code: int | None, reason: str | None) -> str:
     if killed:
         return killed
     return f"pod exited with code {code}" if code is not None else f"pod failed{f' ({reason})' if reason else ''}"
+
+
+def deadline_cause(job: dict[str, Any] | None) -> str | None:
+    """The Job's time limit, if that is what ended it: the spec's timeout as activeDeadlineSeconds,
+    which fails the Job (DeadlineExceeded) and stops its pods. None for any other ending."""
+    for c in ((job or {}).get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Failed" and c.get("status") == "True" and c.get("reason") == "DeadlineExceeded":
+            name = ((job or {}).get("metadata") or {}).get("name", "the Job")
+            return f"Job {name} reached its activeDeadlineSeconds (the spec's timeout; exit code {EXIT_TIME_LIMIT})"
+    return None
 
 
 def failure_text(job: dict[str, Any] | None, term: dict[str, Any] | None, tail: str) -> str:

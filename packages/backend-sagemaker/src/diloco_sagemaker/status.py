@@ -13,11 +13,14 @@ map onto the protocol's five statuses:
   cause, written by the bootstrap to /opt/ml/output/failure).
 - Stopping → running, unless diloco itself asked for the stop (`stop_requested`: then
   cancelled). SageMaker shows Stopping/Stopping both after StopTrainingJob and when a job
-  reaches MaxRuntimeInSeconds or MaxWaitTimeInSeconds; only the end tells them apart, and the
-  supervisor cancels the whole run when one rank reads cancelled: one rank's timeout must not.
+  reaches MaxRuntimeInSeconds or MaxWaitTimeInSeconds; only the end tells them apart, and a
+  rank that reads cancelled is taken as cancelled outside diloco: one rank's timeout must be a
+  time limit instead.
 - Stopped + MaxRuntimeExceeded (the spec's timeout) and Stopped + MaxWaitTimeExceeded (spot
-  capacity did not come back within max_wait) → failed, exit 124: relaunched per the restart policy.
-- Stopped (someone called StopTrainingJob) → cancelled.
+  capacity did not come back within max_wait) → failed, exit 124: a time limit, relaunched
+  without spending the failure budgets (`diloco.failures.is_time_limit`).
+- Stopped (someone called StopTrainingJob) → cancelled: unless `diloco cancel` asked, the
+  supervisor relaunches that rank as cancelled outside diloco (`detail` says so).
 """
 
 from __future__ import annotations
@@ -59,12 +62,15 @@ def replica_status(job: dict[str, Any], *, stop_requested: bool = False) -> Repl
 
 
 def detail(job: dict[str, Any]) -> str | None:
-    """Why a job is not running right now, in words (None while it trains)."""
+    """Why a job is not running right now, or who stopped it, in words (None while it trains)."""
     secondary = job.get("SecondaryStatus")
     if job.get("TrainingJobStatus") == "InProgress" and secondary in WAITING:
         interrupted = sum(t.get("Status") == "Interrupted" for t in job.get("SecondaryStatusTransitions") or [])
         text = f"{secondary}: {WAITING[secondary]}"
         return f"{text} (spot interruptions so far: {interrupted})" if interrupted else text
+    if job.get("TrainingJobStatus") == "Stopped" and secondary not in TIMED_OUT:
+        return (f"{job.get('TrainingJobName', 'the training job')} was stopped by a StopTrainingJob call (the console, "
+                f"the AWS CLI, another tool; CloudTrail names the caller)")
     return None
 
 

@@ -17,7 +17,6 @@ warning, and the time limit ends the job as TIMEOUT (failed, 124).
 
 from __future__ import annotations
 
-import math
 import shlex
 from typing import Any
 
@@ -27,6 +26,7 @@ from diloco.procgroup import gpu_count, replica_command
 from diloco.request import LaunchRequest
 
 from .access import ClusterAccess
+from .limits import time_limit
 from .options import SlurmOptions
 
 SECRETS_FILE = "secrets.env"
@@ -42,18 +42,11 @@ def run_dir(state_dir: str, run_id: str) -> str:
     return f"{state_dir.rstrip('/')}/slurm/{run_id}"
 
 
-def time_limit_minutes(options: SlurmOptions, timeout: float) -> int:
-    """sbatch --time: as given, or long enough that the replica's own timeout (exit 124, with a
-    result file) comes before Slurm's time-limit warning and kill."""
-    if options.time_limit:
-        return options.time_limit
-    return max(1, math.ceil((timeout + options.preemption_notice + 60) / 60))
-
-
-def directives(options: SlurmOptions, request: LaunchRequest, rank: int, stem: str, workdir: str | None) -> list[str]:
+def directives(options: SlurmOptions, request: LaunchRequest, rank: int, stem: str, workdir: str | None,
+               minutes: int) -> list[str]:
     signal = options.preemption_signal.removeprefix("SIG")
     lines = [f"--job-name={job_name(request.run_id, rank, request.attempt)}", f"--output={stem}.log",
-             "--nodes=1", "--ntasks=1", f"--time={time_limit_minutes(options, request.timeout)}",
+             "--nodes=1", "--ntasks=1", f"--time={minutes}",
              f"--signal=B:{signal}@{options.preemption_notice}", "--requeue", "--open-mode=append"]
     for flag, value in (("partition", options.partition), ("account", options.account), ("qos", options.qos),
                         ("constraint", options.constraint), ("cpus-per-task", options.cpus),
@@ -101,12 +94,13 @@ exit "$code"
 
 
 def script(options: SlurmOptions, request: LaunchRequest, rank: int, stem: str, secrets_path: str | None,
-           workdir: str | None, python: str) -> list[str]:
-    """The batch script of one rank: #SBATCH lines, the setup lines, the replica's variables, the replica."""
+           workdir: str | None, python: str, minutes: int) -> list[str]:
+    """The batch script of one rank (its time limit `minutes`): #SBATCH lines, the setup lines, the
+    replica's variables, the replica."""
     env = request.replica_env(rank)
     env.update({envvars.ENV_RESULT_PATH: f"{stem}.result.json", envvars.ENV_STARTED_PATH: f"{stem}.started.json",
                 envvars.ENV_PREEMPTION_SIGNAL: options.preemption_signal})
-    lines = ["#!/bin/bash", *directives(options, request, rank, stem, workdir),
+    lines = ["#!/bin/bash", *directives(options, request, rank, stem, workdir, minutes),
              f"# diloco run {request.run_id}, rank {rank}, attempt {request.attempt}", *options.setup]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(env.items())]
     if workdir:
@@ -130,9 +124,10 @@ def secrets_file(values: dict[str, str]) -> str:
 
 
 def batch_jobs(options: SlurmOptions, access: ClusterAccess, request: LaunchRequest, *, default_state_dir: str,
-               default_python: str) -> dict[str, Any]:
-    """The plan body: the run directory, the secrets file (names only) and, per rank, the exact
-    sbatch command and the script it reads on stdin."""
+               default_python: str, max_minutes: int | None = None) -> dict[str, Any]:
+    """The plan body: the run directory, the secrets file (names only), the jobs' time limit inside
+    the partition's MaxTime `max_minutes` (`diloco_slurm.limits`) and, per rank, the exact sbatch
+    command and the script it reads on stdin."""
     if options.host and not options.state_dir:
         raise UserError("[backend] state_dir is needed with host: an absolute directory on the cluster's shared "
                         "filesystem (e.g. /home/you/diloco) for the jobs' logs and result files")
@@ -141,6 +136,7 @@ def batch_jobs(options: SlurmOptions, access: ClusterAccess, request: LaunchRequ
                         f"set a shorter timeout (the job's --time is derived from it)")
     if options.ssh_config and not options.host:
         raise UserError("[backend] ssh_config only applies with host = \"user@login\"; set host or drop ssh_config")
+    limit = time_limit(options.time_limit, request.timeout, options.preemption_notice, max_minutes, options.partition)
     directory = run_dir(options.state_dir or default_state_dir, request.run_id)
     workdir = options.workdir or (None if options.host else request.workdir)
     python = options.python or (default_python if not options.host else "python3")
@@ -150,7 +146,10 @@ def batch_jobs(options: SlurmOptions, access: ClusterAccess, request: LaunchRequ
     for rank in request.ranks:
         stem = f"{directory}/rank-{rank}.attempt-{request.attempt}"
         jobs.append({"rank": rank, "job_name": job_name(request.run_id, rank, request.attempt), "stem": stem,
-                     "command": command, "script": script(options, request, rank, stem, secrets_path, workdir, python)})
+                     "command": command,
+                     "script": script(options, request, rank, stem, secrets_path, workdir, python, limit.minutes)})
     return {"cluster": access.where, "run_dir": directory,
+            "time_limit": {"minutes": limit.minutes, "partition_max": max_minutes,
+                           **({"note": limit.note} if limit.note else {})},
             "secrets_file": {"path": secrets_path, "names": sorted(request.secrets)} if secrets_path else None,
             "jobs": jobs}

@@ -29,11 +29,12 @@ from diloco.statedir import state_dir
 from diloco.submitting import start_each
 from diloco.waiting import poll_until_terminal
 
-from . import batchscript, jobstate
+from . import batchscript, jobstate, limits
 from .access import ClusterAccess
 from .options import SlurmOptions
 
 UNKNOWN_JOB = "Invalid job id specified"
+PARTITION_TIMEOUT = 20.0  # seconds a plan waits to learn the partition's MaxTime before going on without it
 
 
 class SlurmExecutor:
@@ -54,14 +55,32 @@ class SlurmExecutor:
         self.capabilities = replace(type(self).capabilities, preemption_signal=self.options.preemption_signal,
                                     shares_launcher_filesystem=not remote, log_files=not remote)
         self._last: dict[str, ReplicaStatus] = {}
+        self._max_time: int | None = None  # the partition's MaxTime in minutes, once `_asked`
+        self._asked = False
 
     # -- planning and launching ----------------------------------------------------------------
 
     def plan(self, request: LaunchRequest) -> LaunchPlan:
-        """Per rank the exact sbatch command and the batch script it reads on stdin."""
+        """Per rank the exact sbatch command and the batch script it reads on stdin, the jobs' time
+        limit inside the partition's MaxTime (`diloco_slurm.limits`)."""
         body = batchscript.batch_jobs(self.options, self.access, request, default_state_dir=str(state_dir()),
-                                      default_python=sys.executable)
+                                      default_python=sys.executable, max_minutes=self._max_minutes())
         return LaunchPlan(self.backend_name, request, body, format="json")
+
+    def _max_minutes(self) -> int | None:
+        """The partition's MaxTime in minutes, asked once per executor; None when unlimited, or when
+        Slurm cannot be asked from here (a dry run away from the cluster): then nothing is checked."""
+        if not self._asked:
+            self._asked = True
+            which = [self.options.partition] if self.options.partition else []
+            try:
+                answer = self.access.run(self.access.slurm("scontrol", "show", "partition", "-o", *which),
+                                         timeout=PARTITION_TIMEOUT)
+            except UserError:  # no Slurm client here
+                answer = None
+            self._max_time = (limits.max_time_minutes(answer.out, self.options.partition)
+                              if answer is not None and answer.ok else None)
+        return self._max_time
 
     def submit(self, plan: LaunchPlan) -> list[ReplicaHandle]:
         request, body = plan.request, plan.body

@@ -124,7 +124,8 @@ def _supervise(handle, on_interrupt: str, printer) -> None:
             sup.tick()
         sys.exit(130)
     if state == "STOPPED":
-        console.print(f"run {run_id} was cancelled", style="yellow", markup=False)
+        why = handle.record.stopped_because
+        console.print(f"run {run_id} was cancelled{f': {why}' if why else ''}", style="yellow", markup=False)
         sys.exit(1)
     print_succeeded(console, handle.record)
 

@@ -22,7 +22,8 @@ from .state import RunRecord
 
 _EVENT_STYLE = {"diverged": "bold red", "training_alone": "bold red", "incident": "yellow", "failed": "red", "run_failed": "bold red", "give_up": "red", "run_succeeded": "bold green",
                 "succeeded": "green", "relaunch_scheduled": "yellow", "gang_restart": "yellow",
-                "run_cancelled": "yellow", "preempted": "yellow", "pending": "yellow", "cancelled": "yellow", "resumed": "cyan", "detached": "cyan",
+                "run_cancelled": "yellow", "preempted": "yellow", "time_limit": "yellow", "cancelled_outside": "yellow",
+                "pending": "yellow", "cancelled": "yellow", "resumed": "cyan", "detached": "cyan",
                 "poll_failed": "yellow", "poll_recovered": "cyan"}
 
 
@@ -33,7 +34,7 @@ def _clock(t: float) -> str:
 def format_event(e: dict[str, Any]) -> str:
     kind = e.get("event", "?")
     fields = {k: v for k, v in e.items() if k not in ("t", "event")}
-    if kind in ("failed", "preempted") and fields.get("error"):
+    if kind in ("failed", "preempted", "time_limit", "cancelled_outside") and fields.get("error"):
         fields["error"] = cause(str(fields.pop("error")))
     if kind == "run_failed":
         fields.pop("errors", None)
@@ -135,7 +136,7 @@ def status_table(record: RunRecord, live: dict[int, str] | None) -> Table:
     ranks = record.ranks
     grouped = any(r.group for r in ranks)
     for col in ("rank", *(("group", "backend") if grouped else ()), "attempt", "status", "restarts", "preempted",
-                "last error"):
+                "time limits", "last error"):
         table.add_column(col)
     for r in ranks:
         attempt = r.handle.attempt if r.handle else 0
@@ -147,7 +148,7 @@ def status_table(record: RunRecord, live: dict[int, str] | None) -> Table:
         # Text, not str: an error message is the replica's text, never rich markup ("[/]" would crash).
         where = (Text(r.group or "?"), Text(r.handle.backend_name if r.handle else "?")) if grouped else ()
         table.add_row(str(r.rank), *where, str(attempt), Text(status), str(r.restarts), str(r.preemptions),
-                      Text(cause(r.last_error)[:80]))
+                      str(r.time_limits), Text(cause(r.last_error)[:80]))
     return table
 
 
@@ -221,6 +222,8 @@ def print_status(console: Console, record: RunRecord, view: dict[str, Any], n_ev
                       markup=False)
     if record.failure:
         console.print(f"failure: {record.failure}", style="red", markup=False)
+    if record.stopped_because:
+        console.print(f"stopped: {record.stopped_because}", style="yellow", markup=False)
     for warning in health_warnings(record, rounds):
         console.print(f"WARNING: {warning}", style="bold red", markup=False)
     console.print("progress: " + progress_line(Progress(**view["progress"])), markup=False)

@@ -14,6 +14,11 @@ EXIT_CONFIG = 78
 # preempted Modal container, a reclaimed spot instance. The supervisor relaunches it without
 # spending the restart budget that code failures use (see `[restart] max_preemptions`).
 EXIT_PREEMPTED = 75
+# The exit status of a replica that reached a time limit: the spec's `timeout` (the runner's
+# watchdog) or the platform's wall-time limit (Slurm's TIMEOUT, SageMaker's MaxRuntimeInSeconds,
+# Modal's timeout, a Job's activeDeadlineSeconds), as timeout(1) reports one. A lifecycle event:
+# relaunched without spending the failure budgets (see `[restart] max_time_limits_per_rank`).
+EXIT_TIME_LIMIT = 124
 
 
 class DilocoError(Exception):

@@ -7,7 +7,7 @@ run` and `diloco status` show the first line, and shortening keeps the head as w
 
 from __future__ import annotations
 
-from .errors import EXIT_CONFIG, EXIT_PREEMPTED
+from .errors import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_TIME_LIMIT
 
 STEP_MARK = " (at global step "
 # what the in-replica runner prints before a failed replica's cause line, its last words, for
@@ -41,6 +41,24 @@ def is_preemption(exit_code: int | None, error: str | None = None) -> bool:
     round still in flight, a slow machine) exits 137, and it was preempted all the same.
     """
     return exit_code == EXIT_PREEMPTED or cause(error).startswith(_PREEMPTED_HEAD)
+
+
+# the cause line of a replica stopped at a time limit, for backends that only have logs: the
+# runner's watchdog kills the replica's whole process group, itself included, so the exit code
+# such a backend reads is SIGKILL's 137, and this line (the replica's last words) says what it was
+TIME_LIMIT_CAUSE = "time limit: {what}"
+_TIME_LIMIT_HEAD = TIME_LIMIT_CAUSE.split("{", 1)[0]
+
+
+def is_time_limit(exit_code: int | None, error: str | None = None) -> bool:
+    """A replica stopped at a time limit (the spec's `timeout` or the platform's wall-time limit):
+    relaunch it, do not count it as a failure.
+
+    Exit 124 (every backend reports a platform's time limit so: Slurm's TIMEOUT and DEADLINE,
+    SageMaker's MaxRuntimeExceeded, Modal's timeout, a Job's DeadlineExceeded), or the runner's
+    time-limit cause as the error's first line with any exit code.
+    """
+    return exit_code == EXIT_TIME_LIMIT or cause(error).startswith(_TIME_LIMIT_HEAD)
 
 
 def code_failure_signature(error: str | None) -> str | None:

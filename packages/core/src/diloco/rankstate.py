@@ -53,7 +53,9 @@ class RankState:
     failure_signature: str | None = None  # the latest failure's cause, if training code raised it
     failed_soon: bool = False            # whether that failure came within fail_fast_seconds of launch
     preemptions: int = 0                 # times the platform took this rank's machine away
-    preempted: bool = False              # the scheduled relaunch replaces a preempted attempt
+    time_limits: int = 0                 # times it was relaunched after reaching a time limit
+    relaunch_paid: bool = False          # the scheduled relaunch was paid when decided (a preemption, a time limit)
+    cancelled_outside_at: float | None = None  # when its latest attempt was seen cancelled outside diloco
     group: str | None = None             # its replica group's name, in a run with [[group]] tables
     retired: bool = False                # scaled away (`diloco scale`): it leaves after its round, never relaunched
 

@@ -18,7 +18,7 @@ from .scaling import ScaleRequest, pending, plan_resize, roster_body
 
 class Resizer:
     """`sup`: the `diloco.supervisor.Supervisor` it works for (its ranks, record, request,
-    executor, round watcher, `_launch` and `_event`)."""
+    executor, round watcher, `launch` and `event`)."""
 
     def __init__(self, sup: Any):
         self.sup = sup
@@ -54,13 +54,13 @@ class Resizer:
         names = [g.name for g in sup.record.spec.replica_groups()]
         group = req.group or names[0]
         if group not in names:
-            sup._event("scale_refused", group=group, replicas=req.replicas, reason=f"no group {group!r}")
+            sup.event("scale_refused", group=group, replicas=req.replicas, reason=f"no group {group!r}")
             return
         before = len(self.active())
         added, retired = plan_resize(by_group, len(sup.ranks), group, req.replicas)
         ranks = sorted({st.rank for st in self.active()} - set(retired) | set(added))
         if not ranks:
-            sup._event("scale_refused", group=group, replicas=req.replicas, reason="it would leave no replica")
+            sup.event("scale_refused", group=group, replicas=req.replicas, reason="it would leave no replica")
             return
         try:  # the replicas read the target from the store: it goes first, or nothing changes
             from .store import open_store
@@ -71,7 +71,7 @@ class Resizer:
             seq = max((int(x) for x in seqs if x.isdigit()), default=0) + 1
             store.put(f"{prefix}scale-{seq:08d}.json", roster_body(sup.request.run_id, seq, ranks), create_only=True)
         except Exception as exc:  # noqa: BLE001 - a store that cannot be written: one event, the run goes on
-            sup._event("scale_failed", group=group, replicas=req.replicas, error=shorten(str(exc)))
+            sup.event("scale_failed", group=group, replicas=req.replicas, error=shorten(str(exc)))
             return
         for rank in retired:
             self._retire(sup.ranks[rank])
@@ -84,10 +84,10 @@ class Resizer:
                 sup.executor.assign(rank, group)
         sup.request = replace(sup.request, n_replicas=len(sup.ranks))  # every rank id is below it
         sup.rounds.n_replicas = len(ranks)
-        sup._event("scaled", group=group if grouped else None, replicas_from=before, replicas_to=len(ranks),
+        sup.event("scaled", group=group if grouped else None, replicas_from=before, replicas_to=len(ranks),
                    added=added, retired=retired, seq=seq)
         if added:
-            sup._launch(added, {r: 0 for r in added})
+            sup.launch(added, {r: 0 for r in added})
 
     def _retire(self, st: RankState) -> None:
         """The rank leaves after the round it is in; one that is not running is stopped now."""

@@ -25,7 +25,7 @@ import time
 
 from . import envvars as v
 from .context import ReplicaContext
-from .failures import CAUSE_PREFIX, PREEMPTED_CAUSE, USER_ERROR_PREFIX
+from .failures import CAUSE_PREFIX, PREEMPTED_CAUSE, TIME_LIMIT_CAUSE, USER_ERROR_PREFIX
 
 
 def write_text_atomic(path: str, text: str) -> None:
@@ -104,10 +104,14 @@ class _Outcome:
 
 
 def _start_watchdog(timeout: float, outcome: _Outcome) -> None:
+    """Stop the replica at the spec's `timeout`: exit 124 with the time-limit cause, its last words
+    in the log for backends that only have logs (the group's SIGKILL takes this process too)."""
     def fire() -> None:
-        msg = f"replica timed out after {timeout:g}s (spec `timeout`)"
-        if outcome.write("failed", 124, msg):
-            print(f"diloco: {msg}; killing the replica", file=sys.stderr, flush=True)
+        from .errors import EXIT_TIME_LIMIT
+
+        msg = TIME_LIMIT_CAUSE.format(what=f"replica timed out after {timeout:g}s (spec `timeout`)")
+        if outcome.write("failed", EXIT_TIME_LIMIT, msg):
+            print(f"{CAUSE_PREFIX}{msg}; killing the replica", file=sys.stderr, flush=True)
         os.killpg(os.getpgid(0), signal.SIGKILL)
 
     timer = threading.Timer(timeout, fire)

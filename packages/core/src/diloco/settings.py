@@ -67,7 +67,12 @@ class DilocoSettings:
     part_mb: float = option(32.0, help="a round's shards are sent as objects of at most this many MiB of fp32, so "
                                        "folding, uploading and downloading pipeline (docs/sync-modes.md)",
                             min=0.001, max=65_536)
-    round_timeout: float = option(300.0, help="seconds a sync round waits for its members", min=0.1, max=86_400)
+    round_timeout: float = option(300.0, help="seconds a sync round waits for min_members replicas; past it the "
+                                             "round fails", min=0.1, max=86_400)
+    round_grace: float | None = option(
+        None, help="seconds a ready replica waits for expected replicas that are not ready before the round goes "
+                   "on without them (default: one recent round period, at least 5; docs/design.md 'Who a round "
+                   "waits for')", min=0, max=86_400)
     min_members: int = option(1, help="fewest replicas a sync round may average over", min=1, max=4096)
     checkpoint_every: int = option(10, help="rounds between checkpoints of the global state", min=1, max=1_000_000)
     poll_interval: float | None = option(None, help="first wait when polling the store (default: by store)",
@@ -123,6 +128,9 @@ class RestartSettings:
                                      min=0.01, max=3600)
     max_preemptions: int = option(50, help="relaunches after the platform took a replica's machine away (exit 75)",
                                   min=0, max=100_000)
+    max_time_limits_per_rank: int = option(1000, help="relaunches of each rank after it reached a time limit (the "
+                                                      "spec's timeout or the platform's, exit 124)",
+                                           min=0, max=1_000_000)
     fail_fast_seconds: float = option(900.0, help="the same error at the same step on every rank this soon after "
                                                   "start: stop", min=0, max=7 * 86_400)
 

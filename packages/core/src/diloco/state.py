@@ -98,6 +98,11 @@ class RunRecord:
         return self.data.get("failure")
 
     @property
+    def stopped_because(self) -> str | None:
+        """Why a STOPPED run stopped when no `diloco cancel` asked (every replica cancelled outside diloco)."""
+        return self.data.get("stopped_because")
+
+    @property
     def spec(self) -> Any:
         """The `diloco.spec.RunSpec` the run was started from (secrets named, never valued)."""
         from .spec import RunSpec

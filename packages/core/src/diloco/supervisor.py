@@ -1,10 +1,12 @@
 """The supervisor: keeps a run's replicas alive through the executor protocol alone.
 
-It observes (polls every rank, collects each failure), asks `diloco.policy` (every rule: what a
-failure gets, what it spends, `min_replicas`) and carries out the answers: events, cancels,
-launches. A relaunch is scheduled, not slept on, so one rank's backoff never holds up watching the
-others. Rounds are watched by `diloco.roundwatch.RoundWatcher` (events, metric sinks,
-`training_alone`).
+It observes (polls every rank), has `diloco.reactions.Reactions` answer each change (a failure, a
+preemption, a time limit, a cancel from outside diloco: what `diloco.policy` decides, what it
+spends), asks `diloco.policy.outcome` where the run stands, and carries out the rest: launches,
+and the run's end. Only `diloco cancel` / `Run.cancel()` (the record's cancel marker) ends the run
+as cancelled. A relaunch is scheduled, not slept on, so one rank's backoff never holds up watching
+the others. Rounds are watched by `diloco.roundwatch.RoundWatcher` (events, metric sinks,
+`training_alone`), `diloco scale` requests carried out by `diloco.resizer.Resizer`.
 
 All state is in the run record (handles of every attempt, budgets, status), written on every
 change, so a new launcher can reattach (`diloco resume`) and continue where this one stopped.
@@ -21,10 +23,11 @@ from typing import Any
 
 from .errors import BackendError
 from .failures import shorten
-from .policy import (Action, Failure, Peer, RestartSettings, RunState, Spend, decide, outcome, spent_on_decision,
-                     spent_on_relaunch)
+from .policy import RestartSettings, RunState, outcome, spent_on_relaunch
 from .protocol import Executor, ReplicaResult, ReplicaStatus
 from .rankstate import RankState, RankStatus
+from .presence import AwayBoard
+from .reactions import Presence, Reactions
 from .request import LaunchPlan, LaunchRequest
 from .roundwatch import RoundWatcher
 from .procinfo import started_at
@@ -80,8 +83,18 @@ class Supervisor:
         self.rounds = RoundWatcher(record, rendezvous=request.rendezvous, run_id=request.run_id,
                                    n_replicas=sum(not r.retired for r in self.ranks), clock=clock)
         self.resizer = Resizer(self)  # `diloco scale` requests
+        self.reactions = Reactions(self)  # what each rank's new status gets
+        # told whenever a rank stops or starts running (`diloco.reactions.Presence`): an attempt that
+        # ended is marked away in the store, so no round waits for it (`diloco.presence`)
+        self.away = AwayBoard(request.rendezvous, request.run_id)
+        self.on_presence: Presence = self._mark_presence
         self._outage_since: dict[str, float] = {}  # by group: one backend's outage is timed on its own
         self.lease: Any = None  # a diloco.lease.SupervisorLease while this supervisor runs
+
+    def _mark_presence(self, rank: int, attempt: int, present: bool, reason: str) -> None:
+        problem = self.away.on_presence(rank, attempt, present, reason)
+        if problem is not None:  # the rounds fall back on their grace window; said once per rank and attempt
+            self.event("presence_failed", rank=rank, attempt=attempt, error=shorten(problem))
 
     # -- persistence -----------------------------------------------------------------------
 
@@ -95,7 +108,8 @@ class Supervisor:
         })
         self.record.save()
 
-    def _event(self, kind: str, **fields: Any) -> None:
+    def event(self, kind: str, **fields: Any) -> None:
+        """Record an event; in a run across backends, one about a rank names its group."""
         if self.group_names:  # a run across backends: every event about a rank names its group
             if "rank" in fields:
                 fields["group"] = self.group_names.get(fields["rank"])
@@ -109,7 +123,8 @@ class Supervisor:
     def policy(self) -> str:
         return self.settings.policy
 
-    def _launch(self, ranks: list[int], attempt_of: dict[int, int]) -> None:
+    def launch(self, ranks: list[int], attempt_of: dict[int, int]) -> None:
+        """Plan and submit `ranks`, each as attempt `attempt_of[rank]`, and record their handles."""
         by_attempt: dict[int, list[int]] = {}
         for r in ranks:
             by_attempt.setdefault(attempt_of[r], []).append(r)
@@ -124,12 +139,12 @@ class Supervisor:
                 st.handle, st.status, st.relaunch_at = h, RankStatus.PENDING, None
                 st.launched_at = self.clock()
                 st.attempts.append(h.to_dict())
-            self._event("launch", ranks=group, attempt=attempt)
+            self.event("launch", ranks=group, attempt=attempt)
         self.save()
 
     def start(self) -> None:
         """First launch of every rank, attempt 0."""
-        self._launch([r.rank for r in self.ranks], {r.rank: 0 for r in self.ranks})
+        self.launch([r.rank for r in self.ranks], {r.rank: 0 for r in self.ranks})
         self.state = RunState.HEALTHY
         self.save()
 
@@ -138,7 +153,8 @@ class Supervisor:
     def alive(self) -> list[RankState]:
         return [r for r in self.ranks if r.status.live or r.relaunch_at is not None]
 
-    def _rank_result(self, st: RankState) -> ReplicaResult:
+    def rank_result(self, st: RankState) -> ReplicaResult:
+        """How `st`'s current attempt ended (its error says why, even when only an exit code does)."""
         res: ReplicaResult = self.executor.collect([st.handle], timeout=0)[0]
         if not res.error and res.exit_code:
             res.error = f"exit code {res.exit_code}"
@@ -156,7 +172,7 @@ class Supervisor:
             now = self.clock()
             if group not in self._outage_since:
                 self._outage_since[group] = now
-                self._event("poll_failed", rank=st.rank, error=shorten(str(exc)))
+                self.event("poll_failed", rank=st.rank, error=shorten(str(exc)))
             since = self._outage_since[group]
             if now - since > POLL_OUTAGE_LIMIT:
                 raise BackendError(f"{exc} (the backend has not answered for {now - since:.0f}s; the "
@@ -164,7 +180,7 @@ class Supervisor:
             return None
         since = self._outage_since.pop(group, None)
         if since is not None:
-            self._event("poll_recovered", after_seconds=round(self.clock() - since, 1),
+            self.event("poll_recovered", after_seconds=round(self.clock() - since, 1),
                         **({"group": group} if group else {}))
         return status
 
@@ -174,40 +190,27 @@ class Supervisor:
         changed = self.rounds.poll()
         changed = self.resizer.apply_pending() or changed
         for st in self.ranks:
-            if st.handle is None or st.relaunch_at is not None or st.status.ended:
+            if st.handle is None or st.relaunch_at is not None or st.status.ended \
+                    or st.status is RankStatus.CANCELLED_BY_SUPERVISOR:  # stopped on purpose: it reads cancelled
                 continue
             status = self._poll(st)
             if status is None or status.value == st.status:
                 continue
             changed = True
             was, st.status = st.status, RankStatus.of(status)
-            if status is ReplicaStatus.PENDING and was is RankStatus.RUNNING:  # e.g. a spot interruption the platform retries
-                self._event("pending", rank=st.rank, attempt=st.handle.attempt, reason=self._why_waiting(st))
-            elif status is ReplicaStatus.RUNNING:
-                self._event("running", rank=st.rank, attempt=st.handle.attempt)
-            elif status is ReplicaStatus.SUCCEEDED:
-                st.result = self.executor.collect([st.handle], timeout=0)[0].result
-                self._event("succeeded", rank=st.rank, attempt=st.handle.attempt)
-            elif status is ReplicaStatus.CANCELLED:
-                self._event("cancelled", rank=st.rank, attempt=st.handle.attempt)
-            elif status is ReplicaStatus.FAILED and st.retired:  # scaled away: it is not relaunched
-                st.last_error = self._rank_result(st).error
-                self._event("retired_failed", rank=st.rank, attempt=st.handle.attempt, error=shorten(st.last_error))
-            elif status is ReplicaStatus.FAILED:
-                stop = self._failed(st, now)
-                if self.state is RunState.FAILED:
-                    return self.state
-                if stop:
-                    break  # every rank restarts or gives up: the other ranks' statuses are moot
-        if (self.record.cancel_requested() or any(r.status is RankStatus.CANCELLED for r in self.ranks)) \
-                and not self.state.is_final:
-            return self._finish_cancelled()
+            stop = self.reactions.status_changed(st, status, was, now)
+            if self.state.is_final:
+                return self.state
+            if stop:
+                break  # every rank restarts or gives up: the other ranks' statuses are moot
+        if self.record.cancel_requested() and not self.state.is_final:  # only `diloco cancel` ends the run so
+            return self.stop(by="diloco cancel")
         due = [st for st in self.ranks if st.relaunch_at is not None and st.relaunch_at <= now]
         if due:
             for st in due:
-                self._spend(st, spent_on_relaunch(self.settings.policy, preempted=st.preempted))
-                st.preempted = False
-            self._launch([st.rank for st in due], {st.rank: st.handle.attempt + 1 for st in due})
+                self.reactions.spend(st, spent_on_relaunch(self.settings.policy, paid=st.relaunch_paid))
+                st.relaunch_paid = False
+            self.launch([st.rank for st in due], {st.rank: st.handle.attempt + 1 for st in due})
             changed = True
         succeeded = sum(r.status is RankStatus.SUCCEEDED and not r.retired for r in self.ranks)  # a retired one left
         size = self.resizer.size()  # `diloco scale` moves the run's size: min_replicas follows it down
@@ -215,10 +218,10 @@ class Supervisor:
                     succeeded=succeeded, waiting=sum(r.relaunch_at is not None for r in self.ranks),
                     given_up=sum(r.given_up for r in self.ranks), alone=self.rounds.alone)
         if o.state is RunState.FAILED:
-            return self._fail(o.reason)
+            return self.fail(o.reason)
         if o.state is RunState.SUCCEEDED:
             self.rounds.poll(final=True)  # the last rounds, before the run is declared over
-            self._event("run_succeeded", succeeded=succeeded, given_up=[r.rank for r in self.ranks if r.given_up])
+            self.event("run_succeeded", succeeded=succeeded, given_up=[r.rank for r in self.ranks if r.given_up])
             changed = True
         changed = changed or o.state != self.state
         self.state = o.state
@@ -226,91 +229,33 @@ class Supervisor:
             self.save()
         return self.state
 
-    def _why_waiting(self, st: RankState) -> str | None:
-        """The executor's words for why a replica is waiting again, if it declares
-        `status_detail` (SageMaker: "Interrupted: spot capacity was reclaimed; …")."""
-        if not self.capabilities.status_detail:
-            return None
-        try:
-            return self.executor.status_detail(st.handle)
-        except Exception as exc:  # noqa: BLE001 - a reason is decoration; never stop supervising for it
-            return f"(no detail: {type(exc).__name__})"
-
-    def _failed(self, st: RankState, now: float) -> bool:
-        """Carry out the policy's answer to a failed attempt (`diloco.policy.decide`); True when the
-        pass must stop looking at other ranks (the run failed, or every rank restarts)."""
-        res = self._rank_result(st)
-        st.last_error = res.error
-        peers = [Peer(r.failure_signature, r.failed_soon) for r in self.ranks if r is not st and not r.retired]
-        d = decide(self.settings, Failure(res.exit_code, res.error, st.launched_at, now), rank=st.rank,
-                   restarts=st.restarts, restarts_used=self.restarts_used, preemptions_used=self.preemptions_used,
-                   peers=peers)
-        attempt = st.handle.attempt
-        if d.preempted:
-            self._event("preempted", rank=st.rank, attempt=attempt, error=shorten(st.last_error))
-        else:
-            st.failure_signature, st.failed_soon = d.signature, d.failed_soon
-            self._event("failed", rank=st.rank, attempt=attempt, error=shorten(st.last_error))
-        if d.action is Action.FAIL_RUN:
-            self._fail(d.reason)
-            return True
-        if d.action is Action.GIVE_UP:
-            st.given_up = True
-            self._event("give_up", rank=st.rank, restarts=st.restarts, reason=d.reason)
-            return False
-        self._spend(st, spent_on_decision(d))
-        if d.preempted:
-            st.preempted = True  # its relaunch replaces a preempted attempt: paid already
-        if d.action is Action.RELAUNCH:
-            st.relaunch_at = now + d.delay
-            self._event("relaunch_scheduled", rank=st.rank, delay=round(d.delay, 3), attempt=attempt + 1,
-                        **({"reason": "preempted"} if d.preempted else {}))
-            return False
-        if d.action is Action.GIVE_UP_ALL:
-            for r in self.ranks:
-                r.given_up = r.given_up or r.status is RankStatus.FAILED
-            self._event("give_up", rank=st.rank, restarts=self.restarts_used, reason=d.reason)
-            self._stop_all()
-            return True
-        self._gang_restart(now, d.delay, failed=st, preempted=d.preempted)
-        return True
-
-    def _gang_restart(self, now: float, delay: float, failed: RankState, *, preempted: bool = False) -> None:
-        self._event("gang_restart", failed_rank=failed.rank)
-        self._stop_all()
-        for st in self.ranks:
-            if not st.retired:  # scaled away: never relaunched, a gang restart included
-                st.status, st.relaunch_at, st.preempted = RankStatus.FAILED, now + delay, preempted
-
-    def _spend(self, st: RankState, spent: Spend) -> None:
-        """Pay what the policy priced (`spent_on_decision`, `spent_on_relaunch`) from `st`'s and the run's budgets."""
-        st.restarts += spent.restarts
-        st.preemptions += spent.preemptions
-        self.restarts_used += spent.run_restarts
-        self.preemptions_used += spent.preemptions
-
-    def _stop_all(self) -> None:
+    def stop_all(self) -> None:
+        """Cancel every live attempt; each reads `cancelled_by_supervisor` from here on."""
         for st in self.ranks:
             if st.handle is not None and st.status.live:
                 self.executor.cancel(st.handle)
                 st.status = RankStatus.CANCELLED_BY_SUPERVISOR
 
-    def _fail(self, reason: str) -> RunState:
-        self._stop_all()
+    def fail(self, reason: str) -> RunState:
+        """End the run as FAILED, saying why, with every rank's last error."""
+        self.stop_all()
         for st in self.ranks:
             st.relaunch_at = None
         self.state = RunState.FAILED
         self.record.data["failure"] = reason
-        self._event("run_failed", reason=shorten(reason), errors={str(r.rank): shorten(r.last_error) for r in self.ranks})
+        self.event("run_failed", reason=shorten(reason), errors={str(r.rank): shorten(r.last_error) for r in self.ranks})
         self.save()
         return self.state
 
-    def _finish_cancelled(self) -> RunState:
-        self._stop_all()
+    def stop(self, *, by: str, reason: str | None = None) -> RunState:
+        """End the run as STOPPED: cancelled `by` `diloco cancel`, or (`reason` says why) from outside diloco."""
+        self.stop_all()
         for st in self.ranks:
             st.relaunch_at = None
         self.state = RunState.STOPPED
-        self._event("run_cancelled")
+        if reason:
+            self.record.data["stopped_because"] = reason
+        self.event("run_cancelled", by=by, **({"reason": reason} if reason else {}))
         self.save()
         return self.state
 

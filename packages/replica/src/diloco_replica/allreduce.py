@@ -4,7 +4,7 @@ The store cannot add, so the replicas do the reduction (LambdaML's reduce-scatte
 Round r, replica i with pseudo-gradient Δ_i split into N contiguous shards, shard j owned by j:
 
 1. scatter: upload shard j of Δ_i to ``r/scatter/j/i.<lane>`` for every j ≠ i, then a tiny
-   ``r/ready/i.<lanes>`` marker (so "ready" implies all its shards are in the store);
+   ``r/ready/i.<lanes>.<attempt>`` marker (so "ready" implies all its shards are in the store);
 2. membership (`membership.Membership`): one create-only ``members.json`` fixes who is in;
 3. reduce (`reduce.ShardReducer`): the reducer of shard j (j itself if it is a member, else the
    member at position j mod |members|) averages the members' contributions in rank order in
@@ -79,7 +79,8 @@ class StoreAllReduce:
                  round_timeout: float = 300.0, min_members: int = 1, poll_interval: float = 0.05,
                  poll_max: float = 1.0, workers: int | None = None, log: Callable[[str], None] | None = None,
                  lanes: Lanes | None = None, topk_density: float = DilocoSettings.topk_density,
-                 step_cap: int | None = None, part_mb: float = DilocoSettings.part_mb):
+                 step_cap: int | None = None, part_mb: float = DilocoSettings.part_mb,
+                 round_grace: float | None = None, attempt: int = 0):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         lanes = lanes or Lanes()
@@ -88,7 +89,7 @@ class StoreAllReduce:
                           run_id=run_id, rank=rank, n=world_size, round_timeout=round_timeout,
                           poll_interval=poll_interval, poll_max=poll_max, log=log or (lambda msg: None),
                           faults=Faults(rank, lanes.index), codec=codec)
-        self.rank, self.n, self.lanes = rank, world_size, lanes
+        self.rank, self.n, self.lanes, self.attempt = rank, world_size, lanes, attempt
         self.codec, self.topk_density, self.part_mb = codec, topk_density, part_mb
         # Time-based rounds (`round_seconds`): each contribution states its inner steps (1..step_cap)
         # and a shard's mean is FedNova's (`reduce`).
@@ -99,7 +100,7 @@ class StoreAllReduce:
         # on the pool their downloads queue on.
         self.beside = ThreadPoolExecutor(max_workers=3, thread_name_prefix="diloco-round")
         self.checkpoints = Checkpoints(self.io)
-        self.membership = Membership(self.io, self.checkpoints, min_members=min_members)
+        self.membership = Membership(self.io, self.checkpoints, min_members=min_members, round_grace=round_grace)
         self.repairs = RepairDesk(self.io, self.membership)
         self.reducer = ShardReducer(self.io, self.membership, self.repairs, window=self.window, step_cap=step_cap)
         self.gatherer = Gatherer(self.io, self.membership, self.repairs, window=self.window)
@@ -203,7 +204,7 @@ class StoreAllReduce:
                 decided = self.lanes.on_leader(lambda: self._ready_and_decide(r))
         rnd.laps.lap("wait")
         members = Decided.from_json(decided)
-        rnd.members, rnd.layouts = members.members, members.layouts
+        rnd.members, rnd.layouts, rnd.attempts = members.members, members.layouts, members.attempts_of
         self._learn(r, members)
         # The previous round's reduced shards stay servable until this round is formed: a reader
         # that found one corrupt is still finishing that round, and this round waits for it.
@@ -270,25 +271,14 @@ class StoreAllReduce:
                 raise error
 
     def _decided_or_open(self, r: int) -> list | None:
-        """Round r's members if already decided (we are late); None if it is open to join.
-
-        Skipped (two requests a round: a GET of members.json, a LIST of the low-water mark) when
-        this replica finished round r − 1 less than round_timeout/2 ago: the others decide a
-        round without a replica only round_timeout after they were ready for it, and none was
-        ready before finishing r − 1, so round r is still open and far from collected. A replica
-        late after all learns it in `Membership.decide` (the round's record is there)."""
-        last = self._finished
-        if last is not None and last[0] == r - 1 and time.monotonic() - last[1] < self.io.round_timeout / 2:
-            return None
-        decided = self.membership.read(r)
-        if decided is None:
-            self.membership.check_not_collected(r)
+        """Round r's members if already decided (we are late); None if it is open to join."""
+        decided = self.membership.decided_or_open(r, self._finished)
         return decided.to_json() if decided is not None else None
 
     def _ready_and_decide(self, r: int) -> list:
         """(Lane 0, once per replica) mark this replica ready, then fix the round's members."""
-        self.io.put(self.io.keys.ready(r, self.rank, self.lanes.count), b"{}", create_only=True)
-        return self.membership.decide(r, self.roster(r)).to_json()
+        self.io.put(self.io.keys.ready(r, self.rank, self.lanes.count, self.attempt), b"{}", create_only=True)
+        return self.membership.decide(r, self.roster(r), self.roster(r - 1) if r > 1 else None).to_json()
 
     def fetch(self, r: int, cut: Cut, *, sink: RoundSink | None = None) -> RoundResult:
         """Read round `r`'s result without contributing (replay, catching up): what this lane
@@ -298,7 +288,7 @@ class StoreAllReduce:
         if decided is None:
             self.membership.check_not_collected(r)
             raise RoundFailed(f"round {r} has no membership record; it has not happened yet")
-        rnd.members, rnd.layouts = decided.members, decided.layouts
+        rnd.members, rnd.layouts, rnd.attempts = decided.members, decided.layouts, decided.attempts_of
         self._learn(r, decided)
         mean = None
         if sink is None:

@@ -260,7 +260,7 @@ class DiLoCo:
         r = self._round + 1
         part = (r - 1) % self.fragments
         work = Work(steps=self.local_steps, tokens=self._tokens, loss_sum=sum(self._losses),
-                    loss_n=len(self._losses), evals=self._evals, compute_s=compute_s)
+                    loss_n=len(self._losses), evals=self._evals, compute_s=compute_s, total_steps=self.total_steps)
         local = self.transfers.snapshot(part, self.fragments, keep=self.overlap)
         self.sync.start(r, work)
         if self.overlap:  # training goes on during the exchange; `local` is kept for the merge

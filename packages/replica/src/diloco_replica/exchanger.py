@@ -27,6 +27,7 @@ import torch
 
 from diloco.context import ReplicaContext
 from diloco.metrics import RoundMetrics
+from diloco.presence import Presence
 from diloco.settings import DilocoSettings
 from diloco.store import poll_defaults, verify_store
 
@@ -49,6 +50,7 @@ class Work:
     loss_n: int = 0
     evals: list[list[float]] = field(default_factory=list)
     compute_s: float = 0.0
+    total_steps: int | None = None  # the run's length as the training loop knows it (`DiLoCo.steps`)
 
 
 # What the training process copies into the model once a round is done.
@@ -81,7 +83,8 @@ class Exchanger:
             round_timeout=float(s.round_timeout), min_members=int(s.min_members),
             poll_interval=float(s.poll_interval or first), poll_max=float(s.poll_max or cap), log=log,
             lanes=lanes, topk_density=float(s.topk_density),
-            step_cap=self.H if s.round_seconds is not None else None, part_mb=float(s.part_mb))
+            step_cap=self.H if s.round_seconds is not None else None, part_mb=float(s.part_mb),
+            round_grace=s.round_grace, attempt=ctx.attempt)
         self.state = GlobalState(self.allreduce, total, lr=float(s.outer_lr), momentum=float(s.outer_momentum),
                                  nesterov=bool(s.nesterov), checkpoint_every=int(s.checkpoint_every), log=log,
                                  fragments=self.fragments, theta_out=theta_out)
@@ -101,38 +104,85 @@ class Exchanger:
 
     def join(self, initial: Callable[[], torch.Tensor] | None) -> tuple[int, bool]:
         """Adopt the run's global state (`initial()`: θ_0 from the model, read only if the run is new)
-        and, a replica the run grew by, wait until a round admits it (`roster`). Returns the
-        state's round, and whether this replica is to leave instead (scaled away before it got in)."""
+        and wait for the round this replica takes part in (`take_part`). Returns the state's round,
+        and whether this replica is to leave instead (scaled away before it got in)."""
         self.state.bootstrap(initial)
-        return self._admitted()
+        return self.take_part()
 
-    def _admitted(self) -> tuple[int, bool]:
-        """A replica the next round's roster does not hold yet (launched by `diloco scale`)
-        announces that it holds the state, then follows the rounds until one admits it — or the
-        launcher's newest target drops it, or the run ends, first. Rounds never wait for a
-        replica that is still starting."""
-        ar, rank, lanes = self.allreduce, self.ctx.rank, self.lanes
-
-        def where() -> str:
-            if rank in ar.roster(self.state.round + 1):
-                return "in"
-            target = ar.membership.rosters.look()[0]
-            return "out" if target is not None and rank not in target.ranks else "waiting"
-
-        state = lanes.on_leader(where)
-        if state == "waiting":
-            if lanes.leader:
-                ar.membership.rosters.announce(rank)
-            self.log(f"holding round {self.state.round}; waiting for a round to admit this replica")
-        while state == "waiting":
-            if self.total_steps is not None and self.state.round * self.stride >= self.total_steps:
-                break  # the run is over: nothing to join
+    def take_part(self) -> tuple[int, bool]:
+        """Start at a round boundary, as the others do (`diloco.presence`): a replica that holds
+        the state of round c without having been a member of it (relaunched, rejoined from a
+        checkpoint, left out of a round it was late for, added by `diloco scale`) announces the
+        round it takes part in, and follows the rounds until the one before is decided. That is
+        round c + 1 when nobody else trains it (the run's start, a gang restart), else c + 2: the
+        others are into round c + 1 already, and a replica that started it late would be late
+        for every round after it. No round waits for a replica until it has announced itself.
+        Returns the state's round and whether the run was scaled down without this replica."""
+        ar, lanes = self.allreduce, self.lanes
+        announced: int | None = None
+        since = time.monotonic()
+        while True:
+            c = self.state.round
+            if self.total_steps is not None and c * self.stride >= self.total_steps:
+                return c, False  # the run is over: nothing to join
+            if announced is not None and c >= announced:  # missed it: the run went on without this replica
+                announced, since = None, time.monotonic()
+            rank_in = self.ctx.rank in ar.roster(c + 1)
+            if announced is not None and c == announced - 1 and rank_in:
+                return c, False
+            stuck = time.monotonic() - since > ar.io.round_timeout
+            where = lanes.on_leader(lambda: self._where(c, announced, stuck=stuck))
+            if where == "out":
+                self.log("the run was scaled down without this replica before it joined; it leaves")
+                return c, True
+            if where == "go":
+                return c, False
+            if isinstance(where, int) and where != announced:
+                announced = where
+                self.log(f"holding round {c}; waiting for " + (f"round {where - 1} to end: it takes part from round "
+                         f"{where}" if rank_in else "a round to admit this replica"))
             time.sleep(ar.io.poll_max)
             self.state.catch_up()
-            state = lanes.on_leader(where)
-        if state == "out":
-            self.log("the run was scaled down without this replica before it joined; it leaves")
-        return self.state.round, state == "out"
+
+    def _where(self, c: int, announced: int | None, *, stuck: bool) -> str | int:
+        """(Lane 0) "go": take part in round c + 1 now; "out": scaled away; else the round this
+        replica has announced it takes part from (announced here if it had not been)."""
+        ar, rank, attempt = self.allreduce, self.ctx.rank, self.ctx.attempt
+        rosters = ar.membership.rosters
+        if rank not in ar.roster(c + 1):  # added by `diloco scale`: a round's decision lets it in
+            target = rosters.look()[0]
+            if target is not None and rank not in target.ranks:
+                return "out"
+            if announced is None:
+                rosters.announce(rank, c + 2, attempt)
+            return announced or c + 2
+        if c == 0 and attempt == 0:  # the run's start: every rank of the launch is expected in round 1
+            return "go"
+        if c > 0 and rank not in ar.roster(c):  # round c's decision let it in: round c + 1 expects it
+            return "go"
+        if announced is not None and not stuck:
+            return announced
+        presence = rosters.look()[1]
+        if stuck or not self._others_train(c, presence):
+            rosters.announce(rank, c + 1, attempt)
+            return "go"
+        rosters.announce(rank, c + 2, attempt)
+        return c + 2
+
+    def _others_train(self, c: int, presence: Presence) -> bool:
+        """Whether another replica has been training round c + 1 since round c closed: a member of
+        round c the launcher has not seen end, that is neither waiting for a later round nor itself
+        starting round c + 1 just now (a replica that announced c + 1: after a gang restart every
+        replica loads the state at once, and they all take round c + 1 together)."""
+        ar, rank = self.allreduce, self.ctx.rank
+        decided = ar.membership.read(c) if c > 0 else None
+        before = decided.members if decided is not None else ar.roster(c + 1)
+        for k in ar.roster(c + 1):
+            if k == rank or k not in before or presence.is_away(k):
+                continue
+            if not presence.waits_for_later(k, c + 1) and not presence.announced(k, c + 1):
+                return True
+        return False
 
     def leaving(self) -> bool:
         """Whether the roster of the round after the state's drops this replica (the run shrank)."""
@@ -148,6 +198,8 @@ class Exchanger:
         read, then overwritten with Δ and the mean)."""
         t0 = time.monotonic()
         self.settle()
+        if work.total_steps is not None:
+            self.total_steps = work.total_steps
         if r != self.state.round + 1:
             raise ValueError(f"round {r} asked for while the global state is at round {self.state.round}")
         since = self.state.round - 1
@@ -157,6 +209,7 @@ class Exchanger:
                      f"reloading it from an older checkpoint")
             self.state.repair_divergence(diverged, None)
             self.recorder.skip_through(self.state.round)  # later summaries still show the old state
+            self.take_part()
             return self._adopted(work, t0)
         a, b = self.state.bounds(r)
         cut = self.state.cut(r)
@@ -176,6 +229,7 @@ class Exchanger:
         except FellBehind as exc:
             self.log(f"{exc}; rejoining from the latest checkpoint")
             self.state.bootstrap(None)
+            self.take_part()
             return self._adopted(work, t0)
         return self._finished(result, work, t0)
 
@@ -192,19 +246,27 @@ class Exchanger:
         action = MERGE
         if not result.member:
             self.state.catch_up()  # others may be rounds ahead: adopt every completed round
+            self.take_part()  # and start the next round this replica takes part in with the others
             incidents += self.allreduce.io.take_found()
             action = WHOLE  # and the whole global model goes into the model, as a rejoining replica does
         elif left_out_nonfinite:
             incidents += self._reset(result.round)
             action = RESET
         loss_sum, loss_n = sums.pop("loss_sum"), sums.pop("loss_n")
+        # A non-member's row is of the round whose state it holds now, after catching up and waiting
+        # for its next round: its state digest is of that round, and the summary compares it there.
+        r = result.round if result.member else self.state.round
+        members = result.members
+        if r != result.round:
+            decided = self.allreduce.membership.read(r)
+            members = decided.members if decided is not None else members
         row = RoundMetrics(
-            round=result.round, rank=self.ctx.rank, attempt=self.ctx.attempt, members=result.members,
+            round=r, rank=self.ctx.rank, attempt=self.ctx.attempt, members=members,
             member=result.member, loss=loss_sum / loss_n if loss_n else None, tokens=int(sums.pop("tokens")),
             bytes_up=int(sums.pop("bytes_up")), bytes_down=int(sums.pop("bytes_down")),
             parameters=int(sums.pop("parameters")), compute_s=work.compute_s,
             requests={k: int(v) for k, v in sums.items()}, takeovers=result.takeovers, incidents=incidents,
-            phases={"compute": work.compute_s, **result.phases}, step=result.round * self.stride,
+            phases={"compute": work.compute_s, **result.phases}, step=r * self.stride,
             total_steps=self.total_steps, evals=list(work.evals))
         self._warn_if_alone(row)
         self._unrecorded[row.round] = row

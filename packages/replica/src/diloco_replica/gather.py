@@ -1,10 +1,13 @@
 """Gathering a round's reduced shards, taking over any whose reducer died.
 
 Every lane downloads the reduced shards it holds a piece of and did not reduce itself, and hands
-its piece of each to the sink. One that does not appear
-within the round timeout (its reducer died) is taken over by exactly one waiting replica —
-whoever wins the create-only ``r/claim/j.<g>`` — while the rest keep waiting for its result; a
-claimant that dies too is replaced by generation g+1. A corrupt shard is repaired by its reducer
+its piece of each to the sink. One whose reducer died is taken over by exactly one waiting
+replica — whoever wins the create-only ``r/claim/j.<g>`` — while the rest keep waiting for its
+result; a claimant that dies too is replaced by generation g+1. A reducer is known dead when the
+launcher has marked the attempt that was the round's member away (`diloco.presence`, read every
+`PRESENCE_EVERY` seconds while shards are missing), so its shards are taken over at once; without
+that word (the launcher is down) a shard is taken over once it has not appeared within the
+round timeout. A corrupt shard is repaired by its reducer
 (`repairs.RepairDesk.read_reduced`).
 
 Each shard is fetched, verified, decoded and handed to the round's sink on a pool thread, at
@@ -19,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from .membership import Membership
+from .membership import PRESENCE_EVERY, Membership
 from .repairs import RepairDesk
 from .rounderrors import RoundFailed
 from .roundio import RoundIO
@@ -32,6 +35,21 @@ class Gatherer:
 
     def __init__(self, io: RoundIO, membership: Membership, repairs: RepairDesk, *, window: int):
         self.io, self.membership, self.repairs, self.window = io, membership, repairs, window
+
+    def _gone(self, rnd: Round, wanted: list[int], generation: dict[int, int]) -> list[int]:
+        """The shards of `wanted` still with their first reducer (generation 0) whose attempt the
+        launcher saw end (one LIST of the presence markers, a poll)."""
+        first = [j for j in wanted if generation[j] == 0]
+        if not first:
+            return []
+        with self.io.store.polling():
+            presence = self.membership.rosters.look()[1]
+        out = []
+        for j in first:
+            k = rnd.reducer(j)[0]
+            if k in rnd.attempts and presence.away.get(k, -1) >= rnd.attempts[k]:
+                out.append(j)
+        return out
 
     def gather(self, rnd: Round, sink: RoundSink, have: set[int], take_over: Callable[[int], torch.Tensor]) -> None:
         """Hand `sink` every reduced shard of `rnd` not in `have`; a shard that never appears and
@@ -61,7 +79,7 @@ class Gatherer:
         while wanted:
             deadline = time.monotonic() + io.round_timeout
             backoff = io.backoff()
-            waited = False
+            waited, looked, gone = False, time.monotonic(), []
             while wanted:
                 with io.store.polling(waited):  # re-listing after a wait is a poll
                     present = io.present(prefix)
@@ -73,16 +91,21 @@ class Gatherer:
                     deadline = time.monotonic() + io.round_timeout  # after a round_timeout without one
                 if wanted and rnd.replay:
                     self.membership.check_not_collected(r)
+                if wanted and time.monotonic() - looked >= PRESENCE_EVERY and not rnd.replay:
+                    looked, gone = time.monotonic(), self._gone(rnd, wanted, generation)
+                    if gone:
+                        break
                 if wanted and not backoff.sleep(deadline, rnd.stop):
                     break
                 waited = True
             if rnd.stop.is_set():  # this replica's own reduction failed: the round fails with it
                 break
-            for j in list(wanted):  # its reducer (or the last claimant) never published
+            for j in list(gone or wanted):  # its reducer (or the last claimant) never published
                 if not io.put(io.keys.claim(r, j, generation[j]), str(io.rank).encode(), create_only=True):
                     generation[j] += 1  # someone else claimed it: wait for their result, then claim the next
                     continue
-                io.log(f"round {r}: reduced shard {j} did not appear in {io.round_timeout:g}s; reducing it here")
+                io.log(f"round {r}: reduced shard {j} " + ("has no reducer left (its attempt ended)" if gone else
+                       f"did not appear in {io.round_timeout:g}s") + "; reducing it here")
                 rnd.deliver(sink, j, take_over(j))
                 rnd.takeovers.append(j)
                 wanted.remove(j)

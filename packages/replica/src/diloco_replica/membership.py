@@ -1,11 +1,13 @@
 """Who is in a round: decided once, by the first create-only write, and never for a dead round.
 
-A round waits until all N replicas of its roster (`roster`) are ready (their pieces are up) or
-`round_timeout` passes,
-then one replica's create-only ``members.json`` fixes the members for every shard; everyone
-reads the winner's list. A ready marker's name carries its replica's lane count
-(``ready/<rank>.<lanes>``) and the record keeps it beside each member, so every reducer knows
-which pieces each member sent (`layout.Cut.pieces`). Fewer than `min_members` → `RoundFailed`. A replica that arrives after
+A round waits for the replicas of its roster (`roster`) it has reason to expect (`quorum`: the
+last round's members, those announced for it, minus those the launcher saw end) until they are
+ready (their pieces are up), or a grace window set from the run's pace passes; then one
+replica's create-only ``members.json`` fixes the members for every shard, and says why each
+absent rank is absent; everyone reads the winner's list. A ready marker's name carries its
+replica's lane count and attempt (``ready/<rank>.<lanes>.<attempt>``) and the record keeps them
+beside each member, so every reducer knows which pieces each member sent (`layout.Cut.pieces`)
+and everyone can tell when a member's attempt ended (`gather`). Fewer than `min_members` → `RoundFailed`. A replica that arrives after
 the decision is not a member: its update is left out and it adopts the round's result.
 
 History is never rewritten: a round at or below the store's low-water mark (see
@@ -20,21 +22,32 @@ from dataclasses import dataclass
 
 from diloco.scaling import ranks_ok
 
+from diloco.presence import Presence
+
 from .checkpoints import Checkpoints
 from .layout import MAX_LANES
+from .quorum import PERIODS, Absent, Verdict, expected, grace_seconds, verdict
 from .roster import Rosters, next_roster
 from .rounderrors import FellBehind, RoundFailed
 from .roundio import RoundIO
 from .wire import CorruptObject, Identity, pack_json
 
+PRESENCE_EVERY = 1.0  # seconds between re-reads of the presence markers while a round waits
+
 
 class Membership:
-    def __init__(self, io: RoundIO, checkpoints: Checkpoints, *, min_members: int):
-        self.io, self.checkpoints, self.min_members = io, checkpoints, min_members
+    def __init__(self, io: RoundIO, checkpoints: Checkpoints, *, min_members: int, round_grace: float | None = None):
+        self.io, self.checkpoints, self.min_members, self.round_grace = io, checkpoints, min_members, round_grace
         self.rosters = Rosters(io.store, io.keys, io.run_id, io.log)
+        self._born = time.monotonic()  # the first round's period is counted from here
+        self._ready_at: tuple[int, float] | None = None  # (round, when) this replica was last ready
+        self.periods: list[float] = []  # its recent round periods, seconds
+        self._decided: dict[int, Decided] = {}  # records read or written here, the newest few
 
     def read(self, r: int) -> Decided | None:
         """The decided members of round r, with their lane counts, or None if undecided (or deleted)."""
+        if r in self._decided:
+            return self._decided[r]
         io = self.io
         key = io.keys.members(r)
         got, problem = io.get_verified(key, Identity(io.run_id, r, "members"))
@@ -50,7 +63,33 @@ class Membership:
         if not isinstance(lanes, list) or len(lanes) != len(members) or not all(
                 type(k) is int and 1 <= k <= MAX_LANES for k in lanes):
             raise CorruptObject(f"{key}: malformed membership record (a lane count in 1..{MAX_LANES} per member)")
-        return Decided(members, lanes, nxt)
+        attempts = got.meta.get("attempts")
+        if not isinstance(attempts, list) or len(attempts) != len(members) or not all(
+                type(a) is int and 0 <= a < 1 << 40 for a in attempts):
+            raise CorruptObject(f"{key}: malformed membership record (an attempt per member)")
+        decided = self._decided[r] = Decided(members, lanes, nxt, attempts)
+        for old in [k for k in self._decided if k < r - 3]:
+            del self._decided[old]
+        return decided
+
+    def decided_or_open(self, r: int, finished: tuple[int, float] | None) -> Decided | None:
+        """Round r's record if already decided (this replica is late); None if it is open to join.
+        `finished`: (round, when) this replica last completed a round.
+
+        Skipped (two requests a round: a GET of members.json, a LIST of the low-water mark) when
+        this replica finished round r − 1 less than round_timeout/2 ago: round r cannot have been
+        collected since (history goes only after checkpoints of later rounds), and it was a
+        member of r − 1, so the others expect it in round r and decide without it only a grace
+        window after they were ready (`quorum`). Should they have (this replica's compute took
+        a grace window longer than theirs), `decide` finds the record at its first look and the
+        round's upload was all it cost.
+        """
+        if finished is not None and finished[0] == r - 1 and time.monotonic() - finished[1] < self.io.round_timeout / 2:
+            return None
+        decided = self.read(r)
+        if decided is None:
+            self.check_not_collected(r)
+        return decided
 
     def check_not_collected(self, r: int) -> None:
         """Raise FellBehind if round r is at or below the low-water mark (one LIST)."""
@@ -59,41 +98,83 @@ class Membership:
             raise FellBehind(f"round {r} is at or below the store's retained history (rounds ≤ {mark} were "
                              f"garbage-collected); this replica is too far behind")
 
-    def decide(self, r: int, roster: list[int]) -> Decided:
-        """Wait for the replicas of round r's `roster`, then fix its members and the next round's
-        roster (`roster.next_roster`), or adopt whoever decided first."""
-        io, n = self.io, len(roster)
-        deadline = time.monotonic() + io.round_timeout
+    def grace(self) -> float:
+        """How long this replica, once ready, waits for expected replicas that are not (`quorum`)."""
+        return grace_seconds(self.periods, round_timeout=self.io.round_timeout, setting=self.round_grace)
+
+    def _pace(self, r: int) -> None:
+        """Note when this replica became ready for round r: its round period (`quorum.grace_seconds`)."""
+        now = time.monotonic()
+        if self._ready_at is None or self._ready_at[0] == r - 1:
+            self.periods = (self.periods + [now - (self._ready_at[1] if self._ready_at else self._born)])[-PERIODS:]
+        self._ready_at = (r, now)
+
+    def _expected(self, r: int, roster: list[int], last_roster: list[int] | None,
+                  presence: Presence) -> tuple[set[int], set[int], set[int]]:
+        """(expected, away, rejoining later) ranks of round r (`quorum.expected`)."""
+        away = {k for k in roster if presence.is_away(k)}
+        later = {k for k in roster if presence.waits_for_later(k, r)}
+        last = self.read(r - 1) if r > 1 else None
+        if r > 1 and last is None:  # the round before is gone from the store: expect everyone but those
+            return set(roster) - away - later, away, later
+        announced = {k for k in roster if presence.announced(k, r)}
+        return expected(roster, first=r == 1, last_members=last.members if last else [],
+                        last_roster=last_roster or roster, announced=announced, away=away,
+                        later=later), away, later
+
+    def decide(self, r: int, roster: list[int], last_roster: list[int] | None = None) -> Decided:
+        """Wait for the expected replicas of round r's `roster` (`quorum`), then fix its members and
+        the next round's roster (`roster.next_roster`), or adopt whoever decided first.
+        `last_roster`: round r − 1's (who this round lets in for the first time)."""
+        io = self.io
+        self._pace(r)
+        start = time.monotonic()
+        grace = self.grace()
         backoff = io.backoff()
         prefix = io.keys.ready(r)
+        target, presence = self.rosters.look()
+        looked = start
+        expect, away, later = self._expected(r, roster, last_roster, presence)
         waited = False  # the first LIST is the protocol's; every re-check after a wait is a poll
         while True:
             with io.store.polling(waited):
                 lanes_of = ready_markers(io.store.list_names(prefix), roster)
-            ready = sorted(lanes_of)
-            if len(ready) == n:
+            ready = set(lanes_of)
+            got = verdict(ready, roster, expect, waited=time.monotonic() - start, grace=grace,
+                          round_timeout=io.round_timeout, min_members=self.min_members)
+            if got is not Verdict.WAIT:
                 break
             with io.store.polling():
                 decided = self.read(r) if len(ready) > 1 else None
             if decided is not None:
                 return decided
-            if not backoff.sleep(deadline):
-                break
+            if time.monotonic() - looked >= PRESENCE_EVERY:  # the launcher may have seen one end meanwhile
+                with io.store.polling():
+                    target, presence = self.rosters.look()
+                looked = time.monotonic()
+                expect, away, later = self._expected(r, roster, last_roster, presence)
+            backoff.sleep(start + io.round_timeout)
             waited = True
-        if len(ready) < n:  # paused past the history (even our own ready marker went): rejoin
-            self.check_not_collected(r)  # (with every marker there, this round is not collected)
-        if len(ready) < self.min_members:
-            raise RoundFailed(f"round {r}: only {len(ready)} of {n} replicas ready within "
+        if len(ready) < len(roster) and time.monotonic() - start >= io.round_timeout:
+            self.check_not_collected(r)  # paused past the history (even our own ready marker went): rejoin
+        if got is Verdict.FAIL:
+            raise RoundFailed(f"round {r}: only {len(ready)} of {len(roster)} replicas ready within "
                               f"{io.round_timeout:g}s, below min_members={self.min_members}")
-        target, joined = self.rosters.look()
-        decided = Decided(ready, [lanes_of[m] for m in ready], next_roster(roster, target, joined, self.min_members))
-        record = pack_json(Identity(io.run_id, r, "members"), {"members": ready, "lanes": decided.lanes,
-                                                               "next": decided.next, "decided_by": io.rank})
+        members = sorted(ready)
+        decided = Decided(members, [lanes_of[m][0] for m in members],
+                          next_roster(roster, target, presence.joined(), self.min_members),
+                          [lanes_of[m][1] for m in members])
+        absent = Absent.of(roster, ready, expect, away, later)
+        record = pack_json(Identity(io.run_id, r, "members"), {
+            "members": members, "lanes": decided.lanes, "next": decided.next, "attempts": decided.attempts,
+            "decided_by": io.rank,
+            "absent": {str(a.rank): a.why for a in absent}})
         if not io.put(io.keys.members(r), record, create_only=True):
             return self.read(r) or decided
-        if len(ready) < n:
-            io.log(f"round {r}: proceeding with {len(ready)} of {n} replicas {ready} after "
-                   f"{io.round_timeout:g}s")
+        self._decided[r] = decided
+        if absent:
+            io.log(f"round {r}: proceeding with {len(members)} of {len(roster)} replicas {members} after "
+                   f"{time.monotonic() - start:.1f}s (" + ", ".join(f"{a.rank}: {a.why}" for a in absent) + ")")
         if decided.next != roster:
             io.log(f"round {r}: the next round's replicas are {decided.next} (were {roster})")
         return decided
@@ -101,32 +182,42 @@ class Membership:
 
 @dataclass(frozen=True)
 class Decided:
-    """A round's members (ranks, ascending), each one's lane count in the same order, and the
-    next round's roster (`roster`)."""
+    """A round's members (ranks, ascending), each one's lane count and attempt in the same
+    order, and the next round's roster (`roster`)."""
 
     members: list[int]
     lanes: list[int]
     next: list[int]
+    attempts: list[int]
 
     @property
     def layouts(self) -> dict[int, int]:
         return dict(zip(self.members, self.lanes))
 
+    @property
+    def attempts_of(self) -> dict[int, int]:
+        return dict(zip(self.members, self.attempts))
+
     def to_json(self) -> list:
-        return [self.members, self.lanes, self.next]
+        return [self.members, self.lanes, self.next, self.attempts]
 
     @classmethod
     def from_json(cls, value: list) -> Decided:
-        return cls(list(value[0]), list(value[1]), list(value[2]))
+        return cls(list(value[0]), list(value[1]), list(value[2]), list(value[3]))
 
 
-def ready_markers(names: list[str], roster: list[int]) -> dict[int, int]:
-    """rank -> lane count from ready markers' names (``<rank>.<lanes>``) of the round's roster;
-    anything else is ignored, and a rank named twice counts with its fewest lanes."""
-    out: dict[int, int] = {}
+def ready_markers(names: list[str], roster: list[int]) -> dict[int, tuple[int, int]]:
+    """rank -> (lane count, attempt) from ready markers' names (``<rank>.<lanes>.<attempt>``) of
+    the round's roster; anything else is ignored, and a rank named twice counts with its fewest
+    lanes and newest attempt."""
+    out: dict[int, tuple[int, int]] = {}
     expected = set(roster)
     for name in names:
-        rank, _, lanes = name.partition(".")
-        if rank.isdigit() and lanes.isdigit() and int(rank) in expected and 1 <= int(lanes) <= MAX_LANES:
-            out[int(rank)] = min(int(lanes), out.get(int(rank), MAX_LANES))
+        parts = name.split(".")
+        if len(parts) != 3 or not all(p.isdigit() and len(p) <= 12 for p in parts):
+            continue
+        rank, lanes, attempt = (int(p) for p in parts)
+        if rank in expected and 1 <= lanes <= MAX_LANES:
+            had = out.get(rank, (MAX_LANES, -1))
+            out[rank] = (min(lanes, had[0]), max(attempt, had[1]))
     return out

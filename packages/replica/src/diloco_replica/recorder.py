@@ -1,8 +1,10 @@
 """Writing a round's record: each replica's metrics row, and the round's summary once per round.
 
 The summary (`diloco.metrics.RoundSummary`) is written by the round's recorder — the reducer of
-shard 0 — once every member's row is in (or `round_timeout` has passed), create-only, on a
-background thread so training goes on. It carries the cross-replica checks: θ digests that
+shard 0 — once every member's row is in (or two grace windows have passed: a member killed after
+the round was decided never writes its row, and the launcher's live bar and timeline read the
+summaries in order, so one dead member must not hold them for `round_timeout`), create-only, on
+a background thread so training goes on. It carries the cross-replica checks: θ digests that
 disagree (`diverged`), and the incidents members met. Every replica reads the summaries that
 appeared since its last look (one LIST, one GET per new round) to learn whether its own state
 is in the minority.
@@ -29,6 +31,7 @@ from .storeaccess import reducer_of
 class Recorder:
     def __init__(self, ar: StoreAllReduce, log: Callable[[str], None]):
         self.io, self.log = ar.io, log
+        self.grace = ar.membership.grace  # how long a member's row may be late (`quorum`)
         self.reader: RoundReader | None = None
         self.closing = threading.Event()  # the replica leaves: stop waiting for rows
 
@@ -45,7 +48,7 @@ class Recorder:
 
     def _summarize(self, r: int, members: list[int]) -> None:
         prefix = f"{self.io.run_id}/metrics/r{r:08d}/"
-        deadline = time.monotonic() + self.io.round_timeout
+        deadline = time.monotonic() + min(self.io.round_timeout, 2 * self.grace())
         backoff = self.io.backoff()
         # The raw store, not the counting one: this runs in the background, often inside the next
         # round's exchange, whose row must count the exchange alone (diloco.estimate counts summaries

@@ -9,8 +9,8 @@ is ranks 0 … N−1 of the launch.
 
 The launcher changes a run's size (`diloco scale`) by writing a *target* under ``roster/``:
 ``scale-<seq>.json`` (`diloco.scaling.roster_body`), create-only, the newest sequence number
-wins, holding every rank the run should have. Whoever decides round r reads the newest target and the ``join-<rank>`` markers of
-new replicas that have loaded the global state (`next_roster`):
+wins, holding every rank the run should have. Whoever decides round r reads the newest target and the join markers of
+new replicas that have loaded the global state (`diloco.presence`, `next_roster`):
 
 - a rank the target drops leaves after round r — it took part in r, its update is in, and it
   exits 0 (the launcher does not relaunch it);
@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from diloco.presence import Presence, read_presence
 from diloco.scaling import MAX_RANK, parse_roster
 from diloco.store import ObjectExists
 
@@ -55,18 +56,18 @@ def next_roster(current: list[int], target: Target | None, joined: set[int], min
 
 
 class Rosters:
-    """Reads the launcher's newest target and the join markers (one LIST; a GET when a newer
-    target appears), and announces this replica."""
+    """Reads the launcher's newest target and who is there (`diloco.presence`: join and away
+    markers) from one LIST (a GET when a newer target appears), and announces this replica."""
 
     def __init__(self, store: CountingStore, keys: RunKeys, run: str, log: Callable[[str], None]):
         self.store, self.keys, self.run, self.log = store, keys, run, log
         self.target: Target | None = None
         self._bad: set[str] = set()  # targets already found malformed (logged once)
 
-    def look(self) -> tuple[Target | None, set[int]]:
-        """The newest well-formed target, and the ranks that have announced themselves."""
+    def look(self) -> tuple[Target | None, Presence]:
+        """The newest well-formed target, and the presence markers."""
         names = self.store.list_names(self.keys.roster())
-        joined = {int(x[5:]) for x in names if x.startswith("join-") and x[5:].isdigit() and int(x[5:]) < MAX_RANK}
+        presence = read_presence(names)
         scales = sorted((x for x in names if x.startswith("scale-") and x.endswith(".json")
                          and x[6:-5].isdigit() and x not in self._bad), key=lambda x: int(x[6:-5]), reverse=True)
         for name in scales:
@@ -82,11 +83,12 @@ class Rosters:
             except ValueError as exc:
                 self._bad.add(name)
                 self.log(f"ignoring {self.keys.roster()}{name}: {exc}")
-        return self.target, joined
+        return self.target, presence
 
-    def announce(self, rank: int) -> None:
-        """This replica holds the global state and can take part from the next round decided."""
+    def announce(self, rank: int, round_: int, attempt: int) -> None:
+        """Attempt `attempt` of this replica holds the global state and takes part from round
+        `round_` on (`diloco.presence`)."""
         try:
-            self.store.put(self.keys.join(rank), b"{}", create_only=True)
-        except ObjectExists:  # announced before (a relaunch): as good
+            self.store.put(self.keys.join(rank, round_, attempt), b"", create_only=True)
+        except ObjectExists:  # announced before, the same words: as good
             pass

@@ -12,6 +12,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from diloco.presence import join_name
 from diloco.store import Store
 
 from diloco.wiresize import Traffic
@@ -135,10 +136,11 @@ class RunKeys:
         """Lane `lane` of replica `src`: its piece of shard j (`layout.Cut.pieces`)."""
         return f"{self.round(r)}/scatter/{shard}/{src}.{lane}"
 
-    def ready(self, r: int, src: int | None = None, lanes: int = 1) -> str:
-        """Replica `src` of `lanes` processes has every piece it sends in the store (the name
-        carries its lane count, so whoever decides the round learns it from one LIST)."""
-        return f"{self.round(r)}/ready/" + ("" if src is None else f"{src}.{lanes}")
+    def ready(self, r: int, src: int | None = None, lanes: int = 1, attempt: int = 0) -> str:
+        """Attempt `attempt` of replica `src` of `lanes` processes has every piece it sends in the
+        store (the name carries its lane count and attempt, so whoever decides the round learns
+        them from one LIST, and everyone can tell when a member's attempt ended: `gather`)."""
+        return f"{self.round(r)}/ready/" + ("" if src is None else f"{src}.{lanes}.{attempt}")
 
     def members(self, r: int) -> str:
         return f"{self.round(r)}/members.json"
@@ -167,14 +169,16 @@ class RunKeys:
         return f"{self.run}/ckpt/"
 
     def roster(self) -> str:
-        """The launcher's scale requests and new replicas' join markers (`roster`)."""
+        """The launcher's scale requests and away markers, and replicas' join markers (`roster`,
+        `diloco.presence`)."""
         return f"{self.run}/roster/"
 
     def scale(self, seq: int) -> str:
         return f"{self.roster()}scale-{seq:08d}.json"
 
-    def join(self, rank: int) -> str:
-        return f"{self.roster()}join-{rank}"
+    def join(self, rank: int, round_: int, attempt: int) -> str:
+        """Attempt `attempt` of `rank` takes part from round `round_` on (`diloco.presence`)."""
+        return f"{self.roster()}{join_name(rank, round_, attempt)}"
 
     def low_water(self, r: int | None = None) -> str:
         return f"{self.run}/history/" + ("" if r is None else f"gc-through-r{r:08d}")

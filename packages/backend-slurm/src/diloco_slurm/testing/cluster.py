@@ -3,7 +3,8 @@
 Debian's Slurm 22.05 packages (slurmctld, slurmd, slurm-client) run without systemd or munge with
 `auth/none` and `cred/none`; `proctrack/pgid` (linuxproc leaves orphans), `task/none`, and
 `cons_tres` with `CR_Core_Memory` + `DefMemPerCPU` (without it each job takes all the memory and jobs
-run one at a time). No accounting: `sacct` is absent, as on many test clusters, so the backend's
+run one at a time). Two partitions: `debug` (the default, no time limit) and `short` (MaxTime 2
+minutes, for the plan's limits). No accounting: `sacct` is absent, as on many test clusters, so the backend's
 fallbacks (scontrol, then the run directory) are what is tested. Every daemon is stopped by its pid.
 Two clusters run side by side, each with its own `SLURM_CONF`. The daemons run as the user running
 the tests (root on this project's machines; slurmd needs root to start jobs as other users, which
@@ -98,6 +99,7 @@ SlurmctldTimeout=30
 SlurmdTimeout=30
 NodeName={host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN
 PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+PartitionName=short Nodes={host} MaxTime=2 State=UP
 """)
 
     def start(self, timeout: float = 60.0) -> None:

@@ -1,0 +1,185 @@
+"""Who a round waits for, and for how long (`quorum`): the rules as tables, then the decision
+against a real (in-memory) store with ready, join and away markers."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import torch
+
+from diloco.presence import away_name, join_name
+from diloco.store import open_store
+from diloco_replica.quorum import GRACE_FLOOR, Absent, Verdict, expected, grace_seconds, verdict
+
+
+@pytest.mark.parametrize("roster, kw, want", [
+    # the run's first round: everyone the launcher has not seen end
+    ([0, 1, 2], dict(first=True, last_members=[], last_roster=[], announced=set(), away=set()), {0, 1, 2}),
+    ([0, 1, 2], dict(first=True, last_members=[], last_roster=[], announced=set(), away={2}), {0, 1}),
+    # later: the last round's members
+    ([0, 1, 2], dict(first=False, last_members=[0, 1, 2], last_roster=[0, 1, 2], announced=set(), away=set()),
+     {0, 1, 2}),
+    # one that missed the last round does not hold this one ...
+    ([0, 1, 2], dict(first=False, last_members=[0, 1], last_roster=[0, 1, 2], announced=set(), away=set()), {0, 1}),
+    # ... until a live attempt of it announces this round
+    ([0, 1, 2], dict(first=False, last_members=[0, 1], last_roster=[0, 1, 2], announced={2}, away=set()),
+     {0, 1, 2}),
+    # a member of the last round the launcher saw end since
+    ([0, 1, 2], dict(first=False, last_members=[0, 1, 2], last_roster=[0, 1, 2], announced=set(), away={1}), {0, 2}),
+    # one that announced a later round only (rejoining: training nothing now)
+    ([0, 1, 2], dict(first=False, last_members=[0, 1, 2], last_roster=[0, 1, 2], announced=set(), away=set(),
+                     later={2}), {0, 1}),
+    # a rank this roster lets in for the first time (`diloco scale`) is expected
+    ([0, 1, 3], dict(first=False, last_members=[0, 1], last_roster=[0, 1], announced=set(), away=set()), {0, 1, 3}),
+    # a rank the roster dropped is not, member or not
+    ([0, 1], dict(first=False, last_members=[0, 1, 2], last_roster=[0, 1, 2], announced={2}, away=set()), {0, 1}),
+])
+def test_who_a_round_expects(roster, kw, want):
+    assert expected(roster, **kw) == want
+
+
+@pytest.mark.parametrize("periods, setting, timeout, want", [
+    ([], None, 300.0, GRACE_FLOOR),                 # no history: the floor
+    ([2.0, 2.1, 1.9], None, 300.0, GRACE_FLOOR),    # fast rounds: never under the floor
+    ([30.0, 32.0, 31.0], None, 300.0, 31.0),        # one recent period (the median)
+    ([30.0, 300.0, 31.0, 29.0, 30.0], None, 300.0, 30.0),  # one slow round does not move it
+    ([1.0, 1.0, 1.0, 1.0, 1.0, 40, 40, 40, 40, 40], None, 300.0, 40.0),  # only the last five count
+    ([500.0], None, 300.0, 300.0),                  # never past round_timeout
+    ([30.0], 2.0, 300.0, 2.0),                      # round_grace sets it outright
+    ([30.0], 0.0, 300.0, 0.0),
+    ([30.0], 900.0, 60.0, 60.0),
+])
+def test_the_grace_window(periods, setting, timeout, want):
+    assert grace_seconds(periods, round_timeout=timeout, setting=setting) == pytest.approx(want)
+
+
+R = [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("ready, expect, waited, grace, min_members, want", [
+    ({0, 1, 2, 3}, {0, 1, 2, 3}, 0.0, 5.0, 1, Verdict.CLOSE),     # everyone: at once
+    ({0, 1, 2}, {0, 1, 2}, 0.0, 5.0, 1, Verdict.CLOSE),           # everyone expected: at once, 3 is gone
+    ({0, 1}, {0, 1, 2}, 1.0, 5.0, 1, Verdict.WAIT),               # an expected one is missing: the window
+    ({0, 1}, {0, 1, 2}, 5.0, 5.0, 1, Verdict.CLOSE),              # ... then without it
+    ({0}, {0, 1, 2}, 5.0, 5.0, 2, Verdict.WAIT),                  # below min_members: on to round_timeout
+    ({0}, {0}, 0.0, 5.0, 2, Verdict.WAIT),                        # even with everyone expected there
+    ({0}, {0, 1, 2}, 60.0, 5.0, 2, Verdict.FAIL),                 # round_timeout below min_members: fails
+    ({0, 1}, {0, 1, 2}, 60.0, 90.0, 2, Verdict.CLOSE),            # round_timeout with enough: closes
+    ({0, 1, 2, 3}, set(), 0.0, 5.0, 1, Verdict.CLOSE),
+])
+def test_when_a_round_closes(ready, expect, waited, grace, min_members, want):
+    assert verdict(ready, R, expect, waited=waited, grace=grace, round_timeout=60.0, min_members=min_members) is want
+
+
+def test_why_each_absent_rank_is_absent():
+    got = Absent.of([0, 1, 2, 3, 4], {0}, expected_ranks={0, 1}, away={2}, later={3})
+    assert [(a.rank, a.why) for a in got] == [(1, "late"), (2, "away"), (3, "rejoining"), (4, "missed")]
+
+
+def _allreduce(store, run, rank, n, **kw):
+    from diloco_replica.allreduce import StoreAllReduce
+
+    return StoreAllReduce(store, run, rank, n, poll_interval=0.01, poll_max=0.05, **kw)
+
+
+def test_a_round_does_not_wait_for_a_replica_that_missed_the_last_one():
+    """Round 2 of 3 replicas whose rank 2 missed round 1: ranks 0 and 1 close it as soon as both
+    are ready, though round_timeout is 60 s; the record says why rank 2 is not in it."""
+    store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-quorum"
+    a = _allreduce(store, run, 0, 3, round_timeout=60.0)
+    keys = a.io.keys
+    for k in (0, 1):
+        store.put(keys.ready(1, k, 1), b"{}")
+    store.put(keys.members(1), _record(run, 1, [0, 1], [0, 1, 2]))
+    store.put(keys.ready(2, 1, 1), b"{}")
+    store.put(keys.ready(2, 0, 1), b"{}")
+    t0 = time.monotonic()
+    decided = a.membership.decide(2, [0, 1, 2], [0, 1, 2])
+    assert decided.members == [0, 1] and time.monotonic() - t0 < 2.0
+    meta = _meta(store, keys.members(2))
+    assert meta["absent"] == {"2": "missed"}
+
+
+def test_a_member_the_launcher_saw_end_is_not_waited_for_and_one_announced_is():
+    store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-quorum-away"
+    a = _allreduce(store, run, 0, 3, round_timeout=60.0, round_grace=30.0)
+    keys = a.io.keys
+    store.put(keys.members(1), _record(run, 1, [0, 1, 2], [0, 1, 2]))
+    store.put(keys.members(2), _record(run, 2, [0, 1], [0, 1, 2]))
+    store.put(f"{keys.roster()}{away_name(1, 0)}", b"")          # rank 1's attempt 0 ended
+    for k in (0, 2):
+        store.put(keys.ready(2 + 1, k, 1), b"{}")
+    store.put(keys.ready(2, 0, 1), b"{}")
+    t0 = time.monotonic()
+    # round 3: 0 and 1 were members of 2, 1 is away; 2 missed round 2 and has not announced
+    assert a.membership.decide(3, [0, 1, 2], [0, 1, 2]).members == [0, 2]
+    assert _meta(store, keys.members(3))["absent"] == {"1": "away"}
+    # round 4: rank 1's attempt 1 announced round 4: it is waited for (the grace window, 30 s),
+    # and closes the round the moment it is ready
+    store.put(f"{keys.roster()}{join_name(1, 4, 1)}", b"")
+    store.put(keys.ready(4, 0, 1), b"{}")
+    store.put(keys.ready(4, 2, 1), b"{}")
+    import threading
+
+    threading.Timer(1.0, lambda: store.put(keys.ready(4, 1, 1), b"{}")).start()
+    assert a.membership.decide(4, [0, 1, 2], [0, 1, 2]).members == [0, 1, 2]
+    assert 0.9 < time.monotonic() - t0 < 10.0
+
+
+def test_an_expected_replica_that_never_comes_costs_one_grace_window_not_round_timeout():
+    store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-quorum-grace"
+    a = _allreduce(store, run, 0, 2, round_timeout=60.0, round_grace=1.0)
+    keys = a.io.keys
+    store.put(keys.members(1), _record(run, 1, [0, 1], [0, 1]))
+    store.put(keys.ready(2, 0, 1), b"{}")
+    t0 = time.monotonic()
+    assert a.membership.decide(2, [0, 1], [0, 1]).members == [0]
+    assert 1.0 <= time.monotonic() - t0 < 5.0
+    assert _meta(store, keys.members(2))["absent"] == {"1": "late"}
+
+
+def _record(run, r, members, nxt):
+    from diloco_replica.wire import Identity, pack_json
+
+    return pack_json(Identity(run, r, "members"), {"members": members, "lanes": [1] * len(members), "next": nxt,
+                                                    "attempts": [0] * len(members)})
+
+
+def _meta(store, key):
+    from diloco_replica.wire import Identity, unpack
+
+    run, r = key.split("/")[0], int(key.split("/")[1][1:])
+    return unpack(store.get(key), Identity(run, r, "members"), key).meta
+
+
+def test_a_reducer_whose_attempt_ended_is_taken_over_at_once_not_after_round_timeout():
+    """Replica 1 is a member of the round and dies before reducing its shard; the launcher marks
+    its attempt away (as the supervisor does when it sees the process end). The others take its
+    shard over within seconds, though round_timeout is 30 s, and end the round on the same bytes."""
+    from test_parts import deltas, run
+
+    from diloco_replica import reduce as reduce_module
+
+    original = reduce_module.ShardReducer.reduce
+
+    def hook(i, ar):
+        if i != 1:
+            return
+
+        def reduce(self, rnd, j, *, takeover):
+            if not takeover:
+                ar.store.store.put(f"{ar.io.keys.roster()}{away_name(1, 0)}", b"")  # the launcher's word
+                raise SystemExit("replica 1 died mid-round")
+            return original(self, rnd, j, takeover=takeover)
+
+        ar.reducer.reduce = reduce.__get__(ar.reducer)
+
+    ds = deltas(3)
+    t0 = time.monotonic()
+    means, results, errors = run(3, ds, part_mb=64.0, hook=hook, timeout=30.0)
+    assert time.monotonic() - t0 < 10.0
+    assert set(errors) == {1}, errors
+    assert torch.equal(means[0], means[2])
+    assert sorted(results[0].takeovers + results[2].takeovers) == [1]
