@@ -116,7 +116,10 @@ def test_a_replica_killed_while_the_run_grows_rejoins_and_a_shrink_asked_with_no
     Then kill the launcher, ask for 2 again while none runs, and `diloco resume` applies it."""
     phases = tmp_path / "phases"
     phases.mkdir()
-    spec = tiny_spec(tmp_path, steps=STEPS, sync_every=H, replicas=2,
+    # twice the usual length: no round waits for the killed replica, so the run must outlast killing
+    # the launcher and resuming it for the shrink to land while it trains
+    steps = 2 * STEPS
+    spec = tiny_spec(tmp_path, steps=steps, sync_every=H, replicas=2,
                      extra=f'\n[env]\nDILOCO_FAULT_PHASE_FILE = "{phases}/phase-{{rank}}"\n')
     proc, run_id = start(spec)
     wait_for(state_dir, run_id, lambda e: e["event"] == "round" and e["round"] >= 2)
@@ -148,7 +151,7 @@ def test_a_replica_killed_while_the_run_grows_rejoins_and_a_shrink_asked_with_no
     assert record.state == "SUCCEEDED" and ranks[2].restarts == 1 and ranks[2].retired
     assert all(st.status == "succeeded" for st in ranks.values())
     rounds = check_rounds(record.rendezvous, run_id)
-    assert 3 in [len(s.members) for s in rounds] and len(rounds[-1].members) == 2 and rounds[-1].round == STEPS // H
+    assert 3 in [len(s.members) for s in rounds] and len(rounds[-1].members) == 2 and rounds[-1].round == steps // H
     assert len({ranks[r].result["theta_digest"] for r in (0, 1)}) == 1  # the two that trained to the end
 
 

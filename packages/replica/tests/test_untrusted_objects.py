@@ -24,6 +24,7 @@ from diloco_replica.codecs import sparsify
 from diloco_replica.globalstate import GlobalState
 from diloco_replica.layout import Cut
 from diloco_replica.roundstate import Round
+from diloco_replica.storeaccess import RunKeys
 from diloco_replica.streaming import WholeDelta
 from diloco_replica.wire import Identity, encode_tensor, joined, pack, unpack
 
@@ -38,7 +39,7 @@ def plant(store, run: str, r: int, owner: int, src: int, x: torch.Tensor, codec:
     parts = parts if parts is not None else encode_tensor(x, codec)
     blob = pack(Identity(run, r, "scatter", owner, src), parts, codec=codec, numel=numel or x.numel())
     store.put(f"{run}/r{r:08d}/scatter/{owner}/{src}.0", joined(blob))
-    store.put(f"{run}/r{r:08d}/ready/{src}.1", b"{}")
+    store.put(RunKeys(run).ready(r, src), b"{}")
 
 
 def lone_reducer_round(store, run: str, n: int, delta: torch.Tensor, codec: str = "fp32"):

@@ -10,6 +10,7 @@ import torch
 
 from diloco.store import open_store
 from diloco_replica.allreduce import FellBehind, RoundFailed, StoreAllReduce
+from diloco_replica.storeaccess import RunKeys
 from diloco_replica.wire import CorruptObject, Identity, encode_tensor, encoded_nbytes, joined, pack, unpack
 
 ID = Identity("run-a", 3, "scatter", 1, 2)
@@ -88,7 +89,7 @@ def test_corrupt_contribution_is_never_averaged_in_and_is_reported():
     bad = bytearray(good)
     bad[-1] ^= 1
     store.put(f"{run}/r00000001/scatter/0/1.0", bytes(bad))
-    store.put(f"{run}/r00000001/ready/1.1", b"{}")
+    store.put(RunKeys(run).ready(1, 1), b"{}")
     store.put(f"{run}/r00000001/reduced/1/mean", pack(Identity(run, 1, "reduced", 1, -1),
                                                  encode_tensor(torch.zeros(50), "fp32"), codec="fp32", numel=50))
     out, errors = run_round(store, run, 2, deltas, skip=(1,))

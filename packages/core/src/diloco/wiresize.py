@@ -18,7 +18,7 @@ TOPK_BLOCK = 4096    # topk: each 4,096-element block keeps its own top elements
 # more for a reduced shard's member list), then the payload (`diloco_replica.wire`).
 OBJECT_OVERHEAD = 13 + 160
 MARKER_NBYTES = 2          # a replica's "ready" marker
-MEMBERS_NBYTES = 13 + 200  # a round's members.json
+MEMBERS_NBYTES = 13 + 240  # a round's members.json: members, lane counts, attempts, the next roster, who is absent
 
 
 def parts_per_shard(numel: int, n: int, part_mb: float) -> int:
