@@ -230,8 +230,9 @@ def test_a_replica_paused_past_the_retained_history_rejoins_instead_of_rewriting
     """SIGSTOP rank 3 while the others run on and garbage-collect the rounds it would come back to;
     SIGCONT it: it must rejoin from a checkpoint (not decide dead rounds alone), and end identical."""
     settings = {"sync_every": 2, "round_timeout": 1.0, "checkpoint_every": 2}
+    # the others' rounds take 0.2 s, so the run outlasts rank 3's rejoin: no round waits for it
     handles = replicas.launch("mlp_rounds", 4, rendezvous=store_uri, settings=settings,
-                              args={"steps": 60, "dim": 16})
+                              args={"steps": 80, "dim": 16, "slow_ranks": [0, 1, 2], "step_sleep": 0.1})
     metrics = Path(urlparse(store_uri).path) / replicas.run_id / "metrics"
 
     def rounds_done() -> int:
