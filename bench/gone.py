@@ -41,19 +41,6 @@ H = int(knob("BENCH_H", "20", "10"))
 GONE = 3
 
 
-def events(run_dir: Path) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line being written
-    return out
-
-
 def run(name: str, tmp: Path, replicas: int, *, kill_after_round: int | None = None, hold_s: float = 0.0) -> dict:
     """`diloco run` of the main job with `replicas`; with `kill_after_round`, rank GONE is killed once
     that round is done and relaunched `hold_s` later."""
@@ -97,8 +84,9 @@ def run(name: str, tmp: Path, replicas: int, *, kill_after_round: int | None = N
 def summarize(name: str, run_dir: Path, wall: float, killed_at: float | None) -> dict:
     from diloco.metrics import read_rounds
     from diloco.state import RunRecord
+    from diloco.testing.scenarios import events_of
 
-    evs = events(run_dir)
+    evs = events_of(run_dir.parent.parent, run_dir.name)  # the run has ended: every line is whole
     record = json.loads((run_dir / "run.json").read_text())
     results = {r["rank"]: r["result"] for r in record["ranks"] if r.get("result")}
     if len({res["theta_digest"] for res in results.values()}) != 1:
