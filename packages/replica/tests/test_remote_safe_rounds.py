@@ -226,13 +226,24 @@ def test_a_bad_object_mid_run_is_handled_the_same_everywhere(replicas, store_uri
     assert all(r["rounds"][-1]["members"] == [0, 1, 2, 3] for r in results)
 
 
-def test_a_replica_paused_past_the_retained_history_rejoins_instead_of_rewriting_it(replicas, store_uri):
+@pytest.mark.parametrize("others", ["train on", "are done"])
+def test_a_replica_paused_past_the_retained_history_rejoins_instead_of_rewriting_it(replicas, store_uri, others,
+                                                                                    tmp_path):
     """SIGSTOP rank 3 while the others run on and garbage-collect the rounds it would come back to;
-    SIGCONT it: it must rejoin from a checkpoint (not decide dead rounds alone), and end identical."""
+    SIGCONT it: it must rejoin from a checkpoint (not decide dead rounds alone), and end identical.
+    "are done": it wakes only after the others ended the run and the launcher marked them away, so
+    nobody is left to wait for and its round would be decided at once. It is stopped uploading,
+    after it looked for the round's record (then undecided): it once decided that round anew with
+    itself alone, trained rounds the others had finished long ago and ended on another model."""
+    from diloco.presence import away_name
+
     settings = {"sync_every": 2, "round_timeout": 1.0, "checkpoint_every": 2}
     # the others' rounds take 0.2 s, so the run outlasts rank 3's rejoin: no round waits for it
+    phases = {"DILOCO_FAULT_PHASE_FILE": str(tmp_path / "phase-{rank}"), "DILOCO_FAULT_PHASE_DELAY": "0.2"}
     handles = replicas.launch("mlp_rounds", 4, rendezvous=store_uri, settings=settings,
-                              args={"steps": 80, "dim": 16, "slow_ranks": [0, 1, 2], "step_sleep": 0.1})
+                              env=phases if others == "are done" else None,
+                              args={"steps": 80 if others == "train on" else 40, "dim": 16, "slow_ranks": [0, 1, 2],
+                                    "step_sleep": 0.1})
     metrics = Path(urlparse(store_uri).path) / replicas.run_id / "metrics"
 
     def rounds_done() -> int:
@@ -241,12 +252,23 @@ def test_a_replica_paused_past_the_retained_history_rejoins_instead_of_rewriting
     deadline = time.monotonic() + 120
     while rounds_done() < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
+    while others == "are done" and time.monotonic() < deadline:  # in the phase file: "upload <round> <pid>"
+        marker = tmp_path / "phase-3"
+        if marker.exists() and marker.read_text().split()[:1] == ["upload"]:
+            break
+        time.sleep(0.01)
     pid = handles[3].metadata["pid"]
     os.kill(pid, signal.SIGSTOP)
     stopped_at = rounds_done()
     try:
-        while rounds_done() < stopped_at + 8 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        if others == "train on":
+            while rounds_done() < stopped_at + 8 and time.monotonic() < deadline:
+                time.sleep(0.1)
+        else:
+            replicas.results(handles[:3], timeout=120)
+            store = open_store(store_uri)
+            for k in range(3):  # what the launcher writes when it sees an attempt end
+                store.put(f"{replicas.run_id}/roster/{away_name(k, 0)}", b"")
     finally:
         os.kill(pid, signal.SIGCONT)
     marks = sorted((Path(urlparse(store_uri).path) / replicas.run_id / "history").iterdir())
@@ -256,7 +278,10 @@ def test_a_replica_paused_past_the_retained_history_rejoins_instead_of_rewriting
     log = replicas.executor.stream_logs(handles[3], n_lines=400)
     assert "garbage-collected" in log and "rejoining" in log
     late = next(r for r in results if r["rank"] == 3)
-    assert late["rounds"][-1]["members"] == [0, 1, 2, 3]  # it took part again
+    if others == "train on":
+        assert late["rounds"][-1]["members"] == [0, 1, 2, 3]  # it took part again
+    else:
+        assert all(row["members"] != [3] for row in late["rounds"])  # never a round of its own
 
 
 def test_an_injected_divergence_is_detected_and_the_minority_reloads(replicas, store_uri):

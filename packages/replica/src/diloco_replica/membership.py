@@ -12,7 +12,11 @@ the decision is not a member: its update is left out and it adopts the round's r
 
 History is never rewritten: a round at or below the store's low-water mark (see
 `checkpoints.Checkpoints`) is gone or going, so a replica that has not seen it decided raises
-`FellBehind` and rejoins from a checkpoint instead of deciding it again alone.
+`FellBehind` and rejoins from a checkpoint instead of deciding it again alone. Every decision
+that leaves a rank of the roster out looks at the mark first (one LIST): a replica paused after
+it found the round open may wake when the others have decided it, gone on and collected it, and
+with nobody left to wait for it would otherwise decide it at once. (GC sets the mark before it
+deletes, so only a collection begun and finished between that look and the write could slip by.)
 """
 
 from __future__ import annotations
@@ -155,8 +159,8 @@ class Membership:
                 expect, away, later = self._expected(r, roster, last_roster, presence)
             backoff.sleep(start + io.round_timeout)
             waited = True
-        if len(ready) < len(roster) and time.monotonic() - start >= io.round_timeout:
-            self.check_not_collected(r)  # paused past the history (even our own ready marker went): rejoin
+        if len(ready) < len(roster):  # the others may have decided this round without us long ago, and
+            self.check_not_collected(r)  # its record gone with the history: never decide it again (rejoin)
         if got is Verdict.FAIL:
             raise RoundFailed(f"round {r}: only {len(ready)} of {len(roster)} replicas ready within "
                               f"{io.round_timeout:g}s, below min_members={self.min_members}")

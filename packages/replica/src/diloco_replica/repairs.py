@@ -10,7 +10,9 @@ When the reducer looks is event-driven, not a continuous watch: a reader stuck o
 shard holds up the next round, so the reducer meets it while it waits itself — for the next
 round's members, for reduced shards, or for a repair of its own — and looks then (`waiting()`),
 at most once every `REPAIR_LOOK_EVERY` seconds (polls, counted as `repair_looks`); and once when
-the next round is formed. Between rounds it also looks 1, 3, 7, 15, … seconds after its own
+the next round is formed. A reader waits one round timeout for the repair, and more while the
+reducer's attempt is live (`REPAIR_WINDOWS`): nobody else can reduce that shard to the bits its
+reducer applied. Between rounds it also looks 1, 3, 7, 15, … seconds after its own
 round ended (`look_soon`, the gap doubling): a reader that asks t seconds after that is served
 within another t at most, so within its round timeout whenever it asked within it, while a
 healthy inner phase of T seconds costs about log2(T) LISTs, not one every few seconds (~20 a
@@ -45,6 +47,12 @@ from .wire import CorruptObject, Unpacked
 # While a reducer waits, it looks for repair requests at most this often (and at the store's
 # poll_max, if longer): a stuck reader is served within about a second of the reducer's next wait.
 REPAIR_LOOK_EVERY = 1.0
+
+# A reader waits for a repair one round timeout at a time, while the reducer's attempt is live, up
+# to this many in all: only that reducer holds the mean it applied (its own piece of the shard never
+# left it, so nobody else can reduce the shard to the same bits), so a reducer paused past one round
+# timeout is waited for, not answered with restarts that would wait for it all the same.
+REPAIR_WINDOWS = 8
 
 
 class RepairDesk:
@@ -124,7 +132,7 @@ class RepairDesk:
         io = self.io
         deadline = time.monotonic() + io.round_timeout
         backoff = io.backoff()
-        waited = False
+        waited, windows = False, 0
         while True:
             with io.store.polling(waited):  # every look after the first is a poll
                 obj, _ = io.get_reduced(r, j, numel, repaired=True)
@@ -139,8 +147,32 @@ class RepairDesk:
                 return mean
             if not backoff.sleep(deadline):
                 self.membership.check_not_collected(r)
+                windows += 1
+                if windows < REPAIR_WINDOWS and writer is not None and self._writer_live(r, writer):
+                    io.log(f"round {r}: rank {writer} has not re-published {key} in {windows * io.round_timeout:g}s "
+                           f"but its attempt is live (paused or slow); waiting for it")
+                    deadline = time.monotonic() + io.round_timeout
+                    continue
                 raise RoundFailed(f"{key} is corrupt ({problem}) and its reducer (rank {writer}) did not re-publish "
-                                  f"it within {io.round_timeout:g}s")
+                                  f"it within {windows * io.round_timeout:g}s")
+
+    def _writer_live(self, r: int, writer: int) -> bool:
+        """Whether the reducer of round r may still answer: the attempt that was the round's member
+        has not moved on to a round after it (then it forgot what it published, `next_round`) and
+        the launcher has not marked it away (`diloco.presence`; one LIST, a poll). Unknown (no
+        record) reads as gone."""
+        try:
+            decided, after = self.membership.read(r), self.membership.read(r + 1)
+        except CorruptObject:  # a damaged record says nothing about the reducer
+            return False
+        attempt = decided.attempts_of.get(writer) if decided is not None else None
+        if attempt is None:
+            return False
+        if after is not None and after.attempts_of.get(writer) == attempt:
+            return False
+        with self.io.store.polling():
+            away = self.membership.rosters.look()[1].away
+        return away.get(writer, -1) < attempt
 
     # -- serving -----------------------------------------------------------------------------
 
