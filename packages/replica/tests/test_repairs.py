@@ -1,0 +1,113 @@
+"""A reduced shard found corrupt is re-published by its reducer (`repairs.RepairDesk`): damaged
+as it was written (a reducer bug), and with its reducer paused past the round timeout or gone."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from diloco.store import open_store
+from diloco_replica.allreduce import StoreAllReduce
+from diloco_replica.storeaccess import RunKeys
+
+from test_untrusted_objects import repacked
+
+
+class FirstPutDamaged:
+    """The run's store, except that the first write of `key` lands damaged (`repacked`): a reducer
+    bug, where what it published is not what it holds. Damaged as written, never after, so no
+    reader can see a good object first."""
+
+    def __init__(self, store, key: str, **damage):
+        self.store, self.key, self.damage, self.damaged = store, key, damage, False
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def put(self, key: str, data, *, create_only: bool = False) -> None:
+        if key == self.key and not self.damaged:
+            self.damaged = True
+            data = repacked(b"".join(bytes(x) for x in (data if isinstance(data, list) else [data])), **self.damage)
+        self.store.put(key, data, create_only=create_only)
+
+
+@pytest.mark.parametrize("damage, problem", [("wrong length", "layout"), ("non-finite", "non-finite")])
+def test_a_bad_reduced_shard_is_repaired_not_a_crash(damage, problem):
+    store, run, n = open_store(f"memory://{uuid.uuid4().hex}"), "run-reduced-len", 2
+    deltas = [torch.randn(2000, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+    damaging = FirstPutDamaged(store, RunKeys(run).reduced(1, 1), extra=int(damage == "wrong length"),
+                               nan=damage == "non-finite")
+
+    results, errors = {}, []
+    ars = [StoreAllReduce(damaging if i == 1 else store, run, i, n, round_timeout=3.0, poll_interval=0.005,
+                          poll_max=0.05) for i in range(n)]
+
+    def go(i):
+        try:
+            results[i] = ars[i].run_round(1, deltas[i].clone())
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for ar in ars:  # rank 1 answers repair requests until its next round (or the timeout), not after close
+        ar.close()
+    assert not errors, errors
+    assert torch.equal(results[0].mean, results[1].mean)
+    assert torch.isfinite(results[0].mean).all()
+    [incident] = results[0].incidents
+    assert problem in incident["problem"] and "re-published by its reducer" in incident["action"]
+
+
+@pytest.mark.parametrize("away", [False, True], ids=["paused", "its attempt ended"])
+def test_a_reader_waits_past_the_round_timeout_for_a_live_reducer_to_repair_its_shard(away):
+    """Rank 1's reduced shard lands corrupt and rank 1 then pauses (no repair served) for 2.5
+    round timeouts. Only rank 1 holds the mean it applied, so rank 0 waits for it while its attempt
+    is live and gets the repair (it used to fail after one timeout, and every relaunch failed the
+    same way while the reducer slept); once the launcher marks that attempt away, it stops
+    waiting after the window it is in."""
+    from diloco.presence import away_name
+
+    timeout = 1.5
+    store, run, n = open_store(f"memory://{uuid.uuid4().hex}"), f"run-paused-{away}", 2
+    deltas = [torch.randn(2000, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+    damaging = FirstPutDamaged(store, RunKeys(run).reduced(1, 1), extra=1)
+    ars = [StoreAllReduce(damaging if i == 1 else store, run, i, n, round_timeout=timeout, poll_interval=0.005,
+                          poll_max=0.05) for i in range(n)]
+    awake = threading.Event()
+    serve = ars[1].repairs.serve_once
+    ars[1].repairs.serve_once = lambda: serve() if awake.is_set() else False  # paused: answers nothing
+    results, errors, ended = {}, [], {}
+
+    def go(i):
+        try:
+            results[i] = ars[i].run_round(1, deltas[i].clone())
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+        ended[i] = time.monotonic()
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    [t.start() for t in threads]
+    if away:  # once round 1 is formed with rank 1 in it
+        while store.get(RunKeys(run).members(1)) is None:
+            time.sleep(0.01)
+        store.put(RunKeys(run).roster() + away_name(1, 0), b"")
+    time.sleep(2.5 * timeout)
+    awake.set()
+    [t.join() for t in threads]
+    for ar in ars:
+        ar.close()
+    if away:
+        assert len(errors) == 1 and "did not re-publish it within" in str(errors[0]), errors
+        assert ended[0] - t0 < 2.5 * timeout  # one window, not until the reducer woke
+        return
+    assert not errors, errors
+    assert torch.equal(results[0].mean, results[1].mean)
+    [incident] = results[0].incidents
+    assert "re-published by its reducer" in incident["action"]
