@@ -79,13 +79,13 @@ def attach(run_id: str) -> Run:
 
 def runs(limit: int | None = None) -> list[Run]:
     """Recorded runs, newest first."""
-    from .state import iter_runs
+    from .state import iter_run_ids
 
     out = []
-    for record in iter_runs():
+    for run_id in iter_run_ids():
         if limit is not None and len(out) >= limit:
             break
-        out.append(Run(record.run_id))
+        out.append(Run(run_id))
     return out
 
 

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .errors import DamagedRecord
 from .failures import cause
 from .state import RunRecord
 
@@ -297,7 +298,11 @@ def runs_table(runs: list[Any]) -> Table:
     """Recorded runs (`diloco.api.Run`), in the order given: id, backend, replicas (per group), state, created."""
     table = Table("run", "backend", "replicas", "state", "created")
     for run in runs:
-        data = run.record.data
+        try:
+            data = run.record.data
+        except DamagedRecord:  # one run's damaged record hides none of the others (`diloco status` says why)
+            table.add_row(Text(run.id), Text("?"), Text("?"), Text("DAMAGED run.json"), Text("?"))
+            continue
         spec = data.get("spec", {})
         created = datetime.fromtimestamp(data.get("created_at", 0)).strftime("%Y-%m-%d %H:%M:%S")
         groups = ", ".join(f"{g.get('name')} {g.get('replicas')}" for g in spec.get("groups") or [])

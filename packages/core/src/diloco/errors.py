@@ -43,6 +43,11 @@ class RunNotFound(UserError):
     """No record of the requested run in the state directory."""
 
 
+class DamagedRecord(UserError):
+    """A record the launcher keeps (run.json) cannot be read back: cut short by a crash or a full
+    disk, or edited by hand. The message names the file and what is wrong with it."""
+
+
 class StoreUnusable(UserError):
     """The rendezvous store cannot serve a run (unreachable, read-only, or ignores create-only puts)."""
 

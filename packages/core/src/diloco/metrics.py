@@ -253,11 +253,11 @@ class RoundCache:
     def load(self) -> list[RoundSummary]:
         by_round: dict[int, RoundSummary] = {}
         try:
-            for line in self.path.read_text().splitlines():
+            for line in self.path.read_bytes().splitlines():
                 try:
                     s = RoundSummary.from_json(line)
-                except (ValueError, TypeError, RecursionError):
-                    continue  # a line cut short by a killed process
+                except (ValueError, TypeError, RecursionError):  # ValueError: bad JSON, not UTF-8, a bad field
+                    continue  # a line cut short by a killed process, or garbage a full disk left
                 by_round[s.round] = s
         except FileNotFoundError:
             pass

@@ -3,7 +3,10 @@
 `runs/<run_id>/run.json` holds the spec (secrets never included), the backend, the handles of
 every attempt and the run's status; `events.jsonl` is the append-only event log. Every write
 of run.json is atomic (temp file + rename), so a launcher killed mid-write leaves the previous
-record intact and `diloco status` from another shell never reads half a file.
+record intact and `diloco status` from another shell never reads half a file. What a crash of
+the machine or a full disk leaves is read back all the same: run.json checked once as it is read
+(`diloco.rundoc`: `DamagedRecord` names the file), events.jsonl line by line (`diloco.eventlog`: what
+is not an event is skipped).
 
 Records may hold what a run's user alone should read (entrypoint args, rendezvous, errors):
 the state directory is created 0700 and every file in it 0600. A run id names a directory in
@@ -19,12 +22,13 @@ import re
 import secrets
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import RunNotFound, UserError
+from .eventlog import event_of
 from .records import from_record
+from .rundoc import LauncherBeat, read_run_document
 from .statedir import private_dir, private_file, state_dir, to_json, write_json_atomic
 
 
@@ -53,20 +57,6 @@ def new_run_id(name: str) -> str:
         slug = "r-" + slug
     slug = slug[:30].rstrip("-")
     return f"{slug}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(8)}"
-
-
-@dataclass(frozen=True)
-class LauncherBeat:
-    """Which process supervises the run, and when it last said so (`launcher` in run.json)."""
-
-    pid: int | None = None
-    host: str | None = None
-    heartbeat: float = 0.0
-    started: float | None = None  # the process's creation time (diloco.procinfo)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> LauncherBeat:
-        return from_record(cls, data or {}, where="the launcher's heartbeat")
 
 
 class RunRecord:
@@ -107,7 +97,7 @@ class RunRecord:
         """The `diloco.spec.RunSpec` the run was started from (secrets named, never valued)."""
         from .spec import RunSpec
 
-        return RunSpec.from_dict(self.data["spec"])
+        return from_record(RunSpec, self.data["spec"], where="run.json.spec")
 
     @property
     def rank_groups(self) -> dict[int, str]:
@@ -201,13 +191,7 @@ class RunRecord:
         except FileNotFoundError:
             return [], offset
         complete = data[: data.rfind(b"\n") + 1]
-        out = []
-        for line in complete.splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut short by a killed launcher
-        return out, offset + len(complete)
+        return [e for e in map(event_of, complete.splitlines()) if e is not None], offset + len(complete)
 
     @classmethod
     def create(cls, run_id: str, data: dict[str, Any], root: Path | None = None) -> RunRecord:
@@ -234,16 +218,15 @@ class RunRecord:
             hint = f"; did you mean one of {', '.join(sorted(matches)[:5])}?" if matches else \
                 "; `diloco list` shows the recorded runs"
             raise RunNotFound(f"no run {run_id!r} in {base / 'runs'}{hint}")
-        return cls(run_id, json.loads(path.read_text()), base)
+        return cls(run_id, read_run_document(path), base)
 
 
-def iter_runs(root: Path | None = None) -> Iterator[RunRecord]:
+def iter_run_ids(root: Path | None = None) -> Iterator[str]:
+    """The ids of the recorded runs, newest first: those whose run.json is damaged too (reading
+    one raises `DamagedRecord`, which `diloco list` shows in its row)."""
     base = (root or state_dir()) / "runs"
     if not base.is_dir():
         return
     for d in sorted(base.iterdir(), key=lambda x: x.stat().st_mtime, reverse=True):
-        if (d / "run.json").exists():
-            try:
-                yield RunRecord.load(d.name, root)
-            except (json.JSONDecodeError, OSError):
-                continue
+        if RUN_ID.match(d.name) and (d / "run.json").is_file():
+            yield d.name
