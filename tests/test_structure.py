@@ -117,3 +117,19 @@ def test_no_module_over_400_lines(src):
         if lines > MAX_LINES:
             over[rel] = lines
     assert not over, f"modules over {MAX_LINES} lines (split them by concern): {over}"
+
+
+def test_every_replica_image_shown_is_of_the_replica_version_released():
+    """An example or a guide that names the replica's image names this version of it: an older
+    tag is stopped by the replica's version check (exit 78) the first time a user copies it."""
+    import re
+    import tomllib
+
+    version = tomllib.loads((ROOT / "packages/replica/pyproject.toml").read_text())["project"]["version"]
+    shown = {}
+    for path in [*ROOT.glob("examples/**/*"), *ROOT.glob("docs/*.md"), *ROOT.glob("packages/*/README.md"),
+                 ROOT / "README.md"]:
+        if path.is_file() and path.suffix in (".toml", ".md", ".py", ".yaml", ".yml"):
+            for tag in re.findall(r"diloco-replica:([0-9][\w.+-]*)", path.read_text()):
+                shown.setdefault(tag, []).append(str(path.relative_to(ROOT)))
+    assert shown and set(shown) == {version}, shown

@@ -113,7 +113,8 @@ class Capabilities:
     """What a backend can do, declared once as its executor's `capabilities`; core reads it in one
     place (`executor.capabilities`) to choose policies and refuse what cannot work.
 
-    shares_launcher_filesystem: every replica sees the launcher's files (only the local backend).
+    shares_launcher_filesystem: every replica sees the launcher's files (the local backend, and Slurm
+        submitting from a login node of the cluster: not over ssh).
         False: `diloco run` refuses a file:// rendezvous, which each replica would see on its own disk.
     relaunches_one_rank: one rank can be started alone while the others run (`LaunchRequest.ranks`);
         False: the supervisor restarts the whole gang.
