@@ -62,9 +62,11 @@ def test_budgets_give_a_rank_up(kwargs, reason):
     assert brief(ask(settings(), failure(), **kwargs)) == (Action.GIVE_UP, 0.0, False, reason)
 
 
-def test_never_gives_up_at_once():
-    assert ask(settings(policy="never"), failure()).action is Action.GIVE_UP
-    assert ask(settings(policy="never"), failure(EXIT_PREEMPTED)).reason == "restart policy is never"
+@pytest.mark.parametrize("f, preempted", [(failure(), False), (failure(EXIT_PREEMPTED), True), (TIMED_OUT, False),
+                                          (CANCELLED, False)], ids=["failed", "preempted", "time limit", "cancelled"])
+def test_policy_never_gives_a_rank_up_at_its_first_ending_whatever_ended_it(f, preempted):
+    """`policy = "never"`: no relaunch, not even for the lifecycle events that spend no budget."""
+    assert brief(ask(settings(policy="never"), f)) == (Action.GIVE_UP, 0.0, preempted, "restart policy is never")
 
 
 def test_a_config_error_fails_the_run():

@@ -81,12 +81,33 @@ def test_local_backend_keeps_its_default_store_in_the_records(cli, project, stat
     assert plan["processes"][0]["env"]["DILOCO_RENDEZVOUS"].startswith((state_dir / "runs").as_uri())
 
 
-def test_secret_looking_args_never_reach_a_plan():
+SECRET_LOOKING = [  # (what the spec holds, the key the refusal names)
+    ('[args]\nhf_token = "hf-live-0451"', "args.hf_token"),
+    ('[args.logging]\napi_key = "sk-live-0451"', "args.logging.api_key"),
+    ('[args]\nlayers = [{ width = 8 }, { password = "pw-live-0451" }]', "password"),
+    ('[env]\nWANDB_API_KEY = "wandb-live-0451"', "WANDB_API_KEY"),
+]
+
+
+@pytest.mark.parametrize("table, key", SECRET_LOOKING, ids=[k for _, k in SECRET_LOOKING])
+def test_secret_looking_args_never_reach_a_plan(cli, project, state_dir, table, key):
+    """Through every way in (a spec's args at any depth, its env; `dryrun`, `run`; a request built
+    in Python): refused in one line naming the key, the value never printed, nothing recorded."""
     from diloco.errors import UserError
     from diloco.request import LaunchRequest
 
-    with pytest.raises(UserError, match="looks like a secret"):
-        LaunchRequest(run_id="r1", n_replicas=1, entrypoint="job:main", args={"hf_token": "hf_live", "lr": 0.1})
+    spec = write_spec(project, f'backend = "local"\nreplicas = 2\nentrypoint = "job:main"\n{table}\n')
+    for command in ("dryrun", "run"):
+        proc = cli(command, str(spec))
+        assert proc.returncode == 2, (command, proc.stdout, proc.stderr)
+        [line] = proc.stderr.strip().splitlines()
+        assert "looks like a secret" in line and key in line, line
+        assert "live-0451" not in proc.stdout + proc.stderr
+    assert not (state_dir / "runs").exists() or not any((state_dir / "runs").iterdir())
+    for args in ({"hf_token": "hf-live-0451", "lr": 0.1}, {"logging": {"api_key": "sk-live-0451"}}):
+        with pytest.raises(UserError, match="looks like a secret") as refused:
+            LaunchRequest(run_id="r1", n_replicas=1, entrypoint="job:main", args=args)
+        assert "live-0451" not in str(refused.value)
 
 
 FAILING = '''

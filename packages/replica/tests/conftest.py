@@ -67,3 +67,7 @@ def s3(monkeypatch):
         for k, v in server["env"].items():
             monkeypatch.setenv(k, v)
         yield server
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped in CI, run by scripts/gpu-check")

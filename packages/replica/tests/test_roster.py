@@ -84,5 +84,5 @@ def test_a_malformed_membership_record_is_corrupt_not_a_crash(meta, problem):
     ([0, 1, 2], Target(2, (2, 3)), {3}, 2, [2, 3]),          # 3 is in: the swap happens at once
     ([0, 1, 2], Target(2, (2,)), set(), 2, [2]),             # the target itself is smaller: it is what was asked
 ])
-def test_a_roster_never_drops_below_min_members_while_new_ranks_load(current, target, joined, min_members, want):
+def test_a_roster_drops_below_min_members_only_when_the_target_itself_is_smaller(current, target, joined, min_members, want):
     assert next_roster(current, target, joined, min_members) == want

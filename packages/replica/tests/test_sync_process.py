@@ -48,7 +48,9 @@ def test_replicas_with_different_thread_counts_hold_the_same_bytes_every_round(r
     assert_identical_every_round(replicas.results(handles), 4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+# CI has no GPU, so this is skipped there; `bash scripts/gpu-check` runs every `cuda` test on a machine with one.
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU; CI has none (bash scripts/gpu-check runs it)")
 @pytest.mark.parametrize("mode", [{}, {"overlap": True, "transport": "int4"}], ids=["fp32", "overlap+int4"])
 def test_a_cuda_replica_and_a_cpu_replica_hold_the_same_bytes_every_round(replicas, store_uri, mode):
     handles = replicas.launch("mlp_rounds", 2, rendezvous=store_uri, settings={**SETTINGS, **mode},
