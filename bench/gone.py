@@ -59,7 +59,7 @@ def run(name: str, tmp: Path, replicas: int, *, kill_after_round: int | None = N
     run_dir = state / "runs" / run_id
     killed_at = None
     if kill_after_round is not None:
-        from diloco.metrics import metrics_key
+        from diloco.runkeys import RunKeys
         from diloco.state import RunRecord
         from diloco.store import open_store
 
@@ -67,7 +67,7 @@ def run(name: str, tmp: Path, replicas: int, *, kill_after_round: int | None = N
             time.sleep(0.1)
         store = open_store(RunRecord.load(run_id, state).rendezvous)
         # the round's end as the replicas write it (the launcher's round events come in batches)
-        while proc.poll() is None and store.get(metrics_key(run_id, kill_after_round, 0)) is None:
+        while proc.poll() is None and store.get(RunKeys(run_id).metrics(kill_after_round, 0)) is None:
             time.sleep(0.05)
         pid = ((json.loads((run_dir / "run.json").read_text())["ranks"][GONE].get("handle") or {})
                .get("metadata") or {}).get("pid")

@@ -63,7 +63,8 @@ def run_diloco(spec: Path, replicas: int, tmp: Path, kill_after_round: int | Non
                kill_delay: Callable[[], float] = lambda: 0.0) -> dict:
     """One `diloco run` of `spec`; with `kill_after_round`, the last replica is SIGKILLed
     `kill_delay()` seconds after its row of that round is in the store."""
-    from diloco.metrics import RoundCache, metrics_key
+    from diloco.metrics import RoundCache
+    from diloco.runkeys import RunKeys
 
     state, log = tmp / "state", tmp / "diloco-run.log"
     tmp.mkdir(parents=True)
@@ -74,7 +75,7 @@ def run_diloco(spec: Path, replicas: int, tmp: Path, kill_after_round: int | Non
         run_id = wait_until(lambda: first_line(log), proc, log).split()[1].rstrip(":")
         run_dir, victim, killed_at = state / "runs" / run_id, replicas - 1, None
         if kill_after_round is not None:
-            row = run_dir / "store" / metrics_key(run_id, kill_after_round, victim)
+            row = run_dir / "store" / RunKeys(run_id).metrics(kill_after_round, victim)
             wait_until(row.exists, proc, log)
             time.sleep(kill_delay())
             record = json.loads((run_dir / "run.json").read_text())

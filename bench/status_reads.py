@@ -19,7 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from diloco.metrics import RoundMetrics, RoundReader, RoundSummary, metrics_key, read_rounds, summary_key
+from diloco.metrics import RoundMetrics, RoundReader, RoundSummary, read_rounds
+from diloco.runkeys import RunKeys
 from diloco.store import open_store
 from diloco.testing.counting import RequestCounter
 
@@ -31,8 +32,8 @@ def write_run(store, run: str, rounds: range) -> None:
         rows = [RoundMetrics(round=r, rank=k, members=list(range(N)), loss=1.0, tokens=1000, compute_s=1.0,
                              sync_s=0.05, state_digest="00000000-00000000") for k in range(N)]
         for row in rows:
-            store.put(metrics_key(run, r, row.rank), row.to_json())
-        store.put(summary_key(run, r), RoundSummary.from_rows(r, rows).to_json())
+            store.put(RunKeys(run).metrics(r, row.rank), row.to_json())
+        store.put(RunKeys(run).summary(r), RoundSummary.from_rows(r, rows).to_json())
 
 
 def every_row(store, run: str) -> int:

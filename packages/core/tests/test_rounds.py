@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import uuid
 
-from diloco.metrics import RoundMetrics, RoundReader, RoundSummary, divergence, metrics_key, read_rounds, summary_key
+from diloco.metrics import RoundMetrics, RoundReader, RoundSummary, divergence, read_rounds
+from diloco.runkeys import RunKeys
 from diloco.store import open_store
 from diloco.testing.counting import RequestCounter
 
@@ -16,9 +17,9 @@ def row(r: int, rank: int, members: list[int], digest: str = "aa-bb", **kw) -> R
 
 def write_round(store, run, r, rows, *, summary=True):
     for x in rows:
-        store.put(metrics_key(run, r, x.rank), x.to_json())
+        store.put(RunKeys(run).metrics(r, x.rank), x.to_json())
     if summary:
-        store.put(summary_key(run, r), RoundSummary.from_rows(r, rows).to_json())
+        store.put(RunKeys(run).summary(r), RoundSummary.from_rows(r, rows).to_json())
 
 
 def test_reading_progress_costs_new_rounds_not_all_rounds():

@@ -79,9 +79,10 @@ def _run_leaving_files(cli, project, tmp_path, *, rounds: bool = False) -> str:
         "    print('training data: secret-ish', flush=True)\n"
         "    ctx.store.put(f'{ctx.run_id}/artifacts/summary.txt', b'final loss 1.5\\n')\n"
         "    if ctx.rank == 0 and %r:\n"
-        "        from diloco.metrics import RoundMetrics, RoundSummary, summary_key\n"
+        "        from diloco.metrics import RoundMetrics, RoundSummary\n"
+        "        from diloco.runkeys import RunKeys\n"
         "        row = RoundMetrics(round=1, rank=0, members=[0, 1], loss=1.5, tokens=10)\n"
-        "        ctx.store.put(summary_key(ctx.run_id, 1), RoundSummary.from_rows(1, [row]).to_json())\n"
+        "        ctx.store.put(RunKeys(ctx.run_id).summary(1), RoundSummary.from_rows(1, [row]).to_json())\n"
         "    return {'rank': ctx.rank}\n" % rounds)
     store = tmp_path / "store"
     store.mkdir()

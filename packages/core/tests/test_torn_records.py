@@ -46,10 +46,11 @@ def recorded(tmp_path_factory):
     root = tmp_path_factory.mktemp("recorded")
     (root / "rounds.py").write_text(
         "def main(ctx):\n"
-        "    from diloco.metrics import RoundMetrics, RoundSummary, summary_key\n"
+        "    from diloco.metrics import RoundMetrics, RoundSummary\n"
+        "    from diloco.runkeys import RunKeys\n"
         "    row = RoundMetrics(round=1, rank=0, members=[0, 1], loss=1.5, tokens=10)\n"
         "    if ctx.rank == 0:\n"
-        "        ctx.store.put(summary_key(ctx.run_id, 1), RoundSummary.from_rows(1, [row]).to_json())\n"
+        "        ctx.store.put(RunKeys(ctx.run_id).summary(1), RoundSummary.from_rows(1, [row]).to_json())\n"
         "    return {'rank': ctx.rank}\n")
     (root / "store").mkdir()
     spec = write_spec(root, f'backend = "local"\nreplicas = 2\nentrypoint = "rounds:main"\n'

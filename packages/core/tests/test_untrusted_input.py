@@ -139,7 +139,7 @@ def test_run_ids_carry_64_random_bits_and_stay_dns_labels():
 # -- one supervisor per run ------------------------------------------------------------------------
 
 
-def _race_for_lease(run_dir: str, start_at: float, queue) -> None:
+def _race_for_lease(run_dir: str, start_at: float, queue, everyone_answered) -> None:
     from pathlib import Path
 
     from diloco.lease import LeaseHeld, SupervisorLease
@@ -149,8 +149,8 @@ def _race_for_lease(run_dir: str, start_at: float, queue) -> None:
     try:
         lease = SupervisorLease.acquire(Path(run_dir))
         queue.put(("won", os.getpid()))
-        time.sleep(1.0)
-        lease.release()
+        everyone_answered.wait(60)  # held until every racer has tried: one that started late (a loaded
+        lease.release()             # machine) must meet it held, not find it released and win again
     except LeaseHeld as exc:
         queue.put(("refused", str(exc)))
 
@@ -159,12 +159,14 @@ def test_of_many_supervisors_started_together_exactly_one_holds_the_lease(tmp_pa
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
+    queue, everyone_answered = ctx.Queue(), ctx.Event()
     start_at = time.time() + 2.0
-    procs = [ctx.Process(target=_race_for_lease, args=(str(run_dir), start_at, queue)) for _ in range(6)]
+    procs = [ctx.Process(target=_race_for_lease, args=(str(run_dir), start_at, queue, everyone_answered))
+             for _ in range(6)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=60) for _ in procs]
+    everyone_answered.set()
     for p in procs:
         p.join(30)
     won = [r for r in results if r[0] == "won"]
@@ -321,7 +323,9 @@ def test_the_python_api_cannot_supervise_a_run_another_launcher_holds(cli, proje
 def test_user_text_in_records_is_shown_as_text_by_list_and_status(cli, state_dir):
     from diloco.state import RunRecord
 
-    record = RunRecord.create("markup-run", {"spec": {"backend": "[/][link=http://evil]x", "replicas": 2},
+    spec = {"name": "markup", "backend": "[/][link=http://evil]x", "replicas": 2, "entrypoint": "job:main",
+            "workdir": ".", "timeout": 60.0}
+    record = RunRecord.create("markup-run", {"spec": spec,
                                              "state": "[bold]FAILED[/]", "launch": {"n_replicas": 2}})
     assert record.path.exists()
     proc = cli("list")
@@ -340,16 +344,17 @@ def test_a_planted_round_summary_of_the_wrong_shape_is_skipped_not_a_crash(field
     to reach the launcher's progress code (`round("x", 4)`, `inc.items()`) and crash it."""
     import uuid
 
-    from diloco.metrics import RoundMetrics, RoundReader, RoundSummary, summary_key
+    from diloco.metrics import RoundMetrics, RoundReader, RoundSummary
+    from diloco.runkeys import RunKeys
     from diloco.store import open_store
 
     store = open_store(f"memory://{uuid.uuid4().hex}")
     good = RoundSummary.from_rows(1, [RoundMetrics(round=1, rank=0, members=[0], loss=1.5, tokens=10)])
-    store.put(summary_key("run", 1), good.to_json())
+    store.put(RunKeys("run").summary(1), good.to_json())
     bad = json.loads(RoundSummary.from_rows(2, [RoundMetrics(round=2, rank=0, members=[0])]).to_json())
     bad[field] = value
-    store.put(summary_key("run", 2), json.dumps(bad).encode())
-    store.put(summary_key("run", 3), b"[" * 100_000)  # deeper than json can decode
+    store.put(RunKeys("run").summary(2), json.dumps(bad).encode())
+    store.put(RunKeys("run").summary(3), b"[" * 100_000)  # deeper than json can decode
     got = RoundReader(store, "run").read_new()
     assert [s.round for s in got] == [1] and got[0].loss == 1.5
 

@@ -77,9 +77,9 @@ def mlp_rounds(ctx: ReplicaContext, steps: int = 12, dim: int = 64, delay_rank: 
     process's. Each inner step counts one token.
     """
     if join_after_round:  # a late start, however slowly the others got going
-        from diloco.metrics import metrics_key
+        from diloco.runkeys import RunKeys
 
-        while ctx.store.get(metrics_key(ctx.run_id, join_after_round, 0)) is None:
+        while ctx.store.get(RunKeys(ctx.run_id).metrics(join_after_round, 0)) is None:
             time.sleep(0.05)
     if threads and str(ctx.rank) in threads:
         from diloco.envvars import ENV_SYNC_THREADS

@@ -367,7 +367,8 @@ def test_a_recorder_leaving_does_not_wait_for_a_row_that_may_never_come():
     """A member killed mid-round never writes its row; the recorder (rank 0) waits for it up to
     the round timeout in the background, but closing ends the wait at once: no summary short of a
     row is written, and readers rebuild the round from the rows once it is over."""
-    from diloco.metrics import RoundMetrics, RoundReader, summary_key
+    from diloco.metrics import RoundMetrics, RoundReader
+    from diloco.runkeys import RunKeys
     from diloco_replica.recorder import Recorder
 
     store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-leaving"
@@ -380,6 +381,6 @@ def test_a_recorder_leaving_does_not_wait_for_a_row_that_may_never_come():
     closer.start()
     closer.join(timeout=60)  # 600 s if leaving waited for the missing row
     assert not closer.is_alive()
-    assert store.get(summary_key(run, 3)) is None
+    assert store.get(RunKeys(run).summary(3)) is None
     [rebuilt] = RoundReader(store, run).read_new(final=True)
     assert rebuilt.round == 3 and rebuilt.tokens == 5

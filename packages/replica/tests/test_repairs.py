@@ -12,7 +12,7 @@ import torch
 
 from diloco.store import open_store
 from diloco_replica.allreduce import StoreAllReduce
-from diloco_replica.storeaccess import RunKeys
+from diloco.runkeys import RunKeys
 
 from test_untrusted_objects import repacked
 

@@ -10,7 +10,8 @@ import pytest
 from diloco.scaling import roster_body
 from diloco.store import open_store
 from diloco_replica.roster import Rosters, Target, next_roster
-from diloco_replica.storeaccess import CountingStore, RunKeys
+from diloco.runkeys import RunKeys
+from diloco_replica.storeaccess import CountingStore
 
 
 @pytest.mark.parametrize("current, target, joined, want", [

@@ -24,7 +24,7 @@ from diloco_replica.codecs import sparsify
 from diloco_replica.globalstate import GlobalState
 from diloco_replica.layout import Cut
 from diloco_replica.roundstate import Round
-from diloco_replica.storeaccess import RunKeys
+from diloco.runkeys import RunKeys
 from diloco_replica.streaming import WholeDelta
 from diloco_replica.wire import Identity, encode_tensor, joined, pack, unpack
 

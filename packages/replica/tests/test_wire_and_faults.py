@@ -10,7 +10,7 @@ import torch
 
 from diloco.store import open_store
 from diloco_replica.allreduce import FellBehind, RoundFailed, StoreAllReduce
-from diloco_replica.storeaccess import RunKeys
+from diloco.runkeys import RunKeys
 from diloco_replica.wire import CorruptObject, Identity, encode_tensor, encoded_nbytes, joined, pack, unpack
 
 ID = Identity("run-a", 3, "scatter", 1, 2)

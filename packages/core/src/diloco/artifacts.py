@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .runkeys import RunKeys
 from .state import RunRecord
 from .statedir import private_file
 
@@ -18,7 +19,7 @@ def collect_artifacts(record: RunRecord) -> list[Path]:
     if not rendezvous:
         return []
     store = open_store(rendezvous)
-    prefix = f"{record.run_id}/artifacts/"
+    prefix = RunKeys(record.run_id).artifact()
     out = []
     for meta in store.list(prefix):
         name = meta["path"][len(prefix):]

@@ -23,14 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .records import from_record
-
-
-def metrics_key(run_id: str, round_: int, rank: int) -> str:
-    return f"{run_id}/metrics/r{round_:08d}/rank-{rank}.json"
-
-
-def summary_key(run_id: str, round_: int) -> str:
-    return f"{run_id}/rounds/r{round_:08d}.json"
+from .runkeys import RunKeys
 
 
 # Where a replica's time in a round went, in order (seconds each; `RoundMetrics.phases`):
@@ -203,8 +196,8 @@ class RoundReader:
     def __init__(self, store: Any, run_id: str, after: int = 0):
         self.store, self.run_id, self.after = store, run_id, after
 
-    def _list_rounds(self, kind: str) -> dict[int, list[str]]:
-        prefix = f"{self.run_id}/{kind}/"
+    def _list_rounds(self, prefix: str) -> dict[int, list[str]]:
+        """Round -> the keys under `prefix` (`RunKeys.summary()` or `.metrics()`) of rounds after `after`."""
         offset = f"{prefix}r{self.after:08d}~"  # every key of rounds ≤ after sorts before this
         found: dict[int, list[str]] = {}
         for meta in self.store.list(prefix, offset=offset):
@@ -215,7 +208,7 @@ class RoundReader:
 
     def read_new(self, *, final: bool = False) -> list[RoundSummary]:
         out: dict[int, RoundSummary] = {}
-        for rnd, paths in self._list_rounds("rounds").items():
+        for rnd, paths in self._list_rounds(RunKeys(self.run_id).summary()).items():
             raw = self.store.get(paths[0])
             if raw is not None:
                 try:
@@ -225,7 +218,8 @@ class RoundReader:
         newest = max(out, default=self.after)
         orphans = {}
         if final or out:  # rows listed only when a summary could be missing, not on every idle poll
-            orphans = {r: p for r, p in self._list_rounds("metrics").items() if r not in out and (r < newest or final)}
+            rows_of = self._list_rounds(RunKeys(self.run_id).metrics())
+            orphans = {r: p for r, p in rows_of.items() if r not in out and (r < newest or final)}
         for rnd, paths in orphans.items():
             rows = []
             for path in paths:

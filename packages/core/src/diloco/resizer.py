@@ -13,6 +13,7 @@ from typing import Any
 
 from .failures import shorten
 from .rankstate import RankState, RankStatus
+from .runkeys import RunKeys, scale_seq
 from .scaling import ScaleRequest, pending, plan_resize, roster_body
 
 
@@ -65,11 +66,11 @@ class Resizer:
         try:  # the replicas read the target from the store: it goes first, or nothing changes
             from .store import open_store
 
-            store, prefix = open_store(sup.request.rendezvous), f"{sup.request.run_id}/roster/"
+            store, keys = open_store(sup.request.rendezvous), RunKeys(sup.request.run_id)
             # after the newest target there, even one a launcher wrote before dying unsaved
-            seqs = [m["path"][len(prefix) + 6:-5] for m in store.list(prefix) if m["path"].endswith(".json")]
-            seq = max((int(x) for x in seqs if x.isdigit()), default=0) + 1
-            store.put(f"{prefix}scale-{seq:08d}.json", roster_body(sup.request.run_id, seq, ranks), create_only=True)
+            seqs = [scale_seq(m["path"][len(keys.roster()):]) for m in store.list(keys.roster())]
+            seq = max((x for x in seqs if x is not None), default=0) + 1
+            store.put(keys.scale(seq), roster_body(sup.request.run_id, seq, ranks), create_only=True)
         except Exception as exc:  # noqa: BLE001 - a store that cannot be written: one event, the run goes on
             sup.event("scale_failed", group=group, replicas=req.replicas, error=shorten(str(exc)))
             return

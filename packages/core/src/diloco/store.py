@@ -33,6 +33,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from .errors import StoreUnusable, UserError
+from .runkeys import RunKeys
 
 _MEMORY_STORES: dict[str, Any] = {}
 
@@ -205,7 +206,8 @@ def verify_store(store: Store, run_id: str, who: str) -> None:
     """
     import secrets
 
-    key = f"{run_id}/probe/{who}-{secrets.token_hex(4)}"
+    keys = RunKeys(run_id)
+    key = keys.probe(f"{who}-{secrets.token_hex(4)}")
     data = f"diloco probe {who}".encode()
     step = "write an object"
     try:
@@ -215,7 +217,7 @@ def verify_store(store: Store, run_id: str, who: str) -> None:
         if got is None or bytes(got) != data:
             raise StoreUnusable(f"rendezvous {store.uri!r}: an object written was not read back intact")
         step = "list objects"
-        if not any(m["path"] == key for m in store.list(f"{run_id}/probe/")):
+        if not any(m["path"] == key for m in store.list(keys.probe())):
             raise StoreUnusable(f"rendezvous {store.uri!r}: an object written does not appear in a listing")
         step = "refuse a second create-only write"
         try:

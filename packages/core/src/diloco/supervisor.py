@@ -26,7 +26,7 @@ from .failures import shorten
 from .policy import RestartSettings, RunState, outcome, spent_on_relaunch
 from .protocol import Executor, ReplicaResult, ReplicaStatus
 from .rankstate import RankState, RankStatus
-from .presence import AwayBoard
+from .awayboard import AwayBoard
 from .reactions import Presence, Reactions
 from .request import LaunchPlan, LaunchRequest
 from .roundwatch import RoundWatcher

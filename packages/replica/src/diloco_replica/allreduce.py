@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from diloco.runkeys import RunKeys
 from diloco.settings import DilocoSettings
 from diloco.store import Store
 from diloco.wiresize import parts_per_shard
@@ -64,7 +65,7 @@ from .repairs import RepairDesk
 from .rounderrors import FellBehind, RoundFailed
 from .roundio import RoundIO
 from .roundstate import Round, RoundResult
-from .storeaccess import CountingStore, RunKeys
+from .storeaccess import CountingStore
 from .streaming import DeltaSource, RoundSink, WholeDelta, Window, buffer_sink, pool_width, window_for
 from .wire import decode_tensor, encode_tensor, pack
 

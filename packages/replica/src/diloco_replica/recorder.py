@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from diloco.metrics import RoundMetrics, RoundReader, RoundSummary, metrics_key, summary_key
+from diloco.metrics import RoundMetrics, RoundReader, RoundSummary
 from diloco.store import ObjectExists
 
 from .allreduce import StoreAllReduce
@@ -37,7 +37,7 @@ class Recorder:
 
     def write_row(self, row: RoundMetrics) -> None:
         try:
-            self.io.store.put(metrics_key(self.io.run_id, row.round, row.rank), row.to_json())
+            self.io.store.put(self.io.keys.metrics(row.round, row.rank), row.to_json())
         except Exception as exc:  # metrics are for people; never fail training over them
             self.log(f"could not write metrics for round {row.round}: {exc}")
 
@@ -47,7 +47,7 @@ class Recorder:
             self.io.pool.submit(self._summarize, r, members)
 
     def _summarize(self, r: int, members: list[int]) -> None:
-        prefix = f"{self.io.run_id}/metrics/r{r:08d}/"
+        prefix = self.io.keys.metrics(r)
         deadline = time.monotonic() + min(self.io.round_timeout, 2 * self.grace())
         backoff = self.io.backoff()
         # The raw store, not the counting one: this runs in the background, often inside the next
@@ -71,7 +71,7 @@ class Recorder:
                 if raw is not None:
                     rows.append(RoundMetrics.from_json(raw))
             summary = RoundSummary.from_rows(r, rows)
-            store.put(summary_key(self.io.run_id, r), summary.to_json(), create_only=True)
+            store.put(self.io.keys.summary(r), summary.to_json(), create_only=True)
             if summary.diverged:
                 self.log(f"round {r}: replicas {summary.diverged['minority']} hold a global state different from "
                          f"{summary.diverged['majority']}")

@@ -15,12 +15,9 @@ from dataclasses import asdict
 
 from diloco.context import ReplicaContext
 from diloco.metrics import RoundReader, RoundSummary
+from diloco.runkeys import RunKeys
 
 from .plots import loss_png, timeline_png
-
-
-def artifact_key(run_id: str, name: str) -> str:
-    return f"{run_id}/artifacts/{name}"
 
 
 def data_parallel_bytes(n_params: int, world: int, steps: int) -> int:
@@ -82,9 +79,9 @@ def write_run_report(ctx: ReplicaContext, diloco: Any, *, eval_loss: float | Non
     summary = summarize(rounds, eval_loss=eval_loss, steps=steps, n_params=n_params, world=ctx.world_size,
                         settings=diloco.settings.to_dict())
     store = diloco.store
-    store.put(artifact_key(ctx.run_id, "summary.json"), json.dumps({**summary, "rounds_detail": [asdict(r) for r in rounds]}, indent=2).encode())
-    store.put(artifact_key(ctx.run_id, "summary.txt"), format_summary(summary).encode())
+    store.put(RunKeys(ctx.run_id).artifact("summary.json"), json.dumps({**summary, "rounds_detail": [asdict(r) for r in rounds]}, indent=2).encode())
+    store.put(RunKeys(ctx.run_id).artifact("summary.txt"), format_summary(summary).encode())
     for name, png in (("loss.png", loss_png(rounds, eval_loss, steps)), ("timeline.png", timeline_png(rounds))):
         if png:
-            store.put(artifact_key(ctx.run_id, name), png)
+            store.put(RunKeys(ctx.run_id).artifact(name), png)
     return summary

@@ -27,10 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from diloco.presence import Presence, read_presence
+from diloco.runkeys import RunKeys, scale_seq
 from diloco.scaling import MAX_RANK, parse_roster
 from diloco.store import ObjectExists
 
-from .storeaccess import CountingStore, RunKeys
+from .storeaccess import CountingStore
 
 __all__ = ["MAX_RANK", "Rosters", "Target", "next_roster"]
 
@@ -68,16 +69,15 @@ class Rosters:
         """The newest well-formed target, and the presence markers."""
         names = self.store.list_names(self.keys.roster())
         presence = read_presence(names)
-        scales = sorted((x for x in names if x.startswith("scale-") and x.endswith(".json")
-                         and x[6:-5].isdigit() and x not in self._bad), key=lambda x: int(x[6:-5]), reverse=True)
-        for name in scales:
-            if self.target is not None and int(name[6:-5]) <= self.target.seq:
+        scales = sorted(((seq, x) for x in names if (seq := scale_seq(x)) is not None and x not in self._bad),
+                        reverse=True)
+        for seq, name in scales:
+            if self.target is not None and seq <= self.target.seq:
                 break
             body = self.store.get(self.keys.roster() + name)
             if body is None:
                 continue
             try:
-                seq = int(name[6:-5])
                 self.target = Target(seq, tuple(parse_roster(self.run, seq, body)))
                 break
             except ValueError as exc:

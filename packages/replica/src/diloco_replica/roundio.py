@@ -24,11 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from diloco.runkeys import RunKeys
 from diloco.store import ObjectExists
 
 from .faults import Faults
 from .lanes import Lanes
-from .storeaccess import Backoff, CountingStore, RunKeys
+from .storeaccess import Backoff, CountingStore
 from .wire import CorruptObject, Identity, Unpacked, unpack
 
 

@@ -1,8 +1,9 @@
-"""The store as the round protocol uses it: counted requests, paced waiting, and key names.
+"""The store as the round protocol uses it: counted requests, paced waiting, and who reduces a
+shard.
 
-Everything above this module addresses objects through `RunKeys` and moves them through
-`CountingStore`, so bytes and requests per round are measured in one place and the layout is
-written down once.
+Everything above this module addresses objects through `diloco.runkeys.RunKeys` (the layout,
+written down once for the launcher and the replicas alike) and moves them through
+`CountingStore`, so bytes and requests per round are measured in one place.
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 
-from diloco.presence import join_name
 from diloco.store import Store
 
 from diloco.wiresize import Traffic
@@ -121,64 +120,3 @@ def reducer_of(shard: int, members: list[int], parts: int = 1, roster: list[int]
     chosen by j, so a dead owner's parts are spread over the members."""
     owner = shard // parts if roster is None else roster[shard // parts]
     return owner if owner in members else members[shard % len(members)]
-
-
-@dataclass(frozen=True)
-class RunKeys:
-    """The store layout of one run (documented in packages/replica/README.md)."""
-
-    run: str
-
-    def round(self, r: int) -> str:
-        return f"{self.run}/r{r:08d}"
-
-    def scatter(self, r: int, shard: int, src: int, lane: int) -> str:
-        """Lane `lane` of replica `src`: its piece of shard j (`layout.Cut.pieces`)."""
-        return f"{self.round(r)}/scatter/{shard}/{src}.{lane}"
-
-    def ready(self, r: int, src: int | None = None, lanes: int = 1, attempt: int = 0) -> str:
-        """Attempt `attempt` of replica `src` of `lanes` processes has every piece it sends in the
-        store (the name carries its lane count and attempt, so whoever decides the round learns
-        them from one LIST, and everyone can tell when a member's attempt ended: `gather`)."""
-        return f"{self.round(r)}/ready/" + ("" if src is None else f"{src}.{lanes}.{attempt}")
-
-    def members(self, r: int) -> str:
-        return f"{self.round(r)}/members.json"
-
-    def reduced(self, r: int, owner: int | None = None) -> str:
-        """Reduced shard j under a prefix of its own (`reduced/<j>/mean`): every replica GETs every
-        reduced shard, N² GETs a round, which in one prefix would pass S3's 5,500 GET/s per prefix
-        from N ≈ 64 on (bench/scale.py); one LIST of `reduced/` still finds them all."""
-        return f"{self.round(r)}/reduced/" + ("" if owner is None else f"{owner}/mean")
-
-    def repair(self, r: int, owner: int | None = None) -> str:
-        return f"{self.round(r)}/repair/" + ("" if owner is None else str(owner))
-
-    def repaired(self, r: int, owner: int) -> str:
-        return f"{self.round(r)}/repaired/{owner}"
-
-    def claim(self, r: int, owner: int, generation: int) -> str:
-        return f"{self.round(r)}/claim/{owner}.{generation}"
-
-    def checkpoint(self, r: int, piece: tuple[int, int] | str | None = None) -> str:
-        """Checkpoint r's piece [a, b) of the model (`<a>-<b>`), or its `void` marker."""
-        name = "" if piece is None else piece if isinstance(piece, str) else f"{piece[0]}-{piece[1]}"
-        return f"{self.run}/ckpt/r{r:08d}/{name}"
-
-    def checkpoints(self) -> str:
-        return f"{self.run}/ckpt/"
-
-    def roster(self) -> str:
-        """The launcher's scale requests and away markers, and replicas' join markers (`roster`,
-        `diloco.presence`)."""
-        return f"{self.run}/roster/"
-
-    def scale(self, seq: int) -> str:
-        return f"{self.roster()}scale-{seq:08d}.json"
-
-    def join(self, rank: int, round_: int, attempt: int) -> str:
-        """Attempt `attempt` of `rank` takes part from round `round_` on (`diloco.presence`)."""
-        return f"{self.roster()}{join_name(rank, round_, attempt)}"
-
-    def low_water(self, r: int | None = None) -> str:
-        return f"{self.run}/history/" + ("" if r is None else f"gc-through-r{r:08d}")
