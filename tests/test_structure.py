@@ -133,3 +133,57 @@ def test_every_replica_image_shown_is_of_the_replica_version_released():
             for tag in re.findall(r"diloco-replica:([0-9][\w.+-]*)", path.read_text()):
                 shown.setdefault(tag, []).append(str(path.relative_to(ROOT)))
     assert shown and set(shown) == {version}, shown
+
+
+# Reaches into another package's private names, each for want of a public way, and why (a new one
+# fails the test below: find the public way, or say here why there is none). `os._exit` is
+# public API despite its name: a child process ending without running its parent's handlers.
+PRIVATE_REACHES = {
+    ("diloco.runner", "os._exit"): "the runner's watchdog ends the process at once (public, os docs)",
+    ("diloco_replica.syncproc", "os._exit"): "a forked sync process ends without its parent's handlers (public)",
+    **{("diloco_modal.functions", x): "the secrets a deployed function holds: modal has no public reader"
+       for x in ("synchronizer._translate_in", "synchronizer._translate_out", "raw._spec",
+                 "modal.Secret._new_hydrated", "function._client", "function._client._stub",
+                 "from modal._object import _get_environment_name")},
+    **{("diloco_modal.calls", x): "a call's output without waiting: modal's public get() blocks or raises"
+       for x in ("call._client", "call._client._stub")},
+    ("diloco_modal.testing", "from modal.client import _Client"): "forgetting modal's cached client (stand-in)",
+    **{("diloco_modal.testing.call", x): "the stand-in runs a function's Python body as Modal's runtime does"
+       for x in ("synchronizer._translate_in", "synchronizer._translate_in(obj)._raw_f")},
+    ("diloco_modal.testing.server", "server._server"): "the port grpclib's server bound (no public accessor)",
+}
+
+
+def private_reaches(name: str, path: Path) -> set[str]:
+    """`x._name` (x not self, cls or super()) and `from m import _name` in module `name`, where
+    `_name` is not one of the module's own names."""
+    tree = ast.parse(path.read_text())
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = node.value
+            mine = isinstance(base, ast.Name) and base.id in ("self", "cls") or \
+                isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super"
+            if not mine and node.attr not in own:
+                found.add(ast.unparse(node))
+        elif isinstance(node, ast.ImportFrom):
+            found |= {f"from {node.module} import {a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")}
+    return found
+
+
+def test_no_module_reaches_into_another_ones_private_names():
+    """A private name is its module's own business: calling `sup._event` from the resizer, or
+    reading `pool._max_workers` of a library's pool, ties two modules (or a library's version) together
+    where nothing shows it. Reaches with no public way are listed, with why, in PRIVATE_REACHES."""
+    found = {(name, x) for name, path in modules().items() for x in private_reaches(name, path)}
+    assert found - set(PRIVATE_REACHES) == set(), sorted(found - set(PRIVATE_REACHES))
+    assert set(PRIVATE_REACHES) - found == set(), "listed but gone: remove them from PRIVATE_REACHES"

@@ -8,20 +8,41 @@ leave by themselves after their round) or, if not running yet, cancelled.
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from .failures import shorten
+from .protocol import Executor
 from .rankstate import RankState, RankStatus
+from .request import LaunchRequest
 from .runkeys import RunKeys, scale_seq
 from .scaling import ScaleRequest, pending, plan_resize, roster_body
+from .state import RunRecord
+
+
+class ResizeHost(Protocol):
+    """What the resizer needs of the supervisor it works for (`diloco.supervisor.Supervisor`):
+    what it reads, and the three things it asks of it. It changes the run only through these
+    (and the `RankState` records of the ranks it retires)."""
+
+    ranks: list[RankState]
+    record: RunRecord
+    request: LaunchRequest
+    executor: Executor
+    group_names: dict[int, str]
+
+    def event(self, kind: str, **fields: Any) -> None: ...
+
+    def add_rank(self, rank: int, group: str | None) -> None: ...
+
+    def resized(self, active: int) -> None: ...
+
+    def launch(self, ranks: list[int], attempt_of: dict[int, int]) -> None: ...
 
 
 class Resizer:
-    """`sup`: the `diloco.supervisor.Supervisor` it works for (its ranks, record, request,
-    executor, round watcher, `launch` and `event`)."""
+    """Applies `diloco scale` requests to the run of `sup` (`ResizeHost`)."""
 
-    def __init__(self, sup: Any):
+    def __init__(self, sup: ResizeHost):
         self.sup = sup
         self.applied: list[str] = list(sup.record.data.get("applied_scales") or [])
 
@@ -78,13 +99,8 @@ class Resizer:
             self._retire(sup.ranks[rank])
         grouped = bool(sup.group_names)
         for rank in added:
-            sup.ranks.append(RankState(rank, group=group if grouped else None))
-            if grouped:
-                sup.record.data.setdefault("scaled_ranks", {})[str(rank)] = group
-                sup.group_names[rank] = group
-                sup.executor.assign(rank, group)
-        sup.request = replace(sup.request, n_replicas=len(sup.ranks))  # every rank id is below it
-        sup.rounds.n_replicas = len(ranks)
+            sup.add_rank(rank, group)
+        sup.resized(len(ranks))
         sup.event("scaled", group=group if grouped else None, replicas_from=before, replicas_to=len(ranks),
                    added=added, retired=retired, seq=seq)
         if added:

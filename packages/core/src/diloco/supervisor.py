@@ -21,12 +21,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from .awayboard import AwayBoard
 from .errors import BackendError
 from .failures import shorten
 from .policy import RestartSettings, RunState, outcome, spent_on_relaunch
 from .protocol import Executor, ReplicaResult, ReplicaStatus
 from .rankstate import RankState, RankStatus
-from .awayboard import AwayBoard
 from .reactions import Presence, Reactions
 from .request import LaunchPlan, LaunchRequest
 from .roundwatch import RoundWatcher
@@ -116,6 +116,22 @@ class Supervisor:
             elif "ranks" in fields:
                 fields["groups"] = sorted({self.group_names.get(r) for r in fields["ranks"]} - {None})
         self.record.event(kind, **fields)
+
+    # -- resizing (`diloco.resizer.ResizeHost`) ----------------------------------------------
+
+    def add_rank(self, rank: int, group: str | None) -> None:
+        """Take in a rank `diloco scale` adds (the resizer launches it): in a run across backends,
+        recorded with its group and assigned to that group's backend."""
+        self.ranks.append(RankState(rank, group=group if self.group_names else None))
+        if self.group_names:
+            self.record.data.setdefault("scaled_ranks", {})[str(rank)] = group
+            self.group_names[rank] = group
+            self.executor.assign(rank, group)  # a run across backends has a `diloco.groupexec.GroupExecutor`
+        self.request = replace(self.request, n_replicas=len(self.ranks))  # every rank id is below it
+
+    def resized(self, active: int) -> None:
+        """The run has `active` replicas now: its rounds are checked against that many."""
+        self.rounds.n_replicas = active
 
     # -- launching -------------------------------------------------------------------------
 

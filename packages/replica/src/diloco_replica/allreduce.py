@@ -85,8 +85,9 @@ class StoreAllReduce:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         lanes = lanes or Lanes()
+        pool_size = max(2, workers or pool_width(world_size))
         self.io = RoundIO(store=CountingStore(store), keys=RunKeys(run_id), lanes=lanes,
-                          pool=ThreadPoolExecutor(max_workers=max(2, workers or pool_width(world_size))),
+                          pool=ThreadPoolExecutor(max_workers=pool_size),
                           run_id=run_id, rank=rank, n=world_size, round_timeout=round_timeout,
                           poll_interval=poll_interval, poll_max=poll_max, log=log or (lambda msg: None),
                           faults=Faults(rank, lanes.index), codec=codec)
@@ -95,7 +96,7 @@ class StoreAllReduce:
         # Time-based rounds (`round_seconds`): each contribution states its inner steps (1..step_cap)
         # and a shard's mean is FedNova's (`reduce`).
         self.step_cap = step_cap
-        self.window = window_for(world_size, self.io.pool._max_workers)  # whole shards in flight (`streaming`)
+        self.window = window_for(world_size, pool_size)  # whole shards in flight (`streaming`)
         # With parts, the gather and a replica's own reductions run on threads of their own, beside
         # each other (the gather and two reductions: one folds while the other downloads), never
         # on the pool their downloads queue on.
