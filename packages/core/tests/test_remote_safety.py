@@ -170,7 +170,7 @@ def test_a_signal_is_infrastructure_and_is_relaunched(cli, project, state_dir):
 
 def test_a_paused_launcher_still_counts_as_alive(state_dir):
     """A launcher stopped past its heartbeat (SIGSTOP, laptop asleep) must not get a twin via resume."""
-    from diloco.api import launcher_alive as _launcher_alive
+    from diloco.liveness import launcher_alive as _launcher_alive
     from diloco.procinfo import started_at
     from diloco.state import RunRecord
     import socket

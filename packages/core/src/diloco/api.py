@@ -12,6 +12,7 @@ For notebooks and sweep scripts, with the CLI's powers; the CLI is built on this
     same.progress().step, same.logs(rank=0), same.scale(8), same.cancel()
     for record in same.follow(): print(record.state)           # until it ends, as `diloco status --follow`
     for text in same.follow_logs(rank=0): print(text, end="")  # as `diloco logs --rank 0 --follow`
+
 A `Run` holds no state of its own: every method reads the run's record (run.json, events.jsonl
 under the state dir), its object store (round metrics), or its backend (live statuses, logs), so
 a `Run` from `attach` in another process sees exactly what the launching one does.
@@ -25,7 +26,6 @@ runs it in the calling thread instead, as `diloco run` does.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
+from .liveness import launcher_alive, live_statuses, per_group
 from .state import FINAL_STATES, RunRecord
 
 
@@ -179,17 +180,8 @@ class Run:
     def live(self) -> dict[int, str]:
         """Each rank's status as its backend reports it now (ranks whose backend cannot be reached
         from this shell are left out; `status()['live_error']` says why)."""
-        return self._live_of(self.record)[0]
+        return live_statuses(self.record)[0]
 
-    @staticmethod
-    def _live_of(record: RunRecord) -> tuple[dict[int, str], str | None]:
-        """Live statuses, rank by rank, and why some are missing: in a run across backends one
-        group's missing SDK or API outage leaves the other groups' statuses standing."""
-        from .launcher import executor_for
-
-        executor = executor_for(record)
-        live, failed = _per_group(record, lambda h: executor.poll(h).value)
-        return live, ("; ".join(f"group {g}: {e}" for g, e in failed.items()) or None)
 
     def log_handles(self, rank: int | None = None, attempt: int | None = None) -> list[Any]:
         """The handle whose output `logs` reads, for each chosen rank (latest attempt by default)."""
@@ -238,7 +230,7 @@ class Run:
         record.request_cancel()
         executor = executor_for(record)
         handles = self._handles_of(record)
-        _, failed = _per_group(record, executor.cancel)  # every handle that can be reached
+        _, failed = per_group(record, executor.cancel)  # every handle that can be reached
         groups = record.rank_groups
         if failed:
             left = [h.rank for h in handles if groups.get(h.rank, "") in failed]
@@ -342,7 +334,7 @@ class Run:
 
         record = self.record  # read once: every part below describes the same moment
         try:
-            live, live_error = self._live_of(record)
+            live, live_error = live_statuses(record)
         except UserError as exc:  # the backend's SDK or credentials are missing in this shell
             live, live_error = {}, str(exc)
         rounds = self._rounds_of(record)
@@ -352,48 +344,3 @@ class Run:
                 "progress": progress_of(record.data, events, time.time()).to_dict(),
                 "timeline": timeline_rows(rounds, record.rank_groups),
                 **estimate_view(record, rounds)}
-
-
-def _per_group(record: RunRecord, act: Callable[[Any], Any]) -> tuple[dict[int, Any], dict[str, str]]:
-    """`act(handle)` for the current handle of every rank, by rank. In a run across backends a
-    group whose backend cannot be reached from this shell (its SDK or plugin missing, its API
-    down) is skipped after its first error, which is returned by group name, and the other groups
-    still get theirs; a one-backend run raises as before."""
-    from .errors import DilocoError
-
-    groups = record.rank_groups
-    done: dict[int, Any] = {}
-    failed: dict[str, str] = {}
-    for h in record.handles:
-        where = groups.get(h.rank, "")
-        if where in failed:
-            continue
-        try:
-            done[h.rank] = act(h)
-        except DilocoError as exc:
-            if not groups:
-                raise
-            failed[where] = str(exc)
-    return done, failed
-
-
-def launcher_alive(record: RunRecord) -> bool:
-    """Whether some launcher still supervises the run.
-
-    On this host the process decides (its pid, and its start time against a recycled pid): a
-    launcher paused past its heartbeat is still alive. On another host only the heartbeat can.
-    """
-    from .lease import LEASE_FILE, current_holder
-    from .procinfo import is_running
-    from .supervisor import HEARTBEAT_STALE
-
-    if (record.dir / LEASE_FILE).exists():  # the lease decides (records before it: the heartbeat below)
-        holder = current_holder(record.dir)
-        return holder is not None and not (holder.pid == os.getpid() and holder.host == socket.gethostname())
-    launcher = record.launcher
-    if not launcher.pid or (launcher.pid == os.getpid() and launcher.host == socket.gethostname()):
-        return False
-    if launcher.host == socket.gethostname():
-        return is_running(int(launcher.pid), launcher.started)
-    interval = float((record.data.get("spec") or {}).get("restart", {}).get("monitor_interval") or 1.0)
-    return time.time() - launcher.heartbeat <= max(HEARTBEAT_STALE, 10 * interval)

@@ -180,6 +180,7 @@ def status(run_id: str, as_json: bool, n_events: int, timeline: bool, n_rounds: 
 
     from . import api
     from .display import print_status, print_timeline
+    from .liveness import launcher_alive
 
     handle = api.attach(run_id)
     if follow:
@@ -198,7 +199,7 @@ def status(run_id: str, as_json: bool, n_events: int, timeline: bool, n_rounds: 
     if timeline:
         print_timeline(console, view["rounds_objects"][-n_rounds:], view["rounds_objects"], record.rank_groups)
         return
-    print_status(console, record, view, n_events, supervised=record.ended or api.launcher_alive(record))
+    print_status(console, record, view, n_events, supervised=record.ended or launcher_alive(record))
 
 
 def _follow_run(handle) -> None:

@@ -211,7 +211,7 @@ def print_status(console: Console, record: RunRecord, view: dict[str, Any], n_ev
     """`diloco status RUN`: each rank's row, then what needs a person (no launcher, the failure,
     health warnings), progress, the latest rounds with the traffic counted against the estimate,
     recent events and the run's summary. `view` is `diloco.api.Run.view()`; `supervised`,
-    whether a launcher still supervises it (`diloco.api.launcher_alive`)."""
+    whether a launcher still supervises it (`diloco.liveness.launcher_alive`)."""
     from dataclasses import asdict
 
     from .progress import Progress, progress_line
