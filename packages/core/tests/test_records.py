@@ -12,7 +12,7 @@ from diloco.metrics import RoundMetrics, RoundSummary
 from diloco.protocol import ReplicaHandle, ReplicaResult, ReplicaStatus
 from diloco.rankstate import RankState, RankStatus
 from diloco.records import RecordError, from_record, to_record
-from diloco.state import LauncherBeat
+from diloco.rundoc import LauncherBeat
 
 HANDLE = ReplicaHandle(2, "eks", {"job": "r-2", "attempt": 1, "run_id": "r"})
 ROW = RoundMetrics(round=3, rank=1, members=[0, 1], loss=None, requests={"put": 2}, incidents=[{"object": "x"}],

@@ -25,6 +25,9 @@ RUN_JSON_DAMAGE = {
     "a heartbeat not a record": lambda text: json.dumps({**json.loads(text), "launcher": "here"}),
     "a spec not a record": lambda text: json.dumps({**json.loads(text), "spec": [1]}),
     "a state not a string": lambda text: json.dumps({**json.loads(text), "state": {"x": 1}}),
+    "no spec": lambda text: json.dumps({**json.loads(text), "spec": None}),
+    "a creation time no date can show": lambda text: json.dumps({**json.loads(text), "created_at": 1e300}),
+    "nested past what JSON reads": lambda text: "[" * 100_000,
 }
 
 EVENTS_DAMAGE = {
@@ -91,12 +94,17 @@ def test_a_damaged_run_json_is_named_and_the_other_runs_still_listed(cli, state_
     for args in (["status", damaged], ["status", damaged, "--json"], ["logs", damaged], ["resume", damaged]):
         proc = cli(*args)
         out = no_traceback(proc)
-        assert proc.returncode != 0, (args, out)
         [line] = [x for x in proc.stderr.splitlines() if x.strip()]
+        if args[0] == "resume" and "already ended" in line:  # what it needs of the record is whole: a true answer
+            assert proc.returncode != 0 and damage == "no spec", line
+            continue
         assert str(path) in line and "damaged" in line, line
+        # stopped in that one line, or (status, when what it shows is whole) carried on with it as a warning
+        assert proc.returncode != 0 or (args[0] == "status" and line.startswith("warning:")), (args, out)
     listed = cli("list")
     out = no_traceback(listed)
-    assert listed.returncode == 0 and other in out and damaged in out and "DAMAGED run.json" in out, out
+    assert listed.returncode == 0 and other in out and damaged in out, out
+    assert "DAMAGED run.json" in out or damage == "no spec", out  # a list needs no spec: shown with "?"
 
 
 
@@ -130,7 +138,11 @@ def test_garbage_in_an_append_only_log_is_skipped(cli, state_dir, finished_run, 
     (b'{"t": 1.5, "event": "round", "round": 3, "members": [0, 1], "loss": "nan", "step": 75}', True),
     (b'{"t": 1, "event": "failed", "rank": 0, "attempt": 2, "error": "killed by SIGKILL"}', True),
     (b'{"t": 1, "event": "launch", "ranks": [0, 1], "attempt": 0}', True),
-    (b'{"t": 1, "event": "round", "round": 3, "members": 2, "straggler": null}', True),  # a count: older rows
+    (b'{"t": 1, "event": "round", "round": 3, "members": 2}', False),  # readers take its len()
+    (b'{"t": 1, "event": "round", "members": [0]}', False),  # a round event is shown by its round
+    (b'{"t": 1e300, "event": "failed", "rank": 0}', False),  # no date a display can show
+    (b'{"t": -5, "event": "failed", "rank": 0}', False),
+    (b'[' * 100_000, False),  # nested deeper than json reads
     (b'{"t": 1, "event": "custom", "anything": {"goes": [1, "x"]}}', True),  # fields no reader indexes
     (b'{"t": 1, "event": "round", "round": 3.0}', False),
     (b'{"t": 1, "event": "round", "round": true}', False),

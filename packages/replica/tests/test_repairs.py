@@ -111,3 +111,33 @@ def test_a_reader_waits_past_the_round_timeout_for_a_live_reducer_to_repair_its_
     assert torch.equal(results[0].mean, results[1].mean)
     [incident] = results[0].incidents
     assert "re-published by its reducer" in incident["action"]
+
+
+def test_a_re_publication_that_is_corrupt_too_fails_the_round_at_once():
+    """The reducer's re-publication is create-only: one that is corrupt as well will not get better,
+    so the reader fails the round at once instead of waiting windows for a reducer that has
+    already answered."""
+    timeout = 2.0
+    store, run, n = open_store(f"memory://{uuid.uuid4().hex}"), "run-twice-bad", 2
+    deltas = [torch.randn(2000, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+    keys = RunKeys(run)
+    damaging = FirstPutDamaged(FirstPutDamaged(store, keys.reduced(1, 1), extra=1), keys.repaired(1, 1), extra=1)
+    ars = [StoreAllReduce(damaging if i == 1 else store, run, i, n, round_timeout=timeout, poll_interval=0.005,
+                          poll_max=0.05) for i in range(n)]
+    errors, ended = {}, {}
+
+    def go(i):
+        try:
+            ars[i].run_round(1, deltas[i].clone())
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors[i] = exc
+        ended[i] = time.monotonic()
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for ar in ars:
+        ar.close()
+    assert "so is its re-publication" in str(errors.get(0)), errors
+    assert ended[0] - t0 < 2 * timeout  # not REPAIR_WINDOWS round timeouts

@@ -79,7 +79,8 @@ def attach(run_id: str) -> Run:
 
 
 def runs(limit: int | None = None) -> list[Run]:
-    """Recorded runs, newest first."""
+    """Recorded runs, newest first; a run whose run.json is damaged too (reading its `record` or
+    `state` raises `diloco.errors.DamagedRecord`, which `diloco list` shows in its row)."""
     from .state import iter_run_ids
 
     out = []
@@ -181,7 +182,6 @@ class Run:
         """Each rank's status as its backend reports it now (ranks whose backend cannot be reached
         from this shell are left out; `status()['live_error']` says why)."""
         return live_statuses(self.record)[0]
-
 
     def log_handles(self, rank: int | None = None, attempt: int | None = None) -> list[Any]:
         """The handle whose output `logs` reads, for each chosen rank (latest attempt by default)."""

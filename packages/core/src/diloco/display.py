@@ -303,7 +303,7 @@ def runs_table(runs: list[Any]) -> Table:
         except DamagedRecord:  # one run's damaged record hides none of the others (`diloco status` says why)
             table.add_row(Text(run.id), Text("?"), Text("?"), Text("DAMAGED run.json"), Text("?"))
             continue
-        spec = data.get("spec", {})
+        spec = data.get("spec") or {}
         created = datetime.fromtimestamp(data.get("created_at", 0)).strftime("%Y-%m-%d %H:%M:%S")
         groups = ", ".join(f"{g.get('name')} {g.get('replicas')}" for g in spec.get("groups") or [])
         replicas = f"{spec.get('replicas', '?')}" + (f" ({groups})" if groups else "")

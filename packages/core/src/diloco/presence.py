@@ -40,7 +40,7 @@ def away_name(rank: int, attempt: int) -> str:
 
 def _ints(text: str, count: int, bounds: tuple[int, ...]) -> tuple[int, ...] | None:
     parts = text.split(".")
-    if len(parts) != count or not all(p.isdigit() and len(p) <= 13 for p in parts):
+    if len(parts) != count or not all(p.isascii() and p.isdigit() and len(p) <= 13 for p in parts):
         return None
     values = tuple(int(p) for p in parts)
     return values if all(v < b for v, b in zip(values, bounds)) else None

@@ -21,8 +21,9 @@ from .state import RunRecord
 
 class ResizeHost(Protocol):
     """What the resizer needs of the supervisor it works for (`diloco.supervisor.Supervisor`):
-    what it reads, and the three things it asks of it. It changes the run only through these
-    (and the `RankState` records of the ranks it retires)."""
+    what it reads, and what it asks of it (`event`, `add_rank`, `resized`, `launch`). It changes
+    the run only through these, the `RankState` records of the ranks it retires, and the
+    executor's `cancel` of a retired rank that has not started."""
 
     ranks: list[RankState]
     record: RunRecord

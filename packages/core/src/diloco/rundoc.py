@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DamagedRecord
+from .eventlog import LATEST_T
 from .rankstate import RankState
 from .records import RecordError, from_record
 
@@ -71,6 +72,8 @@ def read_run_document(path: Path) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise _damaged(path, "it is empty" if not exc.doc.strip() else f"it is not whole JSON ({exc.msg} at "
                              f"line {exc.lineno} column {exc.colno})") from None
+    except RecursionError:
+        raise _damaged(path, "it is nested deeper than JSON is read") from None
     try:
         doc = from_record(RunDocument, data, where="run.json")
         if doc.spec is not None:
@@ -79,6 +82,9 @@ def read_run_document(path: Path) -> dict[str, Any]:
             from_record(RunSpec, doc.spec, where="run.json.spec")
     except RecordError as exc:
         raise _damaged(path, str(exc)) from None
+    for name in ("created_at", "updated_at"):  # shown as dates
+        if not 0 <= getattr(doc, name) <= LATEST_T:
+            raise _damaged(path, f"run.json.{name} is not a time: {getattr(doc, name)!r}")
     return data
 
 

@@ -25,7 +25,7 @@ def scale_seq(name: str) -> int | None:
     if not (name.startswith(SCALE_PREFIX) and name.endswith(SCALE_SUFFIX)):
         return None
     digits = name[len(SCALE_PREFIX):-len(SCALE_SUFFIX)]
-    return int(digits) if digits.isdigit() and len(digits) <= 12 else None
+    return int(digits) if digits.isascii() and digits.isdigit() and len(digits) <= 12 else None
 
 
 @dataclass(frozen=True)

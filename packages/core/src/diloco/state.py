@@ -17,7 +17,6 @@ is written as the string "nan"/"inf"/"-inf".
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import time
@@ -25,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import RunNotFound, UserError
+from .errors import DamagedRecord, RunNotFound, UserError
 from .eventlog import event_of
 from .records import from_record
 from .rundoc import LauncherBeat, read_run_document
@@ -97,6 +96,8 @@ class RunRecord:
         """The `diloco.spec.RunSpec` the run was started from (secrets named, never valued)."""
         from .spec import RunSpec
 
+        if not isinstance(self.data.get("spec"), dict):  # a record the launcher wrote always has one
+            raise DamagedRecord(f"{self.path} holds no spec; it was not written by `diloco run`, or was damaged")
         return from_record(RunSpec, self.data["spec"], where="run.json.spec")
 
     @property

@@ -135,8 +135,10 @@ class RepairDesk:
         waited, windows = False, 0
         while True:
             with io.store.polling(waited):  # every look after the first is a poll
-                obj, _ = io.get_reduced(r, j, numel, repaired=True)
+                obj, again = io.get_reduced(r, j, numel, repaired=True)
             waited = True
+            if obj is None and again != "missing":  # re-published create-only, as read twice: it stays so
+                raise RoundFailed(f"{key} is corrupt ({problem}) and so is its re-publication: {again}")
             if obj is not None:
                 try:
                     mean = self._usable(obj, nonfinite)
@@ -158,9 +160,11 @@ class RepairDesk:
 
     def _writer_live(self, r: int, writer: int) -> bool:
         """Whether the reducer of round r may still answer: the attempt that was the round's member
-        has not moved on to a round after it (then it forgot what it published, `next_round`) and
-        the launcher has not marked it away (`diloco.presence`; one LIST, a poll). Unknown (no
-        record) reads as gone."""
+        has not moved on past it (a member of round r + 1, or announced for a round after that:
+        then it forgot what it published, `next_round`) and the launcher has not marked it away
+        (`diloco.presence`). A GET of the two rounds' records unless held, and a LIST of the
+        presence markers (a poll). Unknown (no record) reads as gone. Without a launcher to mark
+        it away, a dead reducer reads as live: the wait is bounded by `REPAIR_WINDOWS`."""
         try:
             decided, after = self.membership.read(r), self.membership.read(r + 1)
         except CorruptObject:  # a damaged record says nothing about the reducer
@@ -171,8 +175,11 @@ class RepairDesk:
         if after is not None and after.attempts_of.get(writer) == attempt:
             return False
         with self.io.store.polling():
-            away = self.membership.rosters.look()[1].away
-        return away.get(writer, -1) < attempt
+            presence = self.membership.rosters.look()[1]
+        joined = presence.joins.get(writer)
+        if joined is not None and joined[0] == attempt and any(k > r + 1 for k in joined[1]):
+            return False
+        return presence.away.get(writer, -1) < attempt
 
     # -- serving -----------------------------------------------------------------------------
 
