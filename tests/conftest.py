@@ -21,6 +21,22 @@ def state_dir(tmp_path, monkeypatch) -> Path:
     return d
 
 
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory) -> dict:
+    """A fault-free run of the fault tests' spec (`fault_harness.spec_for`): the yardstick for
+    their loss and final state, run once a session for every module that compares with it."""
+    from fault_harness import final_results, spec_for, start
+
+    tmp = tmp_path_factory.mktemp("reference")
+    state = tmp / "state"
+    proc, run_id = start(spec_for(tmp), state)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out
+    results = final_results(record_of(state, run_id))
+    assert len(results) == 4 and len({r["theta_digest"] for r in results}) == 1
+    return results[0]
+
+
 @pytest.fixture
 def cli(state_dir):
     def run(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:

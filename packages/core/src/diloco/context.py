@@ -83,13 +83,17 @@ class ReplicaContext:
     @cached_property
     def store(self):
         """The run's object store (opened on first use; needs a rendezvous URI), behind a
-        throttled link only when the environment asks for one (`diloco.throttle`)."""
+        throttled link only when the environment asks for one (`diloco.throttle`). A store that
+        stops answering is waited for up to `[diloco] store_outage_limit` (`diloco.storeoutage`)."""
+        from .settings import DilocoSettings
         from .store import open_store
         from .throttle import throttled_from_env
 
         if not self.rendezvous:
             raise RuntimeError(f"no rendezvous URI: set {v.ENV_RENDEZVOUS} or the spec's `rendezvous`")
-        return throttled_from_env(open_store(self.rendezvous))
+        limit = self.settings.get("store_outage_limit")
+        limit = float(limit) if isinstance(limit, (int, float)) else DilocoSettings.store_outage_limit
+        return throttled_from_env(open_store(self.rendezvous, outage_limit=limit, log=self.log.warning))
 
 
 def _parse_json(text: str) -> dict[str, object]:

@@ -154,8 +154,13 @@ def status_table(record: RunRecord, live: dict[int, str] | None) -> Table:
 
 
 def health_warnings(record: RunRecord, rounds: list[Any]) -> list[str]:
-    """What makes a run unhealthy whatever its exit codes say: replicas never meeting, divergence."""
+    """What makes a run unhealthy whatever its exit codes say: the store not answering, replicas
+    never meeting, divergence."""
     out = []
+    away = (record.data.get("health") or {}).get("store_unreachable")
+    if isinstance(away, dict) and not record.ended:
+        out.append(f"the store {record.rendezvous!r} has not answered the launcher since "
+                   f"{_when(away.get('since'))}: {away.get('error')}; the replicas wait for it (store_outage_limit)")
     n = record.n_replicas
     if n > 1 and rounds and all(len(r.members) <= 1 for r in rounds):
         out.append(f"every round so far ({rounds[0].round}-{rounds[-1].round}) had a single member although the run "
@@ -168,6 +173,12 @@ def health_warnings(record: RunRecord, rounds: list[Any]) -> list[str]:
                    f"{last.diverged['majority']} at round {last.round} ({len(diverged)} round(s) diverged; the "
                    f"minority reloads from a checkpoint)")
     return out
+
+
+def _when(t: Any) -> str:
+    import time
+
+    return time.strftime("%H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "?"
 
 
 # -- how `diloco run` and `diloco resume` end ----------------------------------------------------

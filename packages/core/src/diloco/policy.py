@@ -240,18 +240,35 @@ class Outcome:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class StoreAway:
+    """The store has not answered the launcher for `seconds` (`RoundWatcher.store_gone_for`);
+    `limit` is `[diloco] store_outage_limit`, `store` names it and `error` is what it last said."""
+
+    seconds: float
+    limit: float
+    store: str = "the store"
+    error: str = ""
+
+
 def outcome(min_replicas: int, *, n_replicas: int, live: int, succeeded: int, waiting: int, given_up: int,
-            alone: bool) -> Outcome:
+            alone: bool, store_away: StoreAway | None = None) -> Outcome:
     """Where the run stands once every failure of the pass is answered. `live` ranks are running,
     pending or (`waiting` of them) waiting for a scheduled relaunch; `succeeded` are done;
-    `given_up` were given up; `alone`: the replicas train without meeting (`RoundWatcher.alone`).
+    `given_up` were given up; `alone`: the replicas train without meeting (`RoundWatcher.alone`);
+    `store_away`: the store is not answering.
 
-    Fewer than `min_replicas` alive or done fails the run. None alive is success: enough succeeded,
-    or the rule above would have failed it. Otherwise the run goes on, UNHEALTHY while it waits for
-    a relaunch, goes on with fewer, or trains alone."""
+    Fewer than `min_replicas` alive or done fails the run, and so does a store that has not answered
+    for `store_outage_limit` (the replicas give up on it then too). None alive is success: enough
+    succeeded, or the rules above would have failed it. Otherwise the run goes on, UNHEALTHY while
+    it waits for a relaunch or the store, goes on with fewer, or trains alone."""
     if live + succeeded < min_replicas:
         return Outcome(RunState.FAILED, f"only {live + succeeded} of {n_replicas} replicas are alive or done, "
                                         f"below min_replicas={min_replicas}")
     if live == 0:
         return Outcome(RunState.SUCCEEDED)
-    return Outcome(RunState.UNHEALTHY if waiting or given_up or alone else RunState.HEALTHY)
+    away = store_away is not None and store_away.seconds > 0
+    if away and store_away.seconds >= store_away.limit:
+        return Outcome(RunState.FAILED, f"{store_away.store} has not answered for {store_away.seconds:.0f} s "
+                                        f"(store_outage_limit = {store_away.limit:g} s): {store_away.error}")
+    return Outcome(RunState.UNHEALTHY if waiting or given_up or alone or away else RunState.HEALTHY)

@@ -42,6 +42,7 @@ class Progress:
     waited_s: float = 0.0               # replica-seconds spent waiting for it
     groups: dict[str, list[int]] | None = None  # a run across backends: group → [members, replicas]
     straggler_group: str | None = None
+    store_unreachable_s: float | None = None  # how long the store has not answered the launcher, while it does not
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,6 +59,9 @@ def progress_of(data: dict[str, Any], events: list[dict[str, Any]], now: float) 
     p = Progress(state=str(data.get("state", "?")), replicas=int(replicas),
                  restarts=int(data.get("restarts_used", 0)), preemptions=int(data.get("preemptions_used", 0)),
                  elapsed_s=max(0.0, last_t - start))
+    away = (data.get("health") or {}).get("store_unreachable")
+    if isinstance(away, dict) and isinstance(away.get("since"), (int, float)) and not ended:
+        p.store_unreachable_s = max(0.0, now - away["since"])
     names = rank_groups(data.get("spec"))
     if names:
         names.update({int(r): str(g) for r, g in (data.get("scaled_ranks") or {}).items()})
@@ -95,8 +99,9 @@ def clock(seconds: float | None) -> str:
 
 def progress_line(p: Progress) -> str:
     """One line: what the live display shows beside its bar, and what a log gets."""
+    store = f"  STORE UNREACHABLE for {clock(p.store_unreachable_s)}" if p.store_unreachable_s is not None else ""
     if not p.round:
-        return f"{p.state.lower()}  waiting for round 1  elapsed {clock(p.elapsed_s)}  restarts {p.restarts}"
+        return f"{p.state.lower()}  waiting for round 1  elapsed {clock(p.elapsed_s)}  restarts {p.restarts}{store}"
     total = f"/{p.total_steps:,}" if p.total_steps else ""
     parts = [f"step {p.step:,}{total}", f"round {p.round}"]
     if p.tokens_per_s:
@@ -110,7 +115,7 @@ def progress_line(p: Progress) -> str:
     if p.straggler is not None and p.waited_s > 0:
         where = f" in {p.straggler_group}" if p.straggler_group else ""
         parts.append(f"straggler {p.straggler}{where} (+{p.waited_s:.1f} replica-s)")
-    return "  ".join(parts)
+    return "  ".join(parts) + store
 
 
 def render_progress(p: Progress) -> Table:

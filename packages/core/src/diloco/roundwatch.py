@@ -6,6 +6,12 @@ replica met becomes ``incident``, and a run whose rounds all had a single member
 several replicas gets ``training_alone`` (the replicas are not meeting). Each new summary also
 goes to the spec's metric sinks (`diloco.sinks`; TensorBoard by default).
 
+Being the launcher's one regular reader of the store, it also says when the store stops
+answering (`store_unreachable`, and `store_back` when it answers again; `health` holds the
+outage while it lasts, which the live bar and `diloco status` show), and for how long
+(`store_gone_for`: the supervisor fails the run past `[diloco] store_outage_limit`). A store this
+shell has never reached is not an outage: some runs meet in a store only their replicas can reach.
+
 Kept apart from the supervisor's restart logic: it only reads the store and writes the record's
 events, `last_round` and `health`, which the supervisor saves with the rest.
 """
@@ -15,8 +21,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import time
+
 from .failures import shorten
 from .state import RunRecord
+from .storeoutage import first_line
 
 
 class RoundWatcher:
@@ -29,8 +38,11 @@ class RoundWatcher:
         self.clock, self.every = clock, every
         self.last_round = int(record.data.get("last_round", 0))
         self.health: dict[str, Any] = dict(record.data.get("health") or {})
+        self.health.pop("store_unreachable", None)  # a resumed launcher has not looked yet
         self._next_check = 0.0
         self._reader = None  # RoundReader over the run's store, opened once
+        self._answered = False  # the store has answered this launcher (an outage is counted only after)
+        self._away_since: float | None = None  # `clock` time the store stopped answering, while it does not
         self._sinks: list[Any] | None = None  # the spec's metric sinks, opened at the first round
 
     @property
@@ -54,15 +66,13 @@ class RoundWatcher:
         from .metrics import RoundCache, RoundReader
         from .store import open_store
 
-        if self._reader is None:
-            try:
-                self._reader = RoundReader(open_store(self.rendezvous), self.run_id, after=self.last_round)
-            except Exception:  # unreachable from this shell: no round events, supervision goes on
-                return False
         try:
+            if self._reader is None:
+                self._reader = RoundReader(open_store(self.rendezvous), self.run_id, after=self.last_round)
             new = self._reader.read_new(final=final)
-        except Exception:
-            return False
+        except Exception as exc:  # no round events meanwhile; supervision goes on
+            return self._unanswered(exc, now)
+        answered = self._answer(now)
         RoundCache(self.record.dir).append(new)
         self._write_sinks(new)
         for rnd in new:
@@ -77,7 +87,31 @@ class RoundWatcher:
                 self.record.event("incident", **{k: v for k, v in inc.items() if k != "round"}, round=rnd.round)
             self._check_alone(rnd.round, rnd.members)
             self.last_round = rnd.round
-        return bool(new)
+        return bool(new) or answered
+
+    def store_gone_for(self) -> float:
+        """Seconds the store has not answered this launcher (0 while it answers)."""
+        return 0.0 if self._away_since is None else self.clock() - self._away_since
+
+    def _unanswered(self, exc: Exception, now: float) -> bool:
+        """A look at the store failed; True if that starts an outage (the record changed)."""
+        if not self._answered or self._away_since is not None:  # never reached from here, or already away
+            return False
+        self._away_since = now
+        error = shorten(first_line(exc))
+        self.health["store_unreachable"] = {"since": time.time(), "error": error}
+        self.record.event("store_unreachable", rendezvous=self.rendezvous, error=error)
+        return True
+
+    def _answer(self, now: float) -> bool:
+        """A look at the store succeeded; True if that ends an outage (the record changed)."""
+        self._answered = True
+        if self._away_since is None:
+            return False
+        away, self._away_since = now - self._away_since, None
+        self.health.pop("store_unreachable", None)
+        self.record.event("store_back", after_seconds=round(away, 1))
+        return True
 
     def _write_sinks(self, summaries: list[Any]) -> None:
         """Each new round to every metric sink; a sink that fails is reported once and dropped."""

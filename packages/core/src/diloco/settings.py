@@ -74,6 +74,10 @@ class DilocoSettings:
                    "on without them (default: one recent round period, at least 5; docs/design.md 'Who a round "
                    "waits for')", min=0, max=86_400)
     min_members: int = option(1, help="fewest replicas a sync round may average over", min=1, max=4096)
+    store_outage_limit: float = option(
+        900.0, help="seconds replicas and the launcher wait for a store that does not answer (connection refused, "
+                    "timeouts, 5xx) before the run fails naming it; rounds' timeouts stand still meanwhile",
+        min=0, max=7 * 86_400)
     checkpoint_every: int = option(10, help="rounds between checkpoints of the global state", min=1, max=1_000_000)
     poll_interval: float | None = option(None, help="first wait when polling the store (default: by store)",
                                          min=0.001, max=60)

@@ -27,13 +27,17 @@ Azure and ifGenerationMatch=0 on GCS; `verify_store` proves the store honours th
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from datetime import timedelta
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from .errors import StoreUnusable, UserError
 from .runkeys import RunKeys
+from .storeoutage import REQUEST_RETRIES, Outage, StoreUnreachable
+
+T = TypeVar("T")
 
 _MEMORY_STORES: dict[str, Any] = {}
 
@@ -69,10 +73,19 @@ class ObjectExists(Exception):
 @dataclass
 class Store:
     """An obstore store (its prefix inside) and the URI it was opened from. Keys are
-    '/'-separated and run-relative."""
+    '/'-separated and run-relative.
+
+    `outage`: how this process waits out the store being away (`diloco.storeoutage`): every
+    request that fails transiently is tried again until the store answers or the outage limit
+    passes. None (the launcher's stores): a request fails as soon as its own retries are spent,
+    and the caller decides (the launcher's loop must never be held by the store)."""
 
     raw: Any
     uri: str
+    outage: Outage | None = None
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        return fn() if self.outage is None else self.outage.call(fn)
 
     def put(self, key: str, data: bytes | memoryview | list[bytes | memoryview], *,
             create_only: bool = False) -> None:
@@ -81,7 +94,7 @@ class Store:
         from obstore.exceptions import AlreadyExistsError, PreconditionError
 
         try:
-            obstore.put(self.raw, key, data, mode="create" if create_only else "overwrite")
+            self._call(lambda: obstore.put(self.raw, key, data, mode="create" if create_only else "overwrite"))
         except (AlreadyExistsError, PreconditionError) as exc:
             raise ObjectExists(key) from exc
 
@@ -90,29 +103,30 @@ class Store:
         import obstore
 
         try:
-            return memoryview(obstore.get(self.raw, key).bytes())
+            return memoryview(self._call(lambda: obstore.get(self.raw, key).bytes()))
         except FileNotFoundError:
             return None
 
     def list(self, prefix: str, *, offset: str | None = None) -> Iterator[dict[str, Any]]:
-        """Objects under `prefix` (run-relative paths in 'path'), optionally after `offset`."""
+        """Objects under `prefix` (run-relative paths in 'path'), optionally after `offset`. The
+        listing is read whole before it is handed out, so an outage never cuts one in half."""
         import obstore
 
         kwargs = {"offset": offset} if offset else {}
-        for batch in obstore.list(self.raw, prefix, **kwargs):
+        for batch in self._call(lambda: list(obstore.list(self.raw, prefix, **kwargs))):
             yield from batch
 
     def list_dirs(self, prefix: str) -> list[str]:
         """The immediate "directories" under `prefix` (run-relative, no trailing slash)."""
         import obstore
 
-        return list(obstore.list_with_delimiter(self.raw, prefix.rstrip("/"))["common_prefixes"])
+        return list(self._call(lambda: obstore.list_with_delimiter(self.raw, prefix.rstrip("/")))["common_prefixes"])
 
     def delete(self, key: str) -> None:
         import obstore
 
         try:
-            obstore.delete(self.raw, key)
+            self._call(lambda: obstore.delete(self.raw, key))
         except FileNotFoundError:
             pass
 
@@ -124,7 +138,7 @@ class Store:
         if not keys:
             return
         try:
-            obstore.delete(self.raw, list(keys))
+            self._call(lambda: obstore.delete(self.raw, list(keys)))
         except FileNotFoundError:  # a local or Azure store refuses the whole call for one absent key
             for key in keys:
                 self.delete(key)
@@ -135,8 +149,11 @@ class Store:
         return BULK_DELETE.get(CLOUD_SCHEMES.get(scheme_of(self.uri), ""), 1)
 
 
-def open_store(uri: str) -> Store:
-    """Open the store a rendezvous URI names; a clear UserError for anything unusable."""
+def open_store(uri: str, *, outage_limit: float | None = None, log: Callable[[str], None] | None = None) -> Store:
+    """Open the store a rendezvous URI names; a clear UserError for anything unusable.
+
+    `outage_limit`: wait out the store being away for up to this many seconds (`Store.outage`;
+    None: requests fail once their own retries are spent). `log` hears when it goes and comes back."""
     from obstore.store import LocalStore, MemoryStore
 
     parsed = urlparse(uri)
@@ -145,15 +162,19 @@ def open_store(uri: str) -> Store:
         if not path.startswith("/"):
             raise UserError(f"rendezvous {uri!r}: file:// URIs need an absolute path (file:///abs/dir)")
         os.makedirs(path, exist_ok=True)
-        return Store(LocalStore(path), uri)
+        return Store(LocalStore(path), uri, outage_of(uri, outage_limit, log))
     if parsed.scheme == "memory":
         name = parsed.netloc + parsed.path
         if name not in _MEMORY_STORES:
             _MEMORY_STORES[name] = MemoryStore()
-        return Store(_MEMORY_STORES[name], uri)
+        return Store(_MEMORY_STORES[name], uri, outage_of(uri, outage_limit, log))
     if parsed.scheme not in CLOUD_SCHEMES:
         raise UserError(f"rendezvous {uri!r}: unsupported scheme {parsed.scheme!r}; use {scheme_list()}")
-    return Store(_open_cloud(uri, parsed), uri)
+    return Store(_open_cloud(uri, parsed), uri, outage_of(uri, outage_limit, log))
+
+
+def outage_of(uri: str, limit: float | None, log: Callable[[str], None] | None) -> Outage | None:
+    return Outage(uri, limit, log=log) if limit is not None else None
 
 
 def scheme_list() -> str:
@@ -182,8 +203,12 @@ def _open_cloud(uri: str, parsed: Any) -> Any:
             config["region"] = region
         if endpoint and endpoint.startswith("http://"):
             client_options = {"allow_http": True}
+    r = REQUEST_RETRIES
+    retries = {"max_retries": r["max_retries"], "retry_timeout": timedelta(seconds=r["retry_timeout_s"]),
+               "backoff": {"init_backoff": timedelta(seconds=r["init_backoff_s"]),
+                           "max_backoff": timedelta(seconds=r["max_backoff_s"])}}
     try:
-        return from_url(uri, config=config or None, client_options=client_options)
+        return from_url(uri, config=config or None, client_options=client_options, retry_config=retries)
     except Exception as exc:  # obstore's errors carry a multi-line debug dump: keep its first line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"rendezvous {uri!r}: cannot open the store: {first}{_CREDENTIAL_HINT[cloud]}") from None
@@ -227,7 +252,7 @@ def verify_store(store: Store, run_id: str, who: str) -> None:
         else:
             raise StoreUnusable(f"rendezvous {store.uri!r} ignores create-only writes (If-None-Match): replicas "
                                 f"could not agree on anything; use a store that honours conditional puts")
-    except StoreUnusable:
+    except (StoreUnusable, StoreUnreachable):  # (unreachable past the outage limit: not the store's setup)
         raise
     except Exception as exc:
         raise StoreUnusable(f"rendezvous {store.uri!r}: could not {step}: {type(exc).__name__}: "

@@ -22,14 +22,16 @@ from dataclasses import replace
 from typing import Any
 
 from .awayboard import AwayBoard
+from .envvars import ENV_SETTINGS
 from .errors import BackendError
 from .failures import shorten
-from .policy import RestartSettings, RunState, outcome, spent_on_relaunch
+from .policy import RestartSettings, RunState, StoreAway, outcome, spent_on_relaunch
 from .protocol import Executor, ReplicaResult, ReplicaStatus
 from .rankstate import RankState, RankStatus
 from .reactions import Presence, Reactions
 from .request import LaunchPlan, LaunchRequest
 from .roundwatch import RoundWatcher
+from .settings import DilocoSettings
 from .procinfo import started_at
 from .resizer import Resizer
 from .state import RunRecord
@@ -82,6 +84,7 @@ class Supervisor:
             self.request = request = replace(request, n_replicas=len(self.ranks))
         self.rounds = RoundWatcher(record, rendezvous=request.rendezvous, run_id=request.run_id,
                                    n_replicas=sum(not r.retired for r in self.ranks), clock=clock)
+        self.store_outage_limit = DilocoSettings.from_env(request.env.get(ENV_SETTINGS)).store_outage_limit
         self.resizer = Resizer(self)  # `diloco scale` requests
         self.reactions = Reactions(self)  # what each rank's new status gets
         # told whenever a rank stops or starts running (`diloco.reactions.Presence`): an attempt that
@@ -232,7 +235,8 @@ class Supervisor:
         size = self.resizer.size()  # `diloco scale` moves the run's size: min_replicas follows it down
         o = outcome(min(self.settings.min_replicas, size), n_replicas=size, live=len(self.alive()),
                     succeeded=succeeded, waiting=sum(r.relaunch_at is not None for r in self.ranks),
-                    given_up=sum(r.given_up for r in self.ranks), alone=self.rounds.alone)
+                    given_up=sum(r.given_up for r in self.ranks), alone=self.rounds.alone,
+                    store_away=self._store_away())
         if o.state is RunState.FAILED:
             return self.fail(o.reason)
         if o.state is RunState.SUCCEEDED:
@@ -244,6 +248,14 @@ class Supervisor:
         if changed:
             self.save()
         return self.state
+
+    def _store_away(self) -> StoreAway | None:
+        """The store not answering the launcher, if it is not (`RoundWatcher.store_gone_for`)."""
+        gone = self.rounds.store_gone_for()
+        if not gone:
+            return None
+        error = (self.rounds.health.get("store_unreachable") or {}).get("error", "")
+        return StoreAway(gone, self.store_outage_limit, f"the store {self.request.rendezvous!r}", error)
 
     def stop_all(self) -> None:
         """Cancel every live attempt; each reads `cancelled_by_supervisor` from here on."""

@@ -53,7 +53,7 @@ class ThrottledStore(Store):
     """`Store` with every object's bytes paced through an up link and a down link."""
 
     def __init__(self, store: Store, bytes_per_s: float, latency_s: float = 0.0):
-        super().__init__(store.raw, store.uri)
+        super().__init__(store.raw, store.uri, store.outage)
         self.up, self.down = Link(bytes_per_s), Link(bytes_per_s)
         self.latency_s = latency_s
 

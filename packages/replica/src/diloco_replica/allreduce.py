@@ -145,7 +145,8 @@ class StoreAllReduce:
 
     def run_round(self, r: int, delta: torch.Tensor | DeltaSource, *, cut: Cut | None = None, in_place: bool = False,
                   residual: torch.Tensor | None = None, sink: RoundSink | None = None,
-                  steps: int | None = None, encoded: dict[int, list[memoryview]] | None = None) -> RoundResult:
+                  steps: int | None = None, encoded: dict[int, list[memoryview]] | None = None,
+                  laps: Laps | None = None) -> RoundResult:
         """Take part in round `r`, cut as `cut`, with `delta` (fp32, CPU, flat: this lane's Δ over
         what it holds of the round's vector, `cut.held`; or a `DeltaSource` read a slice at a
         time); return the members' mean over the same slice, or hand it to `sink` shard by shard
@@ -162,11 +163,14 @@ class StoreAllReduce:
         `encoded`: pieces already encoded in the run's codec from exactly these values (error
         feedback's quantising, `feedback`), uploaded as they are instead of encoded again; the
         dict is emptied once they are up, so the bytes are not held through the round.
+        `laps`: the round's clock, if the caller started it earlier (what it did before this call
+        is the upload's preparation); the phases are read from `RoundResult.phases`.
         """
         if self.step_cap is not None and not (isinstance(steps, int) and 1 <= steps <= self.step_cap):
             raise ValueError(f"time-based rounds need the inner steps behind Δ (1..{self.step_cap}), not {steps!r}")
         io = self.io
-        started, before, laps = time.monotonic(), io.store.traffic.snapshot(), Laps()  # Δ's copy to the host counts
+        started, before = time.monotonic(), io.store.traffic.snapshot()
+        laps = laps if laps is not None else Laps()  # Δ's copy to the host counts
         source = delta if hasattr(delta, "shard") else WholeDelta(delta.detach().to("cpu", torch.float32).reshape(-1))
         if cut is None:
             if self.lanes.count != 1:
@@ -222,7 +226,7 @@ class StoreAllReduce:
             self._cleanup_due = self._inputs(rnd, mine)  # inputs stay one round, for takeovers and repairs
             self.repairs.look_soon()
         rnd.laps.lap("download")
-        self._finished = (r, time.monotonic())
+        self._finished = (r, io.clock())
         return rnd.result(mean, io.store.traffic)
 
     def _reduce_and_gather(self, rnd: Round, mine: list[int], sink: RoundSink) -> None:

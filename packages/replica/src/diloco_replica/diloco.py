@@ -260,7 +260,8 @@ class DiLoCo:
         r = self._round + 1
         part = (r - 1) % self.fragments
         work = Work(steps=self.local_steps, tokens=self._tokens, loss_sum=sum(self._losses),
-                    loss_n=len(self._losses), evals=self._evals, compute_s=compute_s, total_steps=self.total_steps)
+                    loss_n=len(self._losses), evals=self._evals, compute_s=compute_s, total_steps=self.total_steps,
+                    started=t0)
         local = self.transfers.snapshot(part, self.fragments, keep=self.overlap)
         self.sync.start(r, work)
         if self.overlap:  # training goes on during the exchange; `local` is kept for the merge
@@ -295,6 +296,7 @@ class DiLoCo:
         outer_s = time.monotonic() - outer_t0
         row = outcome.row
         row.sync_s, row.hidden_s, row.t = blocked_s + time.monotonic() - t0, hidden_s, time.time()
+        outer_s += row.phases.get("outer", 0.0)  # the exchange's end of the outer step, then the copy into the model
         if len(row.phases) > 1:  # a round it took part in (a rejoin's row has its compute phase only)
             row.phases["outer"] = outer_s
         self.sync.applied(row.round, sync_s=row.sync_s, outer_s=outer_s, hidden_s=hidden_s)

@@ -34,6 +34,7 @@ from diloco.store import poll_defaults, verify_store
 from .allreduce import RoundResult, StoreAllReduce
 from .feedback import LOSSY, quantise_with_feedback
 from .globalstate import GlobalState
+from .laps import Laps
 from .lanes import Lanes
 from .outer import digest_of
 from .recorder import Recorder
@@ -51,6 +52,7 @@ class Work:
     evals: list[list[float]] = field(default_factory=list)
     compute_s: float = 0.0
     total_steps: int | None = None  # the run's length as the training loop knows it (`DiLoCo.steps`)
+    started: float | None = None  # time.monotonic() when the training loop began the round: its phases start there
 
 
 # What the training process copies into the model once a round is done.
@@ -120,17 +122,17 @@ class Exchanger:
         Returns the state's round and whether the run was scaled down without this replica."""
         ar, lanes = self.allreduce, self.lanes
         announced: int | None = None
-        since = time.monotonic()
+        since = ar.io.clock()
         while True:
             c = self.state.round
             if self.total_steps is not None and c * self.stride >= self.total_steps:
                 return c, False  # the run is over: nothing to join
             if announced is not None and c >= announced:  # missed it: the run went on without this replica
-                announced, since = None, time.monotonic()
+                announced, since = None, ar.io.clock()
             rank_in = self.ctx.rank in ar.roster(c + 1)
             if announced is not None and c == announced - 1 and rank_in:
                 return c, False
-            stuck = time.monotonic() - since > ar.io.round_timeout
+            stuck = ar.io.clock() - since > ar.io.round_timeout
             where = lanes.on_leader(lambda: self._where(c, announced, stuck=stuck))
             if where == "out":
                 self.log("the run was scaled down without this replica before it joined; it leaves")
@@ -197,6 +199,7 @@ class Exchanger:
         """Round r from `snapshot` (the lane's local parameters; the round's fragment of it is
         read, then overwritten with Δ and the mean)."""
         t0 = time.monotonic()
+        laps = Laps(work.started)  # settling, the divergence check and Δ are the upload's preparation
         self.settle()
         if work.total_steps is not None:
             self.total_steps = work.total_steps
@@ -225,15 +228,15 @@ class Exchanger:
         try:
             result = self.lanes.agree(lambda: self.allreduce.run_round(
                 r, local, cut=cut, in_place=True, residual=residual, sink=self.state.sink(r), encoded=encoded,
-                steps=work.steps if self.settings.round_seconds is not None else None))
+                steps=work.steps if self.settings.round_seconds is not None else None, laps=laps))
         except FellBehind as exc:
             self.log(f"{exc}; rejoining from the latest checkpoint")
             self.state.bootstrap(None)
             self.take_part()
             return self._adopted(work, t0)
-        return self._finished(result, work, t0)
+        return self._finished(result, work, t0, laps)
 
-    def _finished(self, result: RoundResult, work: Work, t0: float) -> Outcome:
+    def _finished(self, result: RoundResult, work: Work, t0: float, laps: Laps) -> Outcome:
         self.state.finish(result.round, result.members)  # the outer step went in shard by shard
         # the replica's row: every lane's bytes, requests and tokens; the mean loss over its processes;
         # and whether any lane's update was left out for NaN/Inf (then every lane resets)
@@ -260,18 +263,20 @@ class Exchanger:
         if r != result.round:
             decided = self.allreduce.membership.read(r)
             members = decided.members if decided is not None else members
+        leave = self.leaving()
+        laps.lap("outer")  # the rest of the outer step and the round's record (the model's copy: the caller's)
         row = RoundMetrics(
             round=r, rank=self.ctx.rank, attempt=self.ctx.attempt, members=members,
             member=result.member, loss=loss_sum / loss_n if loss_n else None, tokens=int(sums.pop("tokens")),
             bytes_up=int(sums.pop("bytes_up")), bytes_down=int(sums.pop("bytes_down")),
             parameters=int(sums.pop("parameters")), compute_s=work.compute_s,
             requests={k: int(v) for k, v in sums.items()}, takeovers=result.takeovers, incidents=incidents,
-            phases={"compute": work.compute_s, **result.phases}, step=r * self.stride,
+            phases={"compute": work.compute_s, **result.phases, "outer": laps.seconds["outer"]}, step=r * self.stride,
             total_steps=self.total_steps, evals=list(work.evals))
         self._warn_if_alone(row)
         self._unrecorded[row.round] = row
         return Outcome(self.state.round, action, self.state.fragment(result.round), row,
-                       exchange_s=time.monotonic() - t0, leave=self.leaving())
+                       exchange_s=time.monotonic() - t0, leave=leave)
 
     def _adopted(self, work: Work, t0: float) -> Outcome:
         """Took no part in a round: adopted the run's state instead (rejoin or divergence repair)."""
@@ -296,7 +301,8 @@ class Exchanger:
     # -- the record --------------------------------------------------------------------------
 
     def applied(self, r: int, *, sync_s: float, outer_s: float, hidden_s: float) -> None:
-        """The training process put round r into the model, losing `sync_s` to it: finish its row
+        """The training process put round r into the model, losing `sync_s` to it (`outer_s`: the
+        whole outer phase, this side's end of the outer step and the copy into the model): finish its row
         and write it in the background (θ and the momentum stay as they are until the next
         round's outer step, so their digest overlaps the next inner steps)."""
         row = self._unrecorded.pop(r, None)

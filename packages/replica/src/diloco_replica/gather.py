@@ -17,7 +17,6 @@ no more than `window` reduced shards are held.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -77,9 +76,9 @@ class Gatherer:
 
         pending = []
         while wanted:
-            deadline = time.monotonic() + io.round_timeout
+            deadline = io.clock() + io.round_timeout  # (`RoundIO.clock`: stands still while the store is away)
             backoff = io.backoff()
-            waited, looked, gone = False, time.monotonic(), []
+            waited, looked, gone = False, io.clock(), []
             while wanted:
                 with io.store.polling(waited):  # re-listing after a wait is a poll
                     present = io.present(prefix)
@@ -88,11 +87,11 @@ class Gatherer:
                 wanted = [j for j in wanted if j not in present]
                 if found and rnd.parts > 1:  # parts arrive one after another, while the reducers work:
                     backoff = io.backoff()  # look again soon, not at poll_max, and time out only
-                    deadline = time.monotonic() + io.round_timeout  # after a round_timeout without one
+                    deadline = io.clock() + io.round_timeout  # after a round_timeout without one
                 if wanted and rnd.replay:
                     self.membership.check_not_collected(r)
-                if wanted and time.monotonic() - looked >= PRESENCE_EVERY and not rnd.replay:
-                    looked, gone = time.monotonic(), self._gone(rnd, wanted, generation)
+                if wanted and io.clock() - looked >= PRESENCE_EVERY and not rnd.replay:
+                    looked, gone = io.clock(), self._gone(rnd, wanted, generation)
                     if gone:
                         break
                 if wanted and not backoff.sleep(deadline, rnd.stop):

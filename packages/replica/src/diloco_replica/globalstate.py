@@ -25,7 +25,6 @@ Checkpoints hold the whole state after a round, whichever fragment it updated.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -36,7 +35,7 @@ from .lanes import Retry
 from .rounderrors import FellBehind, RoundFailed
 from .layout import Cut, clip, cover, lane_fragment, lane_range, shard_bounds
 from .outer import outer_step, state_digest
-from .storeaccess import Backoff, reducer_of
+from .storeaccess import reducer_of
 
 
 class GlobalState:
@@ -181,8 +180,8 @@ class GlobalState:
 
         if missing(self.io.rank, self.checkpoints.present(0)):
             self.checkpoints.put_piece(0, shards[self.io.rank], self.start, initial, None, launch)
-        deadline = time.monotonic() + self.io.round_timeout
-        backoff = Backoff(self.io.poll_interval, self.io.poll_max)
+        deadline = self.io.clock() + self.io.round_timeout
+        backoff = self.io.backoff()
         present = self.checkpoints.present(0)
         while cover(present, self.start, self.stop) is None and backoff.sleep(deadline):
             present = self.checkpoints.present(0)

@@ -1,5 +1,10 @@
 """Where a round's time went: seconds per named phase (upload, reduce, gather, …), measured
-back to back from one clock, for the round's metrics row."""
+back to back from one clock, for the round's metrics row.
+
+The clock starts where the round starts for the training loop (`since`, before its snapshot), so
+that the phases account for the whole round and nothing it spends goes unnamed. CLOCK_MONOTONIC
+is one clock for every process of a host, so a sync process can lap from the training process's
+start."""
 
 from __future__ import annotations
 
@@ -9,9 +14,9 @@ import time
 class Laps:
     """Seconds spent in each named phase, measured back to back from one clock."""
 
-    def __init__(self) -> None:
+    def __init__(self, since: float | None = None) -> None:
         self.seconds: dict[str, float] = {}
-        self._last = time.monotonic()
+        self._last = time.monotonic() if since is None else since
 
     def lap(self, name: str) -> None:
         now = time.monotonic()

@@ -21,7 +21,6 @@ deletes, so only a collection begun and finished between that look and the write
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from diloco.scaling import ranks_ok
@@ -43,7 +42,7 @@ class Membership:
     def __init__(self, io: RoundIO, checkpoints: Checkpoints, *, min_members: int, round_grace: float | None = None):
         self.io, self.checkpoints, self.min_members, self.round_grace = io, checkpoints, min_members, round_grace
         self.rosters = Rosters(io.store, io.keys, io.run_id, io.log)
-        self._born = time.monotonic()  # the first round's period is counted from here
+        self._born = io.clock()  # the first round's period is counted from here
         self._ready_at: tuple[int, float] | None = None  # (round, when) this replica was last ready
         self.periods: list[float] = []  # its recent round periods, seconds
         self._decided: dict[int, Decided] = {}  # records read or written here, the newest few
@@ -88,7 +87,7 @@ class Membership:
         a grace window longer than theirs), `decide` finds the record at its first look and the
         round's upload was all it cost.
         """
-        if finished is not None and finished[0] == r - 1 and time.monotonic() - finished[1] < self.io.round_timeout / 2:
+        if finished is not None and finished[0] == r - 1 and self.io.clock() - finished[1] < self.io.round_timeout / 2:
             return None
         decided = self.read(r)
         if decided is None:
@@ -108,7 +107,7 @@ class Membership:
 
     def _pace(self, r: int) -> None:
         """Note when this replica became ready for round r: its round period (`quorum.grace_seconds`)."""
-        now = time.monotonic()
+        now = self.io.clock()
         if self._ready_at is None or self._ready_at[0] == r - 1:
             self.periods = (self.periods + [now - (self._ready_at[1] if self._ready_at else self._born)])[-PERIODS:]
         self._ready_at = (r, now)
@@ -132,7 +131,7 @@ class Membership:
         `last_roster`: round r − 1's (who this round lets in for the first time)."""
         io = self.io
         self._pace(r)
-        start = time.monotonic()
+        start = io.clock()  # (stands still while the store is away: an outage is waited for, not timed out)
         grace = self.grace()
         backoff = io.backoff()
         prefix = io.keys.ready(r)
@@ -144,7 +143,7 @@ class Membership:
             with io.store.polling(waited):
                 lanes_of = ready_markers(io.store.list_names(prefix), roster)
             ready = set(lanes_of)
-            got = verdict(ready, roster, expect, waited=time.monotonic() - start, grace=grace,
+            got = verdict(ready, roster, expect, waited=io.clock() - start, grace=grace,
                           round_timeout=io.round_timeout, min_members=self.min_members)
             if got is not Verdict.WAIT:
                 break
@@ -152,10 +151,10 @@ class Membership:
                 decided = self.read(r) if len(ready) > 1 else None
             if decided is not None:
                 return decided
-            if time.monotonic() - looked >= PRESENCE_EVERY:  # the launcher may have seen one end meanwhile
+            if io.clock() - looked >= PRESENCE_EVERY:  # the launcher may have seen one end meanwhile
                 with io.store.polling():
                     target, presence = self.rosters.look()
-                looked = time.monotonic()
+                looked = io.clock()
                 expect, away, later = self._expected(r, roster, last_roster, presence)
             backoff.sleep(start + io.round_timeout)
             waited = True
@@ -178,7 +177,7 @@ class Membership:
         self._decided[r] = decided
         if absent:
             io.log(f"round {r}: proceeding with {len(members)} of {len(roster)} replicas {members} after "
-                   f"{time.monotonic() - start:.1f}s (" + ", ".join(f"{a.rank}: {a.why}" for a in absent) + ")")
+                   f"{io.clock() - start:.1f}s (" + ", ".join(f"{a.rank}: {a.why}" for a in absent) + ")")
         if decided.next != roster:
             io.log(f"round {r}: the next round's replicas are {decided.next} (were {roster})")
         return decided

@@ -18,7 +18,6 @@ rebuild a round without a summary from its rows (`diloco.metrics.RoundReader`).
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 from diloco.metrics import RoundMetrics, RoundReader, RoundSummary
@@ -48,7 +47,7 @@ class Recorder:
 
     def _summarize(self, r: int, members: list[int]) -> None:
         prefix = self.io.keys.metrics(r)
-        deadline = time.monotonic() + min(self.io.round_timeout, 2 * self.grace())
+        deadline = self.io.clock() + min(self.io.round_timeout, 2 * self.grace())
         backoff = self.io.backoff()
         # The raw store, not the counting one: this runs in the background, often inside the next
         # round's exchange, whose row must count the exchange alone (diloco.estimate counts summaries

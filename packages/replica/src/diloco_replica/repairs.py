@@ -130,7 +130,7 @@ class RepairDesk:
     def _await_repair(self, r: int, j: int, key: str, numel: int, problem: str, writer: int | None,
                       incidents: list[dict[str, Any]], nonfinite: set[int]) -> torch.Tensor:
         io = self.io
-        deadline = time.monotonic() + io.round_timeout
+        deadline = io.clock() + io.round_timeout
         backoff = io.backoff()
         waited, windows = False, 0
         while True:
@@ -153,7 +153,7 @@ class RepairDesk:
                 if windows < REPAIR_WINDOWS and writer is not None and self._writer_live(r, writer):
                     io.log(f"round {r}: rank {writer} has not re-published {key} in {windows * io.round_timeout:g}s "
                            f"but its attempt is live (paused or slow); waiting for it")
-                    deadline = time.monotonic() + io.round_timeout
+                    deadline = io.clock() + io.round_timeout
                     continue
                 raise RoundFailed(f"{key} is corrupt ({problem}) and its reducer (rank {writer}) did not re-publish "
                                   f"it within {windows * io.round_timeout:g}s")

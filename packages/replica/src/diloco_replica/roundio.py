@@ -19,6 +19,7 @@ while rejoining or catching up (`report`) — until the replica's next metrics r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,8 +51,14 @@ class RoundIO:
     codec: str = "fp32"            # the run's transport codec: every scatter and reduced object is in it
     found: list[dict[str, Any]] = field(default_factory=list)  # incidents met outside a round, not yet reported
 
+    def clock(self) -> float:
+        """Seconds for the rounds' deadlines: time.monotonic(), except that it stands still while
+        the store is away (`diloco.storeoutage`), so an outage is waited for, not timed out."""
+        outage = self.store.store.outage
+        return outage.clock() if outage is not None else time.monotonic()
+
     def backoff(self) -> Backoff:
-        return Backoff(self.poll_interval, self.poll_max)
+        return Backoff(self.poll_interval, self.poll_max, clock=self.clock)
 
     def put(self, key: str, data, *, create_only: bool = False, written: tuple | None = None) -> bool:
         """Write `key`; False if `create_only` and it exists. `written` = (kind, round, shard[, writer])

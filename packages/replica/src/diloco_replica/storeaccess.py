@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 from diloco.store import Store
@@ -98,12 +99,12 @@ class CountingStore:
 class Backoff:
     """Waits that grow (×1.5 up to `cap`), so waiting costs O(log) requests, not a tight loop."""
 
-    def __init__(self, first: float, cap: float = 1.0):
-        self.delay, self.cap = first, cap
+    def __init__(self, first: float, cap: float = 1.0, *, clock: Callable[[], float] = time.monotonic):
+        self.delay, self.cap, self.clock = first, cap, clock
 
     def sleep(self, deadline: float, wake: threading.Event | None = None) -> bool:
-        """Sleep the next interval; False if the deadline has passed (or `wake` is set)."""
-        now = time.monotonic()
+        """Sleep the next interval; False if the deadline (on `clock`) has passed (or `wake` is set)."""
+        now = self.clock()
         if now >= deadline or (wake is not None and wake.is_set()):
             return False
         if wake is None:

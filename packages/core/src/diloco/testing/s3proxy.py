@@ -8,7 +8,11 @@ in this repository's tests) and can misbehave the way S3-compatible stores do:
   winners; `diloco.store.verify_store` must refuse such a store);
 - ``error_rate=p``: answers a fraction p of requests with S3's own throttling and server
   errors (503 SlowDown, 500 InternalError) instead of forwarding them, as S3 does under load;
-  clients are expected to retry (obstore does, with backoff).
+  clients are expected to retry (obstore does, with backoff);
+- ``go_down(refuse_s, unavailable_s)``: a store outage, as a region's or a MinIO node's: for
+  `refuse_s` nothing listens on the port (new connections are refused, open ones are dropped
+  without an answer), then for `unavailable_s` every request is answered 503 Service
+  Unavailable, then the store is back (`outage_done` is set).
 
 Counts of forwarded and failed requests are kept for assertions. Stdlib only.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import http.client
 import random
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
@@ -46,21 +51,49 @@ class FaultyS3Proxy:
         self.lock = threading.Lock()
         self.forwarded = 0
         self.injected = 0
-        self.server = _QuietServer(("127.0.0.1", 0), self._handler())
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.state = "up"  # "refusing" and "unavailable" during an outage (`go_down`)
+        self.dropped = 0       # requests dropped unanswered while refusing
+        self.unavailable = 0   # requests answered 503 while unavailable
+        self.outage_done = threading.Event()
+        self.server = self._serve(0)
+        self.port = self.server.server_address[1]
+
+    def _serve(self, port: int) -> _QuietServer:
+        server = _QuietServer(("127.0.0.1", port), self._handler())
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        return server
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
+        return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> FaultyS3Proxy:
-        self.thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+    def go_down(self, refuse_s: float, unavailable_s: float) -> None:
+        """Start an outage now (it runs on a thread): refused for `refuse_s`, then 503s for
+        `unavailable_s`, then back on the same port."""
+        def outage() -> None:
+            with self.lock:
+                self.state = "refusing"
+            self.server.shutdown()
+            self.server.server_close()  # nothing listens: connecting is refused
+            time.sleep(refuse_s)
+            with self.lock:
+                self.state = "unavailable"
+            self.server = self._serve(self.port)
+            time.sleep(unavailable_s)
+            with self.lock:
+                self.state = "up"
+            self.outage_done.set()
+
+        self.outage_done.clear()
+        threading.Thread(target=outage, daemon=True).start()
 
     def _fail_now(self) -> bool:
         with self.lock:
@@ -86,8 +119,20 @@ class FaultyS3Proxy:
 
             def _forward(self) -> None:
                 body = self._body()
-                if proxy._fail_now():
+                with proxy.lock:
+                    state = proxy.state
+                    proxy.dropped += state == "refusing"
+                    proxy.unavailable += state == "unavailable"
+                if state == "refusing":  # an open connection to a store that went away: no answer
+                    self.close_connection = True
+                    return
+                if state == "unavailable":
+                    status, code, message = 503, "ServiceUnavailable", "Service is unable to handle request."
+                elif proxy._fail_now():
                     status, code, message = proxy.rng.choice(_ERRORS)
+                else:
+                    status = 0
+                if status:
                     payload = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
                                f"<Message>{message}</Message></Error>").encode()
                     self.send_response(status)

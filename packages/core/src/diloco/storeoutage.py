@@ -1,0 +1,144 @@
+"""A store that stops answering for a while is waited for, not taken for a broken one.
+
+Object stores have outages: a region answering 503 SlowDown for minutes, a MinIO node
+restarting, the network path to the store dropped. A request's own retries (obstore's, a few
+within seconds: `REQUEST_RETRIES`) ride out a blip; a longer outage reaches `Outage`, which
+holds one process's view of it: since when the store has not answered, what it last said, and
+how long that may last (`[diloco] store_outage_limit`) before the process gives up with one
+line naming the store (`StoreUnreachable`).
+
+Only errors that say the store could not be reached or could not answer (`is_transient`:
+connection failures, timeouts, 5xx, throttling, a request that used up its retries) are waited
+for. A store that answers no (credentials refused, no such bucket, a bad request, a full disk)
+made a decision that waiting will not change: that error is raised at once, as before.
+
+While the store is away the process's round clock (`Outage.clock`) stands still, so a round's
+timeouts count only time in which the store could be used: an outage longer than
+`round_timeout` fails no round, and when the store is back every deadline is where it was.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from .errors import DilocoError
+
+T = TypeVar("T")
+
+# What one request retries by itself (obstore's RetryConfig) before an error reaches `Outage`:
+# enough for a dropped connection or a lone 503, short enough that a launcher polling the store
+# is never held for long (obstore's own default retries for up to 3 minutes).
+REQUEST_RETRIES = {"max_retries": 4, "retry_timeout_s": 15.0, "init_backoff_s": 0.1, "max_backoff_s": 2.0}
+
+# Waits between tries of a request while the store is away: from half a second, doubling, to 10 s.
+WAIT_FIRST_S, WAIT_MAX_S = 0.5, 10.0
+
+# An error that says the store was not reached or did not answer. obstore says "after N retries"
+# only of errors of a kind it retries (connection, timeout, 5xx); the rest are for stores and
+# clients that say it in their own words.
+_TRANSIENT = re.compile(
+    r"after \d+ retries|error sending request|connect(ion)? (refused|reset|error|closed|timed out)|tcp connect"
+    r"|timed out|timeout|dns error|broken pipe|reset by peer|status(?: code)?:? 5\d\d|\b50[0234] "
+    r"|\b429\b|slow ?down|service unavailable|internal ?(server )?error|bad gateway|too many requests|throttl",
+    re.IGNORECASE)
+# Errors that are an answer: the store decided, and asking again gets the same answer.
+_ANSWERS = ("NotFoundError", "PermissionDeniedError", "UnauthenticatedError", "AlreadyExistsError",
+            "PreconditionError", "NotModifiedError", "NotSupportedError", "InvalidPathError",
+            "UnknownConfigurationKeyError", "ObjectExists")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether `exc` says the store could not be reached or could not answer (waiting may help),
+    rather than that it answered no (waiting will not)."""
+    if type(exc).__name__ in _ANSWERS or isinstance(exc, (FileNotFoundError, PermissionError)):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(exc, OSError):  # a local store's disk: full, read-only, gone — an answer
+        return False
+    return bool(_TRANSIENT.search(first_line(exc)))
+
+
+def first_line(exc: BaseException) -> str:
+    """The error's first line (obstore's messages go on with a multi-line debug dump)."""
+    text = str(exc).split("Debug source:", 1)[0].strip()
+    return text.splitlines()[0].strip() if text else type(exc).__name__
+
+
+class StoreUnreachable(DilocoError):
+    """The store answered nothing for longer than the outage limit. Not a spec mistake: a process
+    started elsewhere, or later, may reach it."""
+
+
+class Outage:
+    """One process's view of its store's reachability, shared by every thread that uses the store."""
+
+    def __init__(self, uri: str, limit_s: float | None, *, log: Callable[[str], None] | None = None,
+                 now: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
+        self.uri, self.limit_s = uri, limit_s
+        self._log, self._now, self._sleep = log, now, sleep
+        self._lock = threading.Lock()
+        self.since: float | None = None  # when the store last stopped answering (this process's clock)
+        self.error: str | None = None    # what it last said, while away
+        self.away_s = 0.0                # seconds it was away in outages that ended
+
+    def clock(self) -> float:
+        """Seconds on a clock that stands still while the store is away: round deadlines use it."""
+        with self._lock:
+            now = self._now()
+            return now - self.away_s - (now - self.since if self.since is not None else 0.0)
+
+    def gone_for(self) -> float:
+        """Seconds the store has been away now (0 while it answers)."""
+        with self._lock:
+            return 0.0 if self.since is None else self._now() - self.since
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """`fn()`, tried again while it fails transiently, until the store answers or it has been
+        away `limit_s` (then StoreUnreachable); any other error is raised at once."""
+        import tenacity
+
+        started = self._now()
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(is_transient),
+            wait=tenacity.wait_exponential(multiplier=WAIT_FIRST_S, max=WAIT_MAX_S) + tenacity.wait_random(0, WAIT_FIRST_S),
+            stop=lambda state: self._past_limit(), before_sleep=lambda state: self._away(state, started),
+            sleep=self._sleep)
+        try:
+            result = retrying(fn)
+        except tenacity.RetryError as exc:
+            failure = exc.last_attempt.exception()
+            self._away_from(started, failure)
+            raise StoreUnreachable(f"rendezvous {self.uri!r} has not answered for {self.gone_for():.0f} s "
+                                   f"(store_outage_limit = {self.limit_s:g} s): {first_line(failure)}") from None
+        self._answered()
+        return result
+
+    def _past_limit(self) -> bool:
+        return self.limit_s is not None and self.gone_for() >= self.limit_s
+
+    def _away(self, state: Any, started: float) -> None:
+        self._away_from(started, state.outcome.exception())
+
+    def _away_from(self, started: float, failure: BaseException | None) -> None:
+        with self._lock:
+            first = self.since is None
+            if first:
+                self.since = started
+            self.error = first_line(failure) if failure is not None else self.error
+        if first and self._log is not None:
+            limit = f"up to {self.limit_s:g} s (store_outage_limit)" if self.limit_s is not None else "without a limit"
+            self._log(f"store {self.uri!r} unreachable: {self.error}; waiting for it {limit}")
+
+    def _answered(self) -> None:
+        with self._lock:
+            if self.since is None:
+                return
+            away, self.since, self.error = self._now() - self.since, None, None
+            self.away_s += away
+        if self._log is not None:
+            self._log(f"store {self.uri!r} answers again after {away:.1f} s away")
