@@ -257,6 +257,10 @@ def main() -> int:
     timeout = float(os.environ.get(v.ENV_TIMEOUT) or 0)
     if timeout > 0:
         _start_watchdog(timeout, outcome)
+    if os.environ.get(v.ENV_FAULT_CLOCK_SKEW):  # a test's skewed wall clock (diloco.testing.clockskew)
+        from .testing.clockskew import install_from_env
+
+        install_from_env(ctx.rank)
     # SIGTERM (cancel) becomes a clean exit so `finally` blocks in user code run.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     preempt = preemption_signal()

@@ -6,6 +6,7 @@ matplotlib is optional (the `plot` extra); without it the report has no PNGs and
 from __future__ import annotations
 
 import io
+import statistics
 from typing import Any
 
 from diloco.metrics import PHASES, RoundSummary
@@ -54,6 +55,24 @@ def loss_png(rounds: list[RoundSummary], eval_loss: float | None, final_step: in
     return _png(fig, plt)
 
 
+def clock_offsets(rounds: list[RoundSummary]) -> dict[int, float]:
+    """Each replica's wall clock against the others', from the rounds they share: the median over
+    rounds of its row's `t` less the median `t` of the round's rows. The members of a round
+    apply it within moments of each other (they read the same result), so seconds between
+    their `t` are their clocks' disagreement, not their work's; a replica whose clock jumped
+    is lined up by where it stood for most of the rounds given (tests/test_skewed_clocks.py)."""
+    gaps: dict[int, list[float]] = {}
+    for s in rounds:
+        ts = [row.t for row in s.rows if row.t]
+        if len(ts) < 2:
+            continue
+        middle = statistics.median(ts)
+        for row in s.rows:
+            if row.t:
+                gaps.setdefault(row.rank, []).append(row.t - middle)
+    return {rank: statistics.median(g) for rank, g in gaps.items()}
+
+
 def timeline_png(rounds: list[RoundSummary]) -> bytes | None:
     """Top: each replica's last rounds on a wall-clock axis, one colour per phase. Bottom: every
     round's mean seconds per phase over its members, and what waiting for its straggler cost."""
@@ -63,12 +82,13 @@ def timeline_png(rounds: list[RoundSummary]) -> bytes | None:
         return None
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), dpi=100, gridspec_kw={"height_ratios": [3, 2]})
     shown = members[-MAX_GANTT_ROUNDS:]
-    t0 = min(row.t - sum(row.phases.values()) for s in shown for row in s.rows)
+    skew = clock_offsets(shown)  # hosts' clocks disagree: line them up on the rounds they share
+    t0 = min(row.t - skew.get(row.rank, 0.0) - sum(row.phases.values()) for s in shown for row in s.rows)
     ranks = sorted({row.rank for s in shown for row in s.rows})
     for s in shown:
         for row in s.rows:
             phases = row.phases
-            end = row.t - t0
+            end = row.t - skew.get(row.rank, 0.0) - t0
             start = end - sum(phases.get(p, 0.0) for p in PHASES)
             for p in PHASES:  # laid out back to back, ending when the replica applied the round
                 width = phases.get(p, 0.0)
@@ -77,7 +97,7 @@ def timeline_png(rounds: list[RoundSummary]) -> bytes | None:
                 start += width
     top.set_yticks(ranks, [f"rank {r}" for r in ranks])
     top.invert_yaxis()
-    top.set_xlabel("seconds (each replica's own clock; black outline: the round's straggler)")
+    top.set_xlabel("seconds (the replicas' clocks lined up on the rounds they share; black outline: the straggler)")
     top.set_title(f"rounds {shown[0].round}-{shown[-1].round}: where each replica's time went")
     xs = [s.round for s in members]
     base = [0.0] * len(members)

@@ -44,6 +44,7 @@ def serve(conn: Connection, parent: int) -> int:
     import torch
 
     from diloco.context import ReplicaContext
+    from diloco.envvars import ENV_FAULT_CLOCK_SKEW
     from diloco.settings import DilocoSettings
 
     from . import sharedbuf
@@ -62,9 +63,14 @@ def serve(conn: Connection, parent: int) -> int:
     theta = sharedbuf.attach(start["theta"], numel)
     snapshot = sharedbuf.attach(start["snapshot"], numel)
     send(conn, "mapped")
-    ctx = ReplicaContext(int(c["rank"]), int(c["world_size"]), str(c["run_id"]), int(c["attempt"]),
-                         str(c["rendezvous"]), lane=int(c["lane"]), lanes=int(c["lanes"]))
     settings = DilocoSettings.from_table(start["settings"], where="the sync process's settings")
+    ctx = ReplicaContext(int(c["rank"]), int(c["world_size"]), str(c["run_id"]), int(c["attempt"]),
+                         str(c["rendezvous"]), lane=int(c["lane"]), lanes=int(c["lanes"]),
+                         settings=settings.to_dict())  # its store waits out outages as the spec says
+    if os.environ.get(ENV_FAULT_CLOCK_SKEW):  # a test's skewed wall clock (diloco.testing.clockskew)
+        from diloco.testing.clockskew import install_from_env
+
+        install_from_env(ctx.rank)
     lanes = Lanes()
     if ctx.lanes > 1:
         import torch.distributed as dist

@@ -1,0 +1,132 @@
+"""Recovery time as the model grows: the seconds from a replica's SIGKILL to its first round back
+as a member, against what it must read to come back (issue "A thousand faults").
+
+Two replicas of `recovery_job` (a model of the row's size whose inner steps cost little) train
+through `diloco run` on the local backend; each replica's store is a file:// store behind a
+link of `BENCH_RATE` bytes/s each way (`diloco.throttle`, the benches' stand-in for a
+replica's network), with a checkpoint every round. Once round `KILL_AFTER` is done, rank 1's
+process is SIGKILLed; the launcher relaunches it at once ([restart] backoff 0); it starts,
+loads θ_global and the outer momentum from the latest checkpoint, and takes part again from a
+round boundary. Measured per row, all from the same run:
+
+- recovery_s: SIGKILL → the end of rank 1's first round as a member again (its metrics row);
+- transfer_s: what rejoining must read (θ_global and the momentum: 2 × the model) at the link's rate;
+- start_s: a replica process's start as the launcher pays it: the launch of the new attempt →
+  its first log line after building the model (Python, torch, the model; not the store);
+- round_s: the median round period of the survivor (a rejoin waits for a round boundary);
+- ratio: (recovery_s − start_s) / transfer_s. Target: ≤ 1.2 (plus the process start).
+- peak RSS of each replica (host memory), from the replicas' own results.
+
+    .venv/bin/python bench/recovery.py                 # 100 MB and 1 GB (~10 minutes on 2 cores)
+    BENCH_SIZES_MB=100,1024,4096 .venv/bin/python bench/recovery.py   # 4 GB needs ~40 GB of RAM
+    BENCH_QUICK=1 .venv/bin/python bench/recovery.py   # 8 MB: a smoke run
+Prints one JSON object: {"rows": [...]}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import knob, toml_text  # noqa: E402 - bench/ is the script's directory
+
+SIZES_MB = [float(x) for x in knob("BENCH_SIZES_MB", "100,1024", "8").split(",")]
+RATE = float(knob("BENCH_RATE", "200e6", "200e6"))  # bytes/s each way, per replica process
+H = int(knob("BENCH_H", "4", "2"))
+ROUNDS = int(knob("BENCH_ROUNDS", "10", "6"))
+KILL_AFTER = int(knob("BENCH_KILL_AFTER", "3", "2"))
+BENCH = Path(__file__).resolve().parent
+
+
+def spec(tmp: Path, megabytes: float) -> Path:
+    data = {"name": "recovery", "backend": "local", "replicas": 2, "entrypoint": "recovery_job:train",
+            "workdir": str(BENCH), "args": {"megabytes": megabytes, "steps": H * ROUNDS},
+            "diloco": {"sync_every": H, "total_steps": H * ROUNDS, "checkpoint_every": 1, "round_timeout": 600,
+                       "parameters": int(megabytes * 2**20) // 4},
+            "restart": {"backoff": 0.0, "monitor_interval": 0.2},
+            "env": {"DILOCO_STORE_BYTES_PER_S": f"{RATE:g}"}}
+    path = tmp / f"recovery-{megabytes:g}.toml"
+    path.write_text(toml_text(data))
+    return path
+
+
+def rows_of(store_uri: str, run_id: str) -> list[dict]:
+    from diloco.runkeys import RunKeys
+    from diloco.store import open_store
+
+    store, out = open_store(store_uri), []
+    for meta in store.list(RunKeys(run_id).metrics()):
+        raw = store.get(meta["path"])
+        if raw is not None:
+            out.append(json.loads(bytes(raw)))
+    return out
+
+
+def first_log_after_model(log: Path) -> float | None:
+    """The wall time of the replica's line saying its model is built (logging's asctime, local time)."""
+    for line in log.read_text(errors="replace").splitlines():
+        m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*model \d+ MB; starting", line)
+        if m:
+            return time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
+    return None
+
+
+def row(megabytes: float, tmp: Path) -> dict:
+    from diloco.runkeys import RunKeys
+    from diloco.state import RunRecord
+    from diloco.store import open_store
+
+    state = tmp / f"state-{megabytes:g}"
+    env = {**os.environ, "DILOCO_STATE_DIR": str(state)}
+    proc = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec(tmp, megabytes)), "--on-interrupt",
+                             "cancel"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    run_id = proc.stdout.readline().split()[1].rstrip(":")
+    run_dir = state / "runs" / run_id
+    while proc.poll() is None and not (run_dir / "run.json").exists():
+        time.sleep(0.1)
+    uri = RunRecord.load(run_id, state).rendezvous
+    store = open_store(uri)
+    while proc.poll() is None and store.get(RunKeys(run_id).metrics(KILL_AFTER, 1)) is None:
+        time.sleep(0.05)
+    handle = json.loads((run_dir / "run.json").read_text())["ranks"][1].get("handle") or {}
+    os.killpg(handle["metadata"]["pid"], signal.SIGKILL)
+    killed = time.time()
+    out, _ = proc.communicate()
+    if proc.returncode != 0:
+        raise SystemExit(f"diloco run ({megabytes:g} MB) failed:\n{out[-4000:]}")
+    record = RunRecord.load(run_id, state)
+    rows = rows_of(uri, run_id)
+    back = min(r["t"] for r in rows if r["rank"] == 1 and r.get("attempt", 0) >= 1 and r.get("member"))
+    launch = next(e["t"] for e in record.events() if e.get("event") == "launch" and e.get("attempt") == 1)
+    stem = (record.data["ranks"][1].get("handle") or {}).get("metadata", {}).get("stem")  # attempt 1's
+    built = first_log_after_model(Path(stem + ".log")) if stem else None
+    ends = sorted(r["t"] for r in rows if r["rank"] == 0)
+    results = [r["result"] for r in record.data["ranks"]]
+    transfer = 2 * megabytes * 2**20 / RATE
+    start = (built - launch) if built is not None else None
+    recovery = back - killed
+    return {"model_mb": megabytes, "rate_mb_s": RATE / 1e6, "recovery_s": round(recovery, 2),
+            "transfer_s": round(transfer, 2), "start_s": round(start, 2) if start is not None else None,
+            "relaunch_s": round(launch - killed, 2), "round_s": round(statistics.median(
+                [b - a for a, b in zip(ends, ends[1:])]), 2),
+            "ratio": round((recovery - (start or 0.0)) / transfer, 2),
+            "one_global_model": len({r["theta_digest"] for r in results}) == 1,
+            "peak_rss_mb": [r.get("peak_rss_mb") for r in results]}
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory(prefix="diloco-recovery-") as tmp:
+        rows = [row(mb, Path(tmp)) for mb in SIZES_MB]
+    print(json.dumps({"rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
