@@ -1,10 +1,11 @@
 """Recovery time as the model grows: the seconds from a replica's SIGKILL to its first round back
 as a member, against what it must read to come back (issue "A thousand faults").
 
-Two replicas of `recovery_job` (a model of the row's size whose inner steps cost little) train
+Two replicas of `_recovery_job` (a model of the row's size whose inner steps cost little) train
 through `diloco run` on the local backend; each replica's store is a file:// store behind a
 link of `BENCH_RATE` bytes/s each way (`diloco.throttle`, the benches' stand-in for a
-replica's network), with a checkpoint every round. Once round `KILL_AFTER` is done, rank 1's
+replica's network), with a checkpoint every round; an inner step sleeps `BENCH_STEP_S` for its
+compute, so a round has a period (H steps) like a real one. Once round `KILL_AFTER` is done, rank 1's
 process is SIGKILLed; the launcher relaunches it at once ([restart] backoff 0); it starts,
 loads θ_global and the outer momentum from the latest checkpoint, and takes part again from a
 round boundary. Measured per row, all from the same run:
@@ -40,15 +41,16 @@ from _common import knob, toml_text  # noqa: E402 - bench/ is the script's direc
 
 SIZES_MB = [float(x) for x in knob("BENCH_SIZES_MB", "100,1024", "8").split(",")]
 RATE = float(knob("BENCH_RATE", "200e6", "200e6"))  # bytes/s each way, per replica process
-H = int(knob("BENCH_H", "4", "2"))
-ROUNDS = int(knob("BENCH_ROUNDS", "10", "6"))
+H = int(knob("BENCH_H", "4", "4"))
+STEP_S = float(knob("BENCH_STEP_S", "0.5", "0.25"))  # an inner step's compute, slept (a round: H of them)
+ROUNDS = int(knob("BENCH_ROUNDS", "20", "16"))
 KILL_AFTER = int(knob("BENCH_KILL_AFTER", "3", "2"))
 BENCH = Path(__file__).resolve().parent
 
 
 def spec(tmp: Path, megabytes: float) -> Path:
-    data = {"name": "recovery", "backend": "local", "replicas": 2, "entrypoint": "recovery_job:train",
-            "workdir": str(BENCH), "args": {"megabytes": megabytes, "steps": H * ROUNDS},
+    data = {"name": "recovery", "backend": "local", "replicas": 2, "entrypoint": "_recovery_job:train",
+            "workdir": str(BENCH), "args": {"megabytes": megabytes, "steps": H * ROUNDS, "step_s": STEP_S},
             "diloco": {"sync_every": H, "total_steps": H * ROUNDS, "checkpoint_every": 1, "round_timeout": 600,
                        "parameters": int(megabytes * 2**20) // 4},
             "restart": {"backoff": 0.0, "monitor_interval": 0.2},

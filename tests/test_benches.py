@@ -29,6 +29,7 @@ BENCHES = {
     "scale.py": ["rows", "targets"],
     "uneven.py": ["rows", "targets", "round_seconds_vs_fixed", "mixed_rows", "mixed_vs_uniform", "resize_rows"],
     "gone.py": ["rows", "gone_vs_alone", "targets"],
+    "recovery.py": ["rows"],
     "gpu_sync.py": ["rows", "targets"],
     "peers.py": ["rows", "diloco_vs_torchft", "targets"],
 }

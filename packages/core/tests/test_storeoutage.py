@@ -46,7 +46,11 @@ class NotFoundError(FileNotFoundError):
     (PermissionDeniedError("Client error with status 403 Forbidden: AccessDenied"), False),
     (GenericError("Client error with status 400 Bad Request: InvalidArgument"), False),
     (GenericError("Client error with status 403 Forbidden: SignatureDoesNotMatch"), False),
-    (OSError(28, "No space left on device"), False),        # a full disk is an answer, not an outage
+    (OSError(28, "No space left on device"), True),         # a full disk: someone can free it
+    (OSError(122, "Disk quota exceeded"), True),
+    (GenericError("Generic LocalFileSystem error: Unable to copy data to file: No space left on device "
+                  "(os error 28)"), True),
+    (OSError(30, "Read-only file system"), False),          # an answer
     (ValueError("bad key"), False),
 ])
 def test_an_outage_is_an_error_that_says_the_store_did_not_answer(exc, transient):
@@ -92,7 +96,8 @@ def test_an_outage_shorter_than_the_limit_is_waited_out_and_its_time_is_taken_of
     assert outage.gone_for() == 0 and outage.since is None
     assert outage.away_s == pytest.approx(clock.t - 1000.0)
     assert outage.clock() == pytest.approx(before)  # the round clock stood still through the outage
-    assert len(said) == 2 and "unreachable" in said[0] and "up to 900 s" in said[0] and "answers again" in said[1]
+    assert len(said) == 2 and "not serving requests" in said[0] and "up to 900 s" in said[0]
+    assert "serves requests again" in said[1]
 
 
 def test_past_the_limit_the_process_gives_up_with_one_line_naming_the_store():
@@ -103,6 +108,7 @@ def test_past_the_limit_the_process_gives_up_with_one_line_naming_the_store():
         outage.call(fn)
     msg = str(err.value)
     assert "\n" not in msg and "s3://bucket/runs" in msg and "store_outage_limit = 60 s" in msg
+    assert "has failed every request for " in msg
     assert msg.endswith("error sending request") and 60 <= clock.t - 1000.0 < 75
 
 
@@ -132,6 +138,26 @@ def test_the_clock_stands_still_while_the_store_is_away_for_every_thread():
     assert outage.clock() == pytest.approx(t0)
     clock.t += 5
     assert outage.clock() == pytest.approx(t0 + 5)  # and runs again once it answers
+
+
+def test_a_full_disk_refusing_writes_is_not_ended_by_reads_that_succeed():
+    clock, said = FakeTime(), []
+    outage = Outage("file:///scratch/store", 900, log=said.append, now=clock.now, sleep=lambda s: None)
+    full = OSError(28, "No space left on device")
+    reads_done = []
+
+    def write() -> str:
+        if len(reads_done) < 3:  # other threads read meanwhile, and are served
+            clock.t += 10
+            reads_done.append(outage.call(lambda: "read"))
+            raise full
+        return "written"
+
+    t0 = outage.clock()
+    assert outage.call(write) == "written"
+    assert said[0].startswith("store 'file:///scratch/store' is not serving requests: [Errno 28] No space left")
+    assert len(said) == 2 and "serves requests again after 30.0 s" in said[1]  # one outage, not four
+    assert outage.clock() == pytest.approx(t0)
 
 
 @pytest.mark.parametrize("away, state, reason", [

@@ -41,7 +41,7 @@ def test_requests_wait_out_an_outage_and_the_round_clock_stands_still(proxied):
     assert sorted(m["path"] for m in store.list("run/")) == ["run/a", "run/b"]
     away = store.outage.away_s
     assert 4 <= away <= time.monotonic() - t0 and store.outage.clock() - before < time.monotonic() - t0 - away + 1
-    assert any("unreachable" in s for s in said) and any("answers again" in s for s in said)
+    assert any("not serving requests" in s for s in said) and any("serves requests again" in s for s in said)
 
 
 def test_past_the_limit_a_request_fails_with_one_line_naming_the_store(proxied):

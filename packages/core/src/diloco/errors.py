@@ -48,6 +48,12 @@ class DamagedRecord(UserError):
     disk, or edited by hand. The message names the file and what is wrong with it."""
 
 
+class StateDirFull(UserError):
+    """The launcher's state directory cannot be written (a full disk, a quota): the launcher stops
+    with its records as they were (each written whole or not at all); the replicas train on, and
+    `diloco resume` takes over once there is space."""
+
+
 class StoreUnusable(UserError):
     """The rendezvous store cannot serve a run (unreachable, read-only, or ignores create-only puts)."""
 

@@ -7,7 +7,7 @@ several replicas gets ``training_alone`` (the replicas are not meeting). Each ne
 goes to the spec's metric sinks (`diloco.sinks`; TensorBoard by default).
 
 Being the launcher's one regular reader of the store, it also says when the store stops
-answering (`store_unreachable`, and `store_back` when it answers again; `health` holds the
+answering or taking writes (a small write every `WRITE_EVERY` seconds; `store_unreachable`, and `store_back` when it answers again; `health` holds the
 outage while it lasts, which the live bar and `diloco status` show), and for how long
 (`store_gone_for`: the supervisor fails the run past `[diloco] store_outage_limit`). A store this
 shell has never reached is not an outage: some runs meet in a store only their replicas can reach.
@@ -24,8 +24,14 @@ from typing import Any
 import time
 
 from .failures import shorten
+from .runkeys import RunKeys
 from .state import RunRecord
 from .storeoutage import first_line
+
+
+# Seconds between the launcher's proofs that the store takes writes (a PUT and a DELETE of one
+# small object): reading summaries would not notice a full disk, which refuses writes only.
+WRITE_EVERY = 30.0
 
 
 class RoundWatcher:
@@ -43,6 +49,8 @@ class RoundWatcher:
         self._reader = None  # RoundReader over the run's store, opened once
         self._answered = False  # the store has answered this launcher (an outage is counted only after)
         self._away_since: float | None = None  # `clock` time the store stopped answering, while it does not
+        self._next_write = 0.0  # when to prove next that the store still takes writes
+        self._probe = RunKeys(run_id).probe("launcher")
         self._sinks: list[Any] | None = None  # the spec's metric sinks, opened at the first round
 
     @property
@@ -70,6 +78,11 @@ class RoundWatcher:
             if self._reader is None:
                 self._reader = RoundReader(open_store(self.rendezvous), self.run_id, after=self.last_round)
             new = self._reader.read_new(final=final)
+            # reads alone would not see a full disk; while the store is away, every look proves writes too
+            if not final and (now >= self._next_write or self._away_since is not None):
+                self._next_write = now + WRITE_EVERY
+                self._reader.store.put(self._probe, b"launcher")
+                self._reader.store.delete(self._probe)
         except Exception as exc:  # no round events meanwhile; supervision goes on
             return self._unanswered(exc, now)
         answered = self._answer(now)

@@ -293,6 +293,14 @@ def main() -> int:
             print(f"{USER_ERROR_PREFIX}{exc}", file=sys.stderr, flush=True)
             outcome.write("failed", EXIT_CONFIG, str(exc))
             return EXIT_CONFIG
+        from .storeoutage import StoreUnreachable
+
+        if isinstance(exc, StoreUnreachable):  # the store, not the code: one line, no step (not a bug
+            cause = f"StoreUnreachable: {exc}"  # every rank hits at one step), relaunched per the policy
+            sys.stderr.write(f"{CAUSE_PREFIX}{cause}\n")
+            sys.stderr.flush()
+            outcome.write("failed", 1, cause)
+            return 1
         import traceback
 
         tb = traceback.format_exc()

@@ -14,6 +14,7 @@ change, so a new launcher can reattach (`diloco resume`) and continue where this
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import time
@@ -23,7 +24,7 @@ from typing import Any
 
 from .awayboard import AwayBoard
 from .envvars import ENV_SETTINGS
-from .errors import BackendError
+from .errors import BackendError, StateDirFull
 from .failures import shorten
 from .policy import RestartSettings, RunState, StoreAway, outcome, spent_on_relaunch
 from .protocol import Executor, ReplicaResult, ReplicaStatus
@@ -303,6 +304,12 @@ class Supervisor:
         self.take_lease()
         try:
             return self._run(start=start)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise StateDirFull(f"the state directory {self.record.dir.parent.parent} is full ({exc.strerror}): "
+                               f"this launcher stops and the replicas train on; free space, then "
+                               f"`diloco resume {self.record.run_id}`") from None
         finally:
             self.lease.release()
             self.lease = None

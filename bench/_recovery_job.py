@@ -3,7 +3,8 @@ cost little, so that a 1 GB model's rounds fit two CPU cores and the bench measu
 relaunched replica reads and waits for, not its arithmetic.
 
 The model is `megabytes` of fp32 in 64 MiB tensors (so it is cut into shards like a real one);
-an inner step is one SGD step on a quadratic pulling each tensor to a per-replica target.
+an inner step is one SGD step on a quadratic pulling each tensor to a per-replica target, and
+`step_s` of sleep standing for a real step's compute (so rounds have a period to wait out).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class Blob(nn.Module):
         self.parts = nn.ParameterList(nn.Parameter(torch.randn(n, generator=gen) * 0.01) for n in sizes)
 
 
-def train(ctx: ReplicaContext, megabytes: float = 100.0, steps: int = 40, lr: float = 0.1) -> dict:
+def train(ctx: ReplicaContext, megabytes: float = 100.0, steps: int = 40, lr: float = 0.1, step_s: float = 0.0) -> dict:
     from diloco_replica import DiLoCo
 
     torch.set_num_threads(1)
@@ -43,6 +44,7 @@ def train(ctx: ReplicaContext, megabytes: float = 100.0, steps: int = 40, lr: fl
                 p.grad = p - target  # d/dp of (p - target)² / 2
         opt.step()
         opt.zero_grad(set_to_none=True)
+        time.sleep(step_s)
         diloco.step(loss=0.0, tokens=1)
     digest = diloco.theta_digest()
     diloco.close()
