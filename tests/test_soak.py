@@ -3,8 +3,11 @@ rendezvous (moto behind a proxy that answers a share of requests with 503 SlowDo
 InternalError): SIGKILLs aimed at each phase, a SIGSTOP'd straggler held past `round_timeout`
 and then resumed, corrupt objects at rest (a contribution and a reduced shard), well-formed
 objects of the wrong length (a contribution and a reduced shard: a writer bug, checksums
-valid), a replica whose parameters go NaN mid-round (DILOCO_FAULT_NONFINITE), and on every
-other run the launcher SIGKILLed and resumed. CI runs one such run; the documented soak is
+valid), a replica whose parameters go NaN mid-round (DILOCO_FAULT_NONFINITE), a store outage
+longer than `round_timeout` (connections refused, then 503s: `FaultyS3Proxy.go_down`), three
+replicas' wall clocks skewed by up to a minute, one of them jumping mid-run
+(DILOCO_FAULT_CLOCK_SKEW), and on every other run the launcher SIGKILLed and resumed. CI runs one
+such run; the documented soak is
 
     DILOCO_SOAK_RUNS=20 DILOCO_SOAK_LOG=soak.jsonl .venv/bin/python -m pytest tests/test_soak.py -s
     .venv/bin/python scripts/soak_report.py soak.jsonl
@@ -16,8 +19,9 @@ sittings add up without repeating a seed).
 Each run prints one JSON line, and appends it to $DILOCO_SOAK_LOG whatever its outcome (a run
 that failed or deadlocked is counted too): the faults injected by kind, relaunches, incidents,
 the rounds decided, each kill's recovery (seconds from the SIGKILL to the killed rank's first
-round back as a member, read from the rows the replicas wrote to the store) and eval loss
-against the fault-free run. `scripts/soak_report.py` sums a log into the figure
+round back as a member: which round, from the rows the replicas wrote to the store; when, from
+the launcher's `round` event, as the replicas' own clocks are skewed) and eval loss against the
+fault-free run. `scripts/soak_report.py` sums a log into the figure
 docs/benchmarks.md quotes.
 
 Each run asserts: no deadlock (it ends within its timeout), no crash loop (relaunches bounded
@@ -41,7 +45,7 @@ from typing import Any
 import pytest
 
 from conftest import on_s3
-from diloco.testing.scenarios import record_of
+from diloco.testing.scenarios import events_of, record_of
 from fault_harness import H, PHASES, STEPS, kill_in_phase, recovered, spec_for, start
 
 SOAK_RUNS = int(os.environ.get("DILOCO_SOAK_RUNS", "1"))
@@ -100,14 +104,16 @@ def member_rows(uri: str, run_id: str) -> list[dict[str, Any]]:
     return rows
 
 
-def recoveries(kills: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[float | None]:
-    """Seconds from each kill to the killed rank's first round back as a member (a row of a later
-    attempt); None where it was killed again, or the run ended, before it was back."""
+def recoveries(kills: list[dict[str, Any]], rows: list[dict[str, Any]], recorded: dict[int, float]) -> list[float | None]:
+    """Seconds from each kill to the killed rank's first round back as a member: the first round
+    a later attempt of it was a member of (its rows), at the time the launcher recorded that
+    round (`recorded`, the launcher's clock: the replicas' own clocks are skewed on purpose).
+    None where it was killed again, or the run ended, before it was back."""
     out: list[float | None] = []
     for kill in kills:
         again = min((k["t"] for k in kills if k["rank"] == kill["rank"] and k["t"] > kill["t"]), default=float("inf"))
-        back = [r["t"] for r in rows if r["rank"] == kill["rank"] and r.get("attempt", 0) > kill["attempt"]
-                and kill["t"] < r["t"] < again]
+        back = [recorded[r["round"]] for r in rows if r["rank"] == kill["rank"] and r.get("attempt", 0) > kill["attempt"]
+                and r["round"] in recorded and kill["t"] < recorded[r["round"]] < again]
         out.append(round(min(back) - kill["t"], 2) if back else None)
     return out
 
@@ -136,8 +142,14 @@ def test_mixed_fault_soak(tmp_path, reference, s3, run_index):
         corrupt, wrong_length = [soak_part(c, run_index) for c in corrupt], [soak_part(c, run_index) for c in wrong_length]
     nan_rank, nan_round = rng.randrange(4), rng.choice([k for k in range(3, 10) if k != scatter_round])
     nan_step = (nan_round - 1) * H + rng.randint(5, H - 5)
+    # drawn after the draws above (seeds keep their earlier injections): two replicas' wall clocks
+    # off by up to a minute, a third's jumping mid-run; and a store outage past round_timeout
+    skewed = rng.sample(range(4), 3)
+    skew = (f"{skewed[0]}:{rng.uniform(-60, 60):.1f},{skewed[1]}:{rng.uniform(-60, 60):.1f},"
+            f"{skewed[2]}:0@{rng.uniform(5, 30):.1f}:{rng.choice([-1, 1]) * rng.uniform(20, 90):.1f}")
+    refuse_s, unavailable_s = rng.uniform(4, 8), rng.uniform(4, 8)
     injected = {"sigkill": 0, "sigstop": 0, "corrupt_object": len(corrupt), "wrong_length": len(wrong_length),
-                "nonfinite": 1, "launcher_kill": 0, "store_error": 0}
+                "nonfinite": 1, "launcher_kill": 0, "store_error": 0, "store_outage": 0, "clock_skew": 3}
     kills: list[dict[str, Any]] = []
     line: dict[str, Any] = {"soak_run": run_index, "part_mb": SOAK_PART_MB, "outcome": "deadlock"}
     started = time.monotonic()
@@ -151,13 +163,17 @@ def test_mixed_fault_soak(tmp_path, reference, s3, run_index):
             # which local replicas inherit (a relaunch by a resumed launcher too)
             env = {"DILOCO_FAULT_PHASE_FILE": str(phase_dir / "phase-{rank}"), "DILOCO_FAULT_PHASE_DELAY": "0.15",
                    "DILOCO_FAULT_CORRUPT": ",".join(corrupt), "DILOCO_FAULT_WRONG_LENGTH": ",".join(wrong_length),
-                   "DILOCO_FAULT_NONFINITE": f"{nan_rank}:{nan_step}", "AWS_ENDPOINT_URL": proxy.url}
+                   "DILOCO_FAULT_NONFINITE": f"{nan_rank}:{nan_step}", "DILOCO_FAULT_CLOCK_SKEW": skew,
+                   "AWS_ENDPOINT_URL": proxy.url}
             proc, run_id = start(spec, state, env)
             try:
                 for k in range(6):
                     time.sleep(rng.uniform(2.0, 5.0))
                     if proc.poll() is not None:
                         break
+                    if k == 3:  # the store goes away for longer than a round may wait (8 s), then returns
+                        proxy.go_down(refuse_s=refuse_s, unavailable_s=unavailable_s)
+                        injected["store_outage"] += 1
                     if k in (1, 4):  # the second is kept away for many rounds (they go on without it)
                         if stop_straggler(state, run_id, rng, hold_s=12.0 if k == 1 else 25.0):
                             injected["sigstop"] += 1
@@ -174,12 +190,14 @@ def test_mixed_fault_soak(tmp_path, reference, s3, run_index):
             finally:
                 proc.kill()
                 injected["store_error"] = proxy.injected
+                line["outage_s"] = round(refuse_s + unavailable_s, 1)
                 injected["sigkill"] = len(kills)
         line["outcome"] = "failed"
         rows = member_rows(s3["uri"], run_id)
+        recorded = {e["round"]: e["t"] for e in events_of(state, run_id) if e["event"] == "round"}
         line.update(rounds=sorted({r["round"] for r in rows}),
                     kills=[{"phase": k["phase"], "rank": k["rank"], "recovery_s": s}
-                           for k, s in zip(kills, recoveries(kills, rows))])
+                           for k, s in zip(kills, recoveries(kills, rows, recorded))])
         check(proc, out, state, run_id, reference, rows, injected, nan_rank, line)
         line["outcome"] = "passed"
     finally:

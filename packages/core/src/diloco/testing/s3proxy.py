@@ -55,6 +55,7 @@ class FaultyS3Proxy:
         self.dropped = 0       # requests dropped unanswered while refusing
         self.unavailable = 0   # requests answered 503 while unavailable
         self.outage_done = threading.Event()
+        self.closed = False
         self.server = self._serve(0)
         self.port = self.server.server_address[1]
 
@@ -72,6 +73,8 @@ class FaultyS3Proxy:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        with self.lock:
+            self.closed = True  # an outage in progress does not bring the port back
         self.server.shutdown()
         self.server.server_close()
 
@@ -85,8 +88,10 @@ class FaultyS3Proxy:
             self.server.server_close()  # nothing listens: connecting is refused
             time.sleep(refuse_s)
             with self.lock:
+                if self.closed:
+                    return
                 self.state = "unavailable"
-            self.server = self._serve(self.port)
+                self.server = self._serve(self.port)
             time.sleep(unavailable_s)
             with self.lock:
                 self.state = "up"
