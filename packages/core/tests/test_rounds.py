@@ -47,6 +47,24 @@ def test_a_round_whose_recorder_died_is_rebuilt_from_its_rows():
     assert [s.round for s in reader.read_new(final=True)] == [2]  # the run ended: rebuild it
 
 
+def test_a_row_that_comes_after_its_round_was_rebuilt_is_read_once_so_its_incidents_count():
+    store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-l"
+    reset = {"round": 1, "writer": 2, "replica": 2, "problem": "non-finite update", "action": "rank 2 reset"}
+    write_round(store, run, 1, [row(1, k, [0, 1, 2]) for k in range(2)], summary=False)  # rank 2 paused
+    write_round(store, run, 2, [row(2, k, [0, 1]) for k in range(2)])
+    reader = RoundReader(store, run)
+    [one, two] = reader.read_new()
+    assert (one.round, one.complete, two.complete) == (1, False, True)
+    assert reader.late_rows() == []  # nothing late yet: one LIST of round 1's rows
+    store.put(RunKeys(run).metrics(1, 2), row(1, 2, [0, 1, 2], incidents=[reset]).to_json())
+    store.put(RunKeys(run).metrics(1, 9), b"not a row")  # what the store holds is not trusted
+    [late] = reader.late_rows()
+    assert (late.round, late.rank, late.incidents) == (1, 2, [reset])
+    assert reader.late_rows() == []  # once; and round 1 is complete now, so no longer watched
+    write_round(store, run, 3, [row(3, 0, [0, 1])])  # rank 1's row never comes: watched LATE_ROUNDS rounds
+    assert [s.round for s in reader.read_new(final=True)] == [3] and reader.late_rows() == []
+
+
 def test_divergence_names_the_minority_and_breaks_ties_by_rank():
     rows = [row(3, k, [0, 1, 2, 3], digest="good") for k in (0, 1, 3)] + [row(3, 2, [0, 1, 2, 3], digest="bad")]
     assert divergence(rows) == {"majority": [0, 1, 3], "minority": [2], "digest": "good"}
@@ -107,3 +125,11 @@ def test_supervisor_turns_summaries_into_events(state_dir, tmp_path):
     assert kinds[-2:] == ["round", "diverged"] and "alone" not in sup.rounds.health  # they met at last
     sup.save()
     assert RunRecord.load(run).data["last_round"] == 3  # saved, so a resumed launcher starts after it
+    late = {**incident, "round": 3, "writer": 2, "replica": 2, "action": "rank 2 reset its model"}
+    store.put(RunKeys(run).metrics(3, 2), row(3, 2, [0, 1, 2], incidents=[late]).to_json())
+    write_round(store, run, 4, [row(4, 0, [0, 1, 2]), row(4, 1, [0, 1, 2])])  # rank 2's row still to come
+    assert sup.rounds.poll(final=True)
+    store.put(RunKeys(run).metrics(4, 2), row(4, 2, [0, 1, 2], incidents=[{**late, "round": 4}]).to_json())
+    assert sup.rounds.poll(final=True)
+    got = [(e["round"], e.get("late")) for e in record.events() if e["event"] == "incident"]
+    assert got == [(2, None), (4, True)]

@@ -185,16 +185,26 @@ def divergence(rows: list[RoundMetrics]) -> dict[str, Any] | None:
             "minority": sorted(r for r, d in digests.items() if d != good), "digest": good}
 
 
+# Rounds a round returned without some member's row is watched for that row (`RoundReader.late_rows`).
+LATE_ROUNDS = 20
+
+
 class RoundReader:
     """Reads round summaries from a run's store, incrementally.
 
     `read_new()` returns summaries of rounds after the last one returned: one LIST of
     ``rounds/`` past that point and one GET per new summary. Rounds with rows but no summary
     (the recorder died) are rebuilt from their rows once a later summary exists or `final` is set.
+
+    A round returned without every member's row (rebuilt while a paused replica's row was still
+    to come, or summarised by a recorder that stopped waiting for it) stays watched for
+    `LATE_ROUNDS` rounds: `late_rows()` hands out each row that comes after its round, once, so
+    what it reports (an incident, a reset) is not lost.
     """
 
     def __init__(self, store: Any, run_id: str, after: int = 0):
         self.store, self.run_id, self.after = store, run_id, after
+        self._incomplete: dict[int, tuple[set[int], set[int]]] = {}  # round → (members, ranks whose row was read)
 
     def _list_rounds(self, prefix: str) -> dict[int, list[str]]:
         """Round -> the keys under `prefix` (`RunKeys.summary()` or `.metrics()`) of rounds after `after`."""
@@ -234,7 +244,33 @@ class RoundReader:
         result = [out[r] for r in sorted(out)]
         if result:
             self.after = result[-1].round
+        for rnd in result:
+            if not rnd.complete:
+                self._incomplete[rnd.round] = (set(rnd.members), set(rnd.reported))
         return result
+
+    def late_rows(self) -> list[RoundMetrics]:
+        """Rows written after their round was returned without them (one LIST per such round);
+        each is returned once. A round is watched until it is complete or `LATE_ROUNDS` old."""
+        late = []
+        for rnd, (members, seen) in sorted(self._incomplete.items()):
+            prefix = RunKeys(self.run_id).metrics(rnd)
+            for meta in self.store.list(prefix):
+                name = meta["path"][len(prefix):]
+                rank = name.removeprefix("rank-").removesuffix(".json")
+                if not (name.startswith("rank-") and rank.isascii() and rank.isdigit()) or int(rank) in seen:
+                    continue
+                seen.add(int(rank))
+                raw = self.store.get(meta["path"])
+                try:
+                    row = RoundMetrics.from_json(raw) if raw is not None else None
+                except (ValueError, TypeError, RecursionError):
+                    continue
+                if row is not None and row.round == rnd:
+                    late.append(row)
+            if members <= seen or rnd < self.after - LATE_ROUNDS:
+                del self._incomplete[rnd]
+        return late
 
 
 class RoundCache:

@@ -100,7 +100,20 @@ class RoundWatcher:
                 self.record.event("incident", **{k: v for k, v in inc.items() if k != "round"}, round=rnd.round)
             self._check_alone(rnd.round, rnd.members)
             self.last_round = rnd.round
-        return bool(new) or answered
+        late = self._late_incidents()
+        return bool(new) or answered or late
+
+    def _late_incidents(self) -> bool:
+        """Incidents in rows that came after their round (a paused replica's): events all the same."""
+        try:
+            rows = self._reader.late_rows()
+        except Exception:  # the next look tries again
+            return False
+        for row in rows:
+            for inc in row.incidents:
+                self.record.event("incident", **{k: v for k, v in inc.items() if k != "round"}, round=row.round,
+                                  late=True)
+        return any(row.incidents for row in rows)
 
     def store_gone_for(self) -> float:
         """Seconds the store has not answered this launcher (0 while it answers)."""
