@@ -34,8 +34,9 @@ def train(ctx: ReplicaContext, megabytes: float = 100.0, steps: int = 40, lr: fl
     torch.set_num_threads(1)
     model = Blob(int(megabytes * 2**20) // 4, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    diloco = DiLoCo(model, opt, ctx)
-    ctx.log.info("model %.0f MB; starting at step %d (round %d)", megabytes, diloco.global_step, diloco.round)
+    ctx.log.info("model %.0f MB built", megabytes)  # bench/recovery.py times the process start to here
+    diloco = DiLoCo(model, opt, ctx)  # a relaunched replica loads the global state here
+    ctx.log.info("joined: starting at step %d (round %d)", diloco.global_step, diloco.round)
     started = time.monotonic()
     target = 0.1 * (ctx.rank + 1)
     for _ in diloco.steps(steps):

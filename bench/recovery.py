@@ -10,12 +10,15 @@ process is SIGKILLed; the launcher relaunches it at once ([restart] backoff 0); 
 loads θ_global and the outer momentum from the latest checkpoint, and takes part again from a
 round boundary. Measured per row, all from the same run:
 
-- recovery_s: SIGKILL → the end of rank 1's first round as a member again (its metrics row);
-- transfer_s: what rejoining must read (θ_global and the momentum: 2 × the model) at the link's rate;
-- start_s: a replica process's start as the launcher pays it: the launch of the new attempt →
-  its first log line after building the model (Python, torch, the model; not the store);
-- round_s: the median round period of the survivor (a rejoin waits for a round boundary);
-- ratio: (recovery_s − start_s) / transfer_s. Target: ≤ 1.2 (plus the process start).
+- recovery_s: SIGKILL → the end of rank 1's first round as a member again (its metrics row),
+  and its parts: start_s (SIGKILL → the new process has built its model: noticing the exit,
+  relaunching, Python, torch, the model), load_s (→ it holds the global state: reading θ_global
+  and the momentum from the checkpoint, and any rounds after it) and to_round_boundary_s (→ the
+  end of the first round it trains with the others: a rejoin starts at a round boundary);
+- transfer_s: what rejoining must read (θ_global and the momentum: 2 × the model) at the link's
+  rate, and load_vs_transfer = load_s / transfer_s;
+- recovery_vs_target: recovery_s / (1.2 × transfer_s + start_s). Target: ≤ 1;
+- round_s: the median round period of the survivor;
 - peak RSS of each replica (host memory), from the replicas' own results.
 
     .venv/bin/python bench/recovery.py                 # 100 MB and 1 GB (~10 minutes on 2 cores)
@@ -72,11 +75,11 @@ def rows_of(store_uri: str, run_id: str) -> list[dict]:
     return out
 
 
-def first_log_after_model(log: Path) -> float | None:
-    """The wall time of the replica's line saying its model is built (logging's asctime, local time)."""
+def logged_at(log: Path, text: str) -> float | None:
+    """The wall time of the replica's first line containing `text` (logging's asctime, local time)."""
     for line in log.read_text(errors="replace").splitlines():
-        m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*model \d+ MB; starting", line)
-        if m:
+        m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ", line)
+        if m and text in line:
             return time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
     return None
 
@@ -108,20 +111,20 @@ def row(megabytes: float, tmp: Path) -> dict:
     rows = rows_of(uri, run_id)
     back = min(r["t"] for r in rows if r["rank"] == 1 and r.get("attempt", 0) >= 1 and r.get("member"))
     launch = next(e["t"] for e in record.events() if e.get("event") == "launch" and e.get("attempt") == 1)
-    stem = (record.data["ranks"][1].get("handle") or {}).get("metadata", {}).get("stem")  # attempt 1's
-    built = first_log_after_model(Path(stem + ".log")) if stem else None
+    log = Path(record.data["ranks"][1]["handle"]["metadata"]["stem"] + ".log")  # attempt 1's
+    built, joined = logged_at(log, "built"), logged_at(log, "joined: ")
     ends = sorted(r["t"] for r in rows if r["rank"] == 0)
     results = [r["result"] for r in record.data["ranks"]]
     transfer = 2 * megabytes * 2**20 / RATE
-    start = (built - launch) if built is not None else None
-    recovery = back - killed
+    start, load, recovery = built - killed, joined - built, back - killed
     return {"model_mb": megabytes, "rate_mb_s": RATE / 1e6, "recovery_s": round(recovery, 2),
-            "transfer_s": round(transfer, 2), "start_s": round(start, 2) if start is not None else None,
-            "relaunch_s": round(launch - killed, 2), "round_s": round(statistics.median(
-                [b - a for a, b in zip(ends, ends[1:])]), 2),
-            "ratio": round((recovery - (start or 0.0)) / transfer, 2),
+            "start_s": round(start, 2), "load_s": round(load, 2), "to_round_boundary_s": round(back - joined, 2),
+            "transfer_s": round(transfer, 2), "load_vs_transfer": round(load / transfer, 2),
+            "recovery_vs_target": round(recovery / (1.2 * transfer + start), 2),
+            "relaunch_s": round(launch - killed, 2),
+            "round_s": round(statistics.median([b - a for a, b in zip(ends, ends[1:])]), 2),
             "one_global_model": len({r["theta_digest"] for r in results}) == 1,
-            "peak_rss_mb": [r.get("peak_rss_mb") for r in results]}
+            "peak_rss_mb": [round(r.get("peak_rss_mb") or 0) for r in results]}
 
 
 def main() -> None:
