@@ -6,8 +6,9 @@ objects of the wrong length (a contribution and a reduced shard: a writer bug, c
 valid), a replica whose parameters go NaN mid-round (DILOCO_FAULT_NONFINITE), a store outage
 longer than `round_timeout` (connections refused, then 503s: `FaultyS3Proxy.go_down`), three
 replicas' wall clocks skewed by up to a minute, one of them jumping mid-run
-(DILOCO_FAULT_CLOCK_SKEW), and on every other run the launcher SIGKILLed and resumed. CI runs one
-such run; the documented soak is
+(DILOCO_FAULT_CLOCK_SKEW), and on every other run the launcher SIGKILLed, its event log and
+round cache torn as a crash mid-write leaves them, and resumed. CI runs one such run; the
+documented soak is
 
     DILOCO_SOAK_RUNS=20 DILOCO_SOAK_LOG=soak.jsonl .venv/bin/python -m pytest tests/test_soak.py -s
     .venv/bin/python scripts/soak_report.py soak.jsonl
@@ -72,6 +73,19 @@ def stop_straggler(state: Path, run_id: str, rng: random.Random, hold_s: float) 
     except ProcessLookupError:
         return False
     return True
+
+
+def tear_records(run_dir: Path) -> int:
+    """What a launcher killed mid-write leaves: events.jsonl and rounds.jsonl each ending in half a
+    line, then garbage. Returns the records torn."""
+    torn = 0
+    for name, half in (("events.jsonl", b'{"event": "round", "round": 9'), ("rounds.jsonl", b'{"round": 3, "memb')):
+        path = run_dir / name
+        if path.exists():
+            with open(path, "ab") as f:
+                f.write(half + b"\n\x00\xff garbage\n")
+            torn += 1
+    return torn
 
 
 def resume(state: Path, run_id: str, env: dict) -> subprocess.Popen:
@@ -149,7 +163,7 @@ def test_mixed_fault_soak(tmp_path, reference, s3, run_index):
             f"{skewed[2]}:0@{rng.uniform(5, 30):.1f}:{rng.choice([-1, 1]) * rng.uniform(20, 90):.1f}")
     refuse_s, unavailable_s = rng.uniform(4, 8), rng.uniform(4, 8)
     injected = {"sigkill": 0, "sigstop": 0, "corrupt_object": len(corrupt), "wrong_length": len(wrong_length),
-                "nonfinite": 1, "launcher_kill": 0, "store_error": 0, "store_outage": 0, "clock_skew": 3}
+                "nonfinite": 1, "launcher_kill": 0, "torn_record": 0, "store_error": 0, "store_outage": 0, "clock_skew": 3}
     kills: list[dict[str, Any]] = []
     line: dict[str, Any] = {"soak_run": run_index, "part_mb": SOAK_PART_MB, "outcome": "deadlock"}
     started = time.monotonic()
@@ -185,6 +199,7 @@ def test_mixed_fault_soak(tmp_path, reference, s3, run_index):
                         proc.kill()
                         proc.wait()
                         injected["launcher_kill"] += 1
+                        injected["torn_record"] = tear_records(state / "runs" / run_id)
                         proc = resume(state, run_id, env)
                 out, _ = proc.communicate(timeout=900)  # a deadlock fails here
             finally:

@@ -26,8 +26,18 @@ def record_of(state: Path, run_id: str) -> dict[str, Any]:
 
 
 def events_of(state: Path, run_id: str) -> list[dict[str, Any]]:
+    """The run's events as a test reads them: a line that is not a JSON object (torn by a crash
+    mid-write, or garbage a test put there) is skipped, as the launcher's readers skip it."""
     path = Path(state) / "runs" / run_id / "events.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    events = []
+    for line in path.read_bytes().splitlines() if path.exists() else []:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and "event" in event:
+            events.append(event)
+    return events
 
 
 def wait_for_round(state: Path, run_id: str, n: int, timeout: float = 300) -> None:
