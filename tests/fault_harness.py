@@ -89,6 +89,7 @@ def kill_in_phase(state: Path, run_id: str, phase_dir: Path, rng: random.Random,
                     os.kill(victim["handle"]["metadata"]["pid"], signal.SIGKILL)
                 except ProcessLookupError:
                     break
-                return {"phase": phase, "rank": victim["rank"], "attempt": victim["handle"].get("attempt", 0), "t": time.time()}
+                return {"phase": phase, "rank": victim["rank"], "attempt": victim["handle"]["metadata"].get("attempt", 0),
+                        "t": time.time()}
             time.sleep(0.002)
     return None
