@@ -49,7 +49,7 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     back = [k["recovery_s"] for k in kills if k.get("recovery_s") is not None]
     deltas = [run["delta"] for run in runs if "delta" in run]
     rounds_off = [run["soak_run"] for run in runs if "rounds" in run
-                  and run["rounds"] != list(range(1, len(run["rounds"]) + 1))]
+                  and run["rounds"] != list(range(1, run.get("expected_rounds", len(run["rounds"])) + 1))]
     return {
         "runs": len(runs),
         "outcomes": dict(outcomes),

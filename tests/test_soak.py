@@ -165,7 +165,8 @@ def test_mixed_fault_soak(tmp_path, reference, s3, run_index):
     injected = {"sigkill": 0, "sigstop": 0, "corrupt_object": len(corrupt), "wrong_length": len(wrong_length),
                 "nonfinite": 1, "launcher_kill": 0, "torn_record": 0, "store_error": 0, "store_outage": 0, "clock_skew": 3}
     kills: list[dict[str, Any]] = []
-    line: dict[str, Any] = {"soak_run": run_index, "part_mb": SOAK_PART_MB, "outcome": "deadlock"}
+    line: dict[str, Any] = {"soak_run": run_index, "part_mb": SOAK_PART_MB, "outcome": "deadlock",
+                            "expected_rounds": ROUNDS}
     started = time.monotonic()
     try:
         with FaultyS3Proxy(s3["env"]["AWS_ENDPOINT_URL"], error_rate=SOAK_ERROR_RATE, seed=run_index) as proxy:
