@@ -3,8 +3,8 @@
 Object stores have outages: a region answering 503 SlowDown for minutes, a MinIO node
 restarting, the network path to the store dropped. A request's own retries (obstore's, a few
 within seconds: `REQUEST_RETRIES`) ride out a blip; a longer outage reaches `Outage`, which
-holds one process's view of it: since when the store has not answered, what it last said, and
-how long that may last (`[diloco] store_outage_limit`) before the process gives up with one
+holds one process's view of it: since when a request has kept failing, what the store last
+said, and how long that may last (`[diloco] store_outage_limit`) before the process gives up with one
 line naming the store (`StoreUnreachable`).
 
 Only errors that say the store could not be reached, could not answer, or cannot take writes
@@ -73,7 +73,7 @@ def first_line(exc: BaseException) -> str:
 
 
 class StoreUnreachable(DilocoError):
-    """The store failed every request for longer than the outage limit. Not a spec mistake: a
+    """A request to the store failed for longer than the outage limit. Not a spec mistake: a
     process started elsewhere, or later, may reach it."""
 
 
