@@ -108,7 +108,7 @@ def test_past_the_limit_the_process_gives_up_with_one_line_naming_the_store():
         outage.call(fn)
     msg = str(err.value)
     assert "\n" not in msg and "s3://bucket/runs" in msg and "store_outage_limit = 60 s" in msg
-    assert "has failed every request for " in msg
+    assert ": a request has failed for " in msg
     assert msg.endswith("error sending request") and 60 <= clock.t - 1000.0 < 75
 
 

@@ -127,7 +127,7 @@ class Outage:
             self._failed(me, started, failure)
             failed_for = self._now() - started
             self._done(me, served=False)
-            raise StoreUnreachable(f"rendezvous {self.uri!r} has failed every request for {failed_for:.0f} s "
+            raise StoreUnreachable(f"rendezvous {self.uri!r}: a request has failed for {failed_for:.0f} s "
                                    f"(store_outage_limit = {self.limit_s:g} s): {first_line(failure)}") from None
         except BaseException:
             self._done(me, served=False)
