@@ -108,32 +108,50 @@ class Outage:
 
     def call(self, fn: Callable[[], T]) -> T:
         """`fn()`, tried again while it fails transiently, until the store serves it or it has
-        failed for `limit_s` (then StoreUnreachable); any other error is raised at once."""
+        failed for `limit_s` (then StoreUnreachable); any other error is raised at once. A request
+        served at its first try (nearly all) costs nothing more than `fn()`."""
+        started = self._now()
+        try:
+            return fn()
+        except BaseException as exc:
+            if not is_transient(exc):
+                raise
+            first = exc
+        import random
+
         import tenacity
 
         with self._lock:
             self._ids += 1
             me = self._ids
-        started = self._now()
-        retrying = tenacity.Retrying(
-            retry=tenacity.retry_if_exception(is_transient),
-            wait=tenacity.wait_exponential(multiplier=WAIT_FIRST_S, max=WAIT_MAX_S) + tenacity.wait_random(0, WAIT_FIRST_S),
-            stop=lambda state: self.limit_s is not None and self._now() - started >= self.limit_s,
-            before_sleep=lambda state: self._failed(me, started, state.outcome.exception()), sleep=self._sleep)
         try:
-            result = retrying(fn)
-        except tenacity.RetryError as exc:
-            failure = exc.last_attempt.exception()
-            self._failed(me, started, failure)
-            failed_for = self._now() - started
-            self._done(me, served=False)
-            raise StoreUnreachable(f"rendezvous {self.uri!r}: a request has failed for {failed_for:.0f} s "
-                                   f"(store_outage_limit = {self.limit_s:g} s): {first_line(failure)}") from None
+            self._failed(me, started, first)
+            if self._past_limit(started):
+                self._give_up(me, started, first)
+            self._sleep(WAIT_FIRST_S + random.uniform(0, WAIT_FIRST_S))  # then 1 s, 2 s, … as tenacity counts on
+            retrying = tenacity.Retrying(
+                retry=tenacity.retry_if_exception(is_transient),
+                wait=tenacity.wait_exponential(multiplier=2 * WAIT_FIRST_S, max=WAIT_MAX_S)
+                + tenacity.wait_random(0, WAIT_FIRST_S),
+                stop=lambda state: self._past_limit(started),
+                before_sleep=lambda state: self._failed(me, started, state.outcome.exception()), sleep=self._sleep)
+            try:
+                result = retrying(fn)
+            except tenacity.RetryError as exc:
+                self._give_up(me, started, exc.last_attempt.exception())
         except BaseException:
             self._done(me, served=False)
             raise
         self._done(me)
         return result
+
+    def _past_limit(self, started: float) -> bool:
+        return self.limit_s is not None and self._now() - started >= self.limit_s
+
+    def _give_up(self, me: int, started: float, failure: BaseException | None) -> None:
+        self._failed(me, started, failure)
+        raise StoreUnreachable(f"rendezvous {self.uri!r}: a request has failed for {self._now() - started:.0f} s "
+                               f"(store_outage_limit = {self.limit_s:g} s): {first_line(failure)}") from None
 
     def _failed(self, me: int, started: float, failure: BaseException | None) -> None:
         with self._lock:
