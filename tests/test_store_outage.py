@@ -26,15 +26,20 @@ def launch(spec, state, proxy) -> tuple[subprocess.Popen, str]:
     return proc, proc.stdout.readline().split()[1].rstrip(":")
 
 
+def spec_on_s3(tmp_path, s3, *, steps: int, diloco: str):
+    """The tiny LM, 2 replicas, on moto S3 (reached through the proxy), `round_timeout` 8 s and `diloco` added."""
+    spec = on_s3(tiny_spec(tmp_path, steps=steps, sync_every=20, replicas=2), s3)
+    spec.write_text(spec.read_text().replace("round_timeout = 120", "round_timeout = 8" + diloco))
+    return spec, tmp_path / "state"
+
+
 def status(state, run_id, *args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "diloco", "status", run_id, *args], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "DILOCO_STATE_DIR": str(state)})
 
 
 def test_an_outage_longer_than_round_timeout_is_waited_out_and_the_run_ends_bit_identical(tmp_path, s3):
-    state = tmp_path / "state"
-    spec = on_s3(tiny_spec(tmp_path, steps=160, sync_every=20, replicas=2), s3)
-    spec.write_text(spec.read_text().replace("round_timeout = 120", "round_timeout = 8"))
+    spec, state = spec_on_s3(tmp_path, s3, steps=160, diloco="")
     with FaultyS3Proxy(s3["env"]["AWS_ENDPOINT_URL"]) as proxy:
         proc, run_id = launch(spec, state, proxy)
         try:
@@ -69,9 +74,7 @@ def test_an_outage_longer_than_round_timeout_is_waited_out_and_the_run_ends_bit_
 
 
 def test_an_outage_past_store_outage_limit_fails_the_run_with_one_line_naming_the_store(tmp_path, s3):
-    state = tmp_path / "state"
-    spec = on_s3(tiny_spec(tmp_path, steps=400, sync_every=20, replicas=2), s3)
-    spec.write_text(spec.read_text().replace("round_timeout = 120", "round_timeout = 8\nstore_outage_limit = 6"))
+    spec, state = spec_on_s3(tmp_path, s3, steps=400, diloco="\nstore_outage_limit = 6")
     with FaultyS3Proxy(s3["env"]["AWS_ENDPOINT_URL"]) as proxy:
         proc, run_id = launch(spec, state, proxy)
         try:
