@@ -33,11 +33,12 @@ ROWS = {
     "sync fp32": {},
     "sync int8": {"transport": "int8"},
     "overlap": {"overlap": True},
+    "overlap delay 5": {"overlap": True, "overlap_delay": 5},
     "overlap + fragments": {"overlap": True, "fragments": 4},
     "overlap + int4": {"overlap": True, "transport": "int4"},
     "topk": {"transport": "topk", "topk_density": 0.01},
 }
-PICK = [r for r in knob("BENCH_ROWS", ",".join(ROWS), "sync fp32,overlap + int4").split(",") if r]
+PICK = [r for r in knob("BENCH_ROWS", ",".join(ROWS), "sync fp32,overlap delay 5").split(",") if r]
 
 
 def spec_text(settings: dict) -> str:

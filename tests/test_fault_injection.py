@@ -70,7 +70,7 @@ def test_random_sigkills_never_break_the_run(tmp_path, reference, run_index):
 SYNC_MODES = {
     "overlap+fragments+int4, sync process": ('overlap = true\nfragments = 5\ntransport = "int4"\nexchange = "process"',
                                              60),
-    "overlap+topk": ('overlap = true\ntransport = "topk"', STEPS // 2),
+    "overlap+topk, merged at a fixed step": ('overlap = true\noverlap_delay = 2\ntransport = "topk"', STEPS // 2),
     "fragments+topk": ('fragments = 5\ntransport = "topk"', 60),
     "round_seconds+int8": ('round_seconds = 0.15\ntransport = "int8"', STEPS // 2),  # a round is 0.15 s, not H steps
     # each replica's shard sent as 4 parts (470k parameters, 4 replicas); killed while it reduces

@@ -18,6 +18,8 @@ MODES = {
     "int4": {"transport": "int4"},
     "topk": {"transport": "topk", "topk_density": 0.01},
     "overlap+fragments+topk": {"overlap": True, "fragments": 3, "transport": "topk", "topk_density": 0.01},
+    "overlap+delay+fragments+int4": {"overlap": True, "overlap_delay": 1, "fragments": 3, "transport": "int4"},
+    "overlap+delay (process)": {"overlap": True, "overlap_delay": 2, "exchange": "process"},
 }
 
 
@@ -60,13 +62,16 @@ def test_bytes_per_round_at_the_codec_bound(replicas, store_uri, codec):
                 assert rnd["bytes_up"] + rnd["bytes_down"] < (fp32_up * 2.5) / 30, rnd
 
 
-def test_a_replica_of_two_processes_overlaps_fragments_and_ends_on_the_global_model(replicas, store_uri):
+@pytest.mark.parametrize("delay", [None, 1])
+def test_a_replica_of_two_processes_overlaps_fragments_and_ends_on_the_global_model(replicas, store_uri, delay):
     """Lanes: each process exchanges its lane's fragment in the background over its own gloo
-    group; the merge writes every lane's fragment into every process's copy of the model."""
+    group; the merge writes every lane's fragment into every process's copy of the model (at the
+    next round, or with a delay at that step, in every lane at once)."""
     from test_lanes import lane_results
 
     handles = replicas.launch("plain_lanes", 2, rendezvous=store_uri, processes=2,
-                              settings={"sync_every": 4, "fragments": 2, "overlap": True, "checkpoint_every": 2},
+                              settings={"sync_every": 4, "fragments": 2, "overlap": True, "checkpoint_every": 2,
+                                        "overlap_delay": delay},
                               args={"steps": 16, "dim": 16})
     replicas.results(handles)
     lanes = lane_results(replicas.executor, handles)

@@ -36,6 +36,18 @@ def check_time_based(values: Mapping[str, Any], where: str) -> None:
                         f"round boundary or its replicas end on different models")
 
 
+def check_overlap(values: Mapping[str, Any], where: str) -> None:
+    """`overlap_delay` needs `overlap = true`, and must fit between two rounds."""
+    delay = values.get("overlap_delay")
+    if delay is not None and not values["overlap"]:
+        raise SpecError(f"{where}: `diloco.overlap_delay` applies to overlapped rounds only; set `diloco.overlap = "
+                        f"true` or drop it")
+    stride = values["sync_every"] // values["fragments"]
+    if delay is not None and delay > stride:
+        raise SpecError(f"{where}: `diloco.overlap_delay` ({delay}) is past the next round, which starts "
+                        f"sync_every/fragments = {stride} inner steps after a snapshot; use at most {stride}")
+
+
 @dataclass(frozen=True)
 class DilocoSettings:
     """The `[diloco]` table, read by every replica (`diloco_replica.DiLoCo`)."""
@@ -52,8 +64,12 @@ class DilocoSettings:
                                  min=0.0001, max=1)
     fragments: int = option(1, help="K: the model syncs in K staggered fragments, one every sync_every/K steps",
                             min=1, max=1024)
-    overlap: bool = option(False, help="exchange a round in the background while inner steps go on; merged one "
-                                       "round late")
+    overlap: bool = option(False, help="exchange a round in the background while inner steps go on; its outer step "
+                                       "is merged into the model when it arrives (docs/sync-modes.md)")
+    overlap_delay: int | None = option(
+        None, help="overlap: merge a round's outer step exactly this many inner steps after its snapshot, waiting "
+                   "for it if it has not arrived, so runs repeat step for step (default: when it arrives)",
+        min=1, max=1_000_000)
     exchange: str = option("thread", help="where a round's store I/O and outer step run: \"thread\" (a thread of the "
                                           "training process) or \"process\" (a sync process beside it); "
                                           "docs/sync-modes.md", choices=("thread", "process"))
@@ -92,6 +108,7 @@ class DilocoSettings:
                             f"({values['sync_every']}): one fragment syncs every sync_every/fragments inner steps")
         if values.get("round_seconds") is not None:
             check_time_based(values, where)
+        check_overlap(values, where)
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:

@@ -40,11 +40,13 @@ of this process (`exchange = "thread"`, the default) or in a sync process beside
 Hiding the sync (docs/sync-modes.md):
 - `fragments = K` (Streaming DiLoCo): round r syncs fragment (r − 1) mod K, one round every H/K
   inner steps, so each fragment still syncs every H steps and a round moves 1/K of the model.
-- `overlap = true` (eager/one-round-late outer steps): a round's exchange runs while inner steps
-  go on; its outer step is merged as soon as it has arrived (at the
-  latest at the next round, which is the only time training waits for the store). The merge
-  keeps the local progress made while the round was in flight: the fragment becomes
-  θ_local + (θ_global_new − θ_local_at_sync), so the next Δ counts every inner step exactly once.
+- `overlap = true`: a round's exchange runs while inner steps go on; its outer step is merged as
+  soon as it has arrived, or exactly `overlap_delay` inner steps after the snapshot (waiting for
+  it then if it has not: runs repeat step for step), and at the latest at the next round, which is
+  the only other time training waits for the store. The merge keeps the local progress made while
+  the round was in flight: the fragment becomes θ_local + (θ_global_new − θ_local_at_sync), so the
+  next Δ counts every inner step exactly once. With a delay, a replica's lanes merge at the same
+  step too.
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ class DiLoCo:
             raise UserError(f"diloco setting fragments={self.fragments} must divide sync_every={self.H}")
         self.stride = self.H // self.fragments  # inner steps between rounds
         self.overlap = bool(s.overlap)
+        self.overlap_delay = s.overlap_delay  # None: merged when it arrives
         # time-based rounds: a round closes round_seconds after it began here, or at H steps if sooner
         self.round_seconds = float(s.round_seconds) if s.round_seconds is not None else None
         self.faults = Faults(self.ctx.rank, self.lanes.index)  # fault injection; off by default
@@ -223,8 +226,8 @@ class DiLoCo:
         self.sync.check()  # a sync process that died between rounds fails the replica now
         if self.clock.due(self.local_steps):
             info = self.sync_round()
-        elif self._inflight is not None and self.lanes.count == 1 and self.sync.arrived():
-            info = self._merge()  # arrived: merge now (a replica of several processes merges at the next round)
+        elif self._inflight is not None and self._merge_now():
+            info = self._merge()
         else:
             info = None
         self.ctx.global_step = self.global_step
@@ -269,6 +272,14 @@ class DiLoCo:
             self._next_phase()
             return merged
         return self._apply(self.sync.outcome(), None, t0, blocked_s=0.0)
+
+    def _merge_now(self) -> bool:
+        """Whether the round in flight is merged after this step: `overlap_delay` steps after its
+        snapshot; without a delay, once it has arrived (a replica of several processes merges at
+        the next round instead, where its lanes meet)."""
+        if self.overlap_delay is not None:
+            return self.local_steps >= self.overlap_delay
+        return self.lanes.count == 1 and self.sync.arrived()
 
     def _merge(self) -> RoundMetrics:
         """Wait for the round in flight (if it has not arrived yet) and apply it."""
