@@ -31,6 +31,20 @@ def test_a_gpu_replica_is_one_node_with_its_gpus_and_torchrun_over_them():
     assert job["command"] == ["sbatch", "--parsable"]
 
 
+@pytest.mark.parametrize("gpu, processes, cpus, line", [
+    ("H100:8", 8, None, "#SBATCH --cpus-per-task=32"),   # 4 per GPU, not the partition's (often 1)
+    ("H100:1", 1, None, "#SBATCH --cpus-per-task=4"),
+    ("H100:2", 8, None, "#SBATCH --cpus-per-task=9"),    # at least one per process, and one more
+    ("H100:8", 8, 96, "#SBATCH --cpus-per-task=96"),     # `cpus` sets it outright
+    (None, 1, None, None),                               # no GPU: the partition's default
+    (None, 1, 6, "#SBATCH --cpus-per-task=6"),
+])
+def test_a_jobs_cpus_follow_its_gpus_unless_set(gpu, processes, cpus, line):
+    job = one_job(SlurmExecutor(state_dir="/s", cpus=cpus), gpu=gpu, processes_per_replica=processes)
+    got = [x for x in job["script"] if x.startswith("#SBATCH --cpus-per-task")]
+    assert got == ([line] if line else [])
+
+
 def test_the_default_time_limit_leaves_room_for_the_replicas_own_timeout_and_the_notice():
     script = one_job(SlurmExecutor(state_dir="/s"), timeout=3600)["script"]
     script = "\n".join(script) + "\n"

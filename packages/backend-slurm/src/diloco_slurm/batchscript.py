@@ -42,6 +42,21 @@ def run_dir(state_dir: str, run_id: str) -> str:
     return f"{state_dir.rstrip('/')}/slurm/{run_id}"
 
 
+# CPUs a job asks for per GPU when `cpus` is not set: a partition's default is often one CPU per
+# job, which leaves torchrun's one process per GPU (and each one's data loading) on a single core.
+# Four per GPU fits the common nodes (8 GPUs beside 32 to 128 cores); `cpus` sets it outright.
+CPUS_PER_GPU = 4
+
+
+def default_cpus(options: SlurmOptions, request: LaunchRequest) -> int | None:
+    """`--cpus-per-task`: the `cpus` option; with GPUs and no `cpus`, CPUS_PER_GPU per GPU (and at
+    least one per process, plus one for the sync beside them); else the partition's (None)."""
+    if options.cpus is not None or not request.gpu:
+        return options.cpus
+    gpus = gpu_count(request.gpu) or 1
+    return max(CPUS_PER_GPU * gpus, request.processes_per_replica + 1)
+
+
 def directives(options: SlurmOptions, request: LaunchRequest, rank: int, stem: str, workdir: str | None,
                minutes: int) -> list[str]:
     signal = options.preemption_signal.removeprefix("SIG")
@@ -49,7 +64,7 @@ def directives(options: SlurmOptions, request: LaunchRequest, rank: int, stem: s
              "--nodes=1", "--ntasks=1", f"--time={minutes}",
              f"--signal=B:{signal}@{options.preemption_notice}", "--requeue", "--open-mode=append"]
     for flag, value in (("partition", options.partition), ("account", options.account), ("qos", options.qos),
-                        ("constraint", options.constraint), ("cpus-per-task", options.cpus),
+                        ("constraint", options.constraint), ("cpus-per-task", default_cpus(options, request)),
                         ("mem", options.memory), ("chdir", workdir)):
         if value is not None:
             lines.append(f"--{flag}={value}")

@@ -87,7 +87,8 @@ class SlurmOptions:
                                                "preemption notice and a minute)", min=1, max=525_600)
     constraint: str | None = option(None, help="sbatch --constraint (node features, e.g. 'a100&ib')",
                                     check=_constraint)
-    cpus: int | None = option(None, help="sbatch --cpus-per-task (default: the partition's)", min=1, max=4096)
+    cpus: int | None = option(None, help="sbatch --cpus-per-task (default: 4 per GPU asked for, at least one per process "
+                                                "and one more; without GPUs the partition's)", min=1, max=4096)
     memory: str | None = option(None, help="sbatch --mem per node, e.g. '64G' (default: the partition's)",
                                 check=_memory)
     gres_type: str | None = option(None, help="the GPU type in --gpus-per-node=TYPE:N as the site names it "
