@@ -205,3 +205,7 @@ def test_the_clouds_example_prices_each_group_by_where_it_runs(tmp_path):
     priced = {line.split()[0]: line for line in proc.stderr.splitlines() if line.startswith("    ") and " × " in line}
     assert "same-region" in priced["k8s"] and "cross-region (us-west-2" in priced["sm"] and "internet" in priced["modal"]
     assert "example-secret-value" not in proc.stdout + proc.stderr
+    # the AWS keys are the Modal group's alone (`secrets = []` in the others: their role reaches the bucket)
+    sections = dict(zip(("k8s", "sm", "modal"), proc.stdout.split("# group ")[1:]))
+    assert "AWS_ACCESS_KEY_ID" in sections["modal"]
+    assert "AWS_ACCESS_KEY_ID" not in sections["k8s"] and "AWS_ACCESS_KEY_ID" not in sections["sm"]

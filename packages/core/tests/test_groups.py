@@ -128,6 +128,34 @@ def test_groups_number_ranks_group_by_group_and_inherit_the_top_level(project):
     assert again.replica_groups() == spec.replica_groups() and again.replicas == 5
 
 
+def test_each_group_gets_its_own_secrets_and_what_no_group_lists_goes_to_all(project, monkeypatch):
+    """A group's `secrets` replaces the top-level list for it: AWS keys meant for the Modal group
+    never reach the SageMaker jobs (they have their own role). A name every group replaced is read
+    from the shell by nobody."""
+    from diloco.launcher import plan_run
+    from diloco.spec import parse_spec
+
+    for name, value in {"AWS_ACCESS_KEY_ID": "AKIA-modal", "HF_TOKEN": "hf-1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("UNUSED_TOKEN", raising=False)
+    spec = parse_spec({"entrypoint": "job:main", "secrets": ["HF_TOKEN", "AWS_ACCESS_KEY_ID"],
+                       "group": [{"name": "modal", "replicas": 1, "backend": {"name": "local"}},
+                                 {"name": "sagemaker", "replicas": 2, "secrets": ["HF_TOKEN"],
+                                  "backend": {"name": "local"}}]}, base_dir=project)
+    assert [g.secrets for g in spec.replica_groups()] == [["HF_TOKEN", "AWS_ACCESS_KEY_ID"], ["HF_TOKEN"]]
+    plan = plan_run(spec)
+    got = {p.request.ranks: dict(p.request.secrets.reveal()) for p in plan.parts}
+    assert got == {(0,): {"HF_TOKEN": "hf-1", "AWS_ACCESS_KEY_ID": "AKIA-modal"}, (1, 2): {"HF_TOKEN": "hf-1"}}
+    assert "AKIA-modal" not in json.dumps(plan.body)  # names in the plan, never values
+    # every group its own list: the top-level name is needed by nobody, so an unset one is no error
+    both = parse_spec({"entrypoint": "job:main", "secrets": ["UNUSED_TOKEN"],
+                       "group": [{"replicas": 1, "secrets": ["AWS_ACCESS_KEY_ID"], "backend": {"name": "local"}},
+                                 {"replicas": 1, "secrets": [], "backend": {"name": "local"}}]}, base_dir=project)
+    assert both.secret_names() == ["AWS_ACCESS_KEY_ID"]
+    assert [sorted(p.request.secrets.names) for p in plan_run(both).parts] == [["AWS_ACCESS_KEY_ID"], []]
+    assert parse_spec(spec.to_table(), base_dir=project).replica_groups() == spec.replica_groups()
+
+
 def test_groups_may_run_different_numbers_of_processes_per_replica(project):
     """An 8-GPU node beside single GPUs: each group's replicas run as many processes as its GPUs."""
     from diloco.spec import parse_spec

@@ -23,7 +23,7 @@ from .envvars import ENV_GROUP
 from .errors import UserError
 from .groups import ReplicaGroup, group_of
 from .protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
-from .request import LaunchPlan, LaunchRequest
+from .request import LaunchPlan, LaunchRequest, Secrets
 from .submitting import start_all
 
 
@@ -75,11 +75,14 @@ class GroupedExecutor:
         return self.executor_for_group(self.group_of(rank).name)
 
     def group_request(self, group: ReplicaGroup, request: LaunchRequest, ranks: Sequence[int]) -> LaunchRequest:
-        """`request` (the run's) as `group` launches `ranks`: its GPU, processes, timeout and env
-        (with DILOCO_GROUP naming the group, for code that sizes itself by it)."""
+        """`request` (the run's) as `group` launches `ranks`: its GPU, processes, timeout, env (with
+        DILOCO_GROUP naming the group, for code that sizes itself by it) and secrets: of those the
+        groups list, only its own (what is not listed, such as the store's credentials, goes to all)."""
         env = {**group.env_over(request.env), ENV_GROUP: group.name}
+        withheld = {n for g in self.groups for n in g.secrets} - set(group.secrets)
+        secrets = Secrets({k: v for k, v in request.secrets.reveal().items() if k not in withheld})
         return replace(request, ranks=tuple(ranks), gpu=group.gpu, timeout=group.timeout,
-                       processes_per_replica=group.processes_per_replica, env=env)
+                       processes_per_replica=group.processes_per_replica, env=env, secrets=secrets)
 
     # -- the contract ------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ group inherits, and ranks are numbered group by group::
     gpu = "H100:8"
     region = "us-east-1"                    # where it runs: egress is priced against the store's region
     [group.env]   ...                       # over the top-level [env]
+    secrets = ["HF_TOKEN"]                  # instead of the top-level `secrets`: what this group's replicas get
     [group.backend]
     name = "eks"                            # and that backend's options
     image = "..."
@@ -41,6 +42,7 @@ class ReplicaGroup:
     """One group of a run: `replicas` ranks from `first_rank` on, all on one backend.
 
     `env` is the group's own `[group.env]` (the run's `[env]` is under it, see `env_over`);
+    `secrets` the names of the launcher's variables its replicas get (its own list, or the run's);
     `region` is where the group runs, if its table says, for pricing its reads of the store
     (`diloco.estimate.placement`: else its backend's `region` option, else the run's)."""
 
@@ -53,6 +55,7 @@ class ReplicaGroup:
     gpu: str | None = None
     region: str | None = None
     env: dict[str, str] = field(default_factory=dict)
+    secrets: list[str] = field(default_factory=list)
     backend_options: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -85,6 +88,7 @@ class ReplicaGroup:
                 table[key] = getattr(self, key)
         if self.env:
             table["env"] = dict(self.env)
+        table["secrets"] = list(self.secrets)
         return table
 
 

@@ -101,7 +101,7 @@ def plan_run(spec: RunSpec, *, run_id: str | None = None, secrets: Secrets | Non
     A dry run refuses a listed secret that is not set, as `run` does: what passes one passes the other."""
     executor = executor or executor_of_spec(spec)
     if secrets is None:
-        secrets = secret_values(spec.secrets, spec.source)
+        secrets = secret_values(spec.secret_names(), spec.source)
     request = launch_request(spec, run_id or new_run_id(spec.name), executor, secrets)
     return executor.plan(request)
 
@@ -110,7 +110,7 @@ def new_run(spec: RunSpec, **supervisor_kwargs: Any) -> Supervisor:
     """Validate everything that can be validated, plan, record the run, and return its supervisor,
     which submits exactly the plan made here."""
     executor = executor_of_spec(spec)
-    secrets = secret_values(spec.secrets, spec.source)
+    secrets = secret_values(spec.secret_names(), spec.source)
     plan = plan_run(spec, secrets=secrets, executor=executor)  # anything wrong fails here, before a record exists
     check_sinks_installed(spec.metrics, spec.source)
     request = plan.request
@@ -130,7 +130,7 @@ def resume_run(record: RunRecord, **supervisor_kwargs: Any) -> Supervisor:
     """A supervisor for a recorded run, reattached to its live replicas through their handles."""
     spec = record.spec
     executor = executor_for(record)
-    secrets = secret_values(spec.secrets, spec.source)
+    secrets = secret_values(spec.secret_names(), spec.source)
     request = LaunchRequest.from_dict(record.launch, secrets.reveal())
     here = run_versions()
     if request.diloco_version and request.diloco_version != here:

@@ -95,6 +95,9 @@ class GroupTable:
     timeout: float | None = option(None, help="as the top-level key", **RANGE["timeout"])
     region: str | None = option(None, help="where the group runs, for pricing its reads of the store", check=nonempty)
     env: dict[str, Any] | None = option(None, help="over the top-level [env]")
+    secrets: list[str] | None = option(
+        None, help="the launcher's variables this group's replicas get, by name (default: the top-level "
+                   "`secrets`): e.g. AWS keys meant for a Modal group kept from SageMaker jobs, which have a role")
 
 
-INHERITED = ("gpu", "processes_per_replica", "timeout")  # `region`: see diloco.estimate.placement
+INHERITED = ("gpu", "processes_per_replica", "timeout", "secrets")  # `region`: see diloco.estimate.placement

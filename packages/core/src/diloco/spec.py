@@ -92,7 +92,13 @@ class RunSpec:
             return list(self.groups)
         return [ReplicaGroup(name="g0", backend=self.backend, replicas=self.replicas, first_rank=0,
                              timeout=self.timeout, processes_per_replica=self.processes_per_replica, gpu=self.gpu,
-                             backend_options=dict(self.backend_options))]
+                             secrets=list(self.secrets), backend_options=dict(self.backend_options))]
+
+    def secret_names(self) -> list[str]:
+        """The launcher's variables some group's replicas get (each group: its own `secrets`, or
+        the top-level list): what a launch reads from the shell. A top-level name that every group
+        replaced with its own list is read by nobody."""
+        return list(dict.fromkeys(n for g in self.replica_groups() for n in g.secrets))
 
     def to_dict(self) -> dict[str, Any]:
         """The spec as recorded with the run: plain data, secrets named but never valued."""
@@ -146,10 +152,7 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", base_dir: Pat
                         f"({total})")
     DilocoSettings.from_table(top["diloco"], where=where)  # the cross-setting rules, in their one place
     _check_env(where, "env", top["env"])
-    for name in top["secrets"]:
-        check_variable(where, "secrets", name)
-    if len(set(top["secrets"])) != len(top["secrets"]):
-        raise SpecError(f"{where}: `secrets` lists a variable twice; list each once")
+    _check_secrets(where, "secrets", top["secrets"])
     if top["rendezvous"] and not _URI.match(top["rendezvous"]):
         raise SpecError(f"{where}: `rendezvous` must be a {scheme_list()} URI, got {safe_uri(top['rendezvous'])!r}")
     check_entrypoint_args(top["args"], where)
@@ -187,6 +190,14 @@ def _check_env(where: str, table: str, env: Mapping[str, Any]) -> dict[str, str]
     return {k: str(v) for k, v in env.items()}
 
 
+def _check_secrets(where: str, key: str, names: list[str]) -> list[str]:
+    for name in names:
+        check_variable(where, "secrets", name)
+    if len(set(names)) != len(names):
+        raise SpecError(f"{where}: `{key}` lists a variable twice; list each once")
+    return list(names)
+
+
 def _groups(where: str, top: Mapping[str, Any]) -> list[ReplicaGroup]:
     """The `[[group]]` tables as `ReplicaGroup`s, ranks numbered group by group. Groups may run
     different numbers of processes per replica (an 8-GPU node beside single GPUs): the exchange
@@ -202,6 +213,7 @@ def _groups(where: str, top: Mapping[str, Any]) -> list[ReplicaGroup]:
             timeout=t["timeout"],
             processes_per_replica=resolve_processes(t["processes_per_replica"], t["gpu"], source=gw),
             gpu=t["gpu"], region=t["region"], env=_check_env(gw, "group.env", t["env"] or {}),
+            secrets=_check_secrets(gw, "group.secrets", t["secrets"] or []),
             backend_options={k: v for k, v in backend.items() if k != "name"}))
         first += t["replicas"]
     return groups
