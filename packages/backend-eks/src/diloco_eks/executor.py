@@ -98,10 +98,9 @@ class EksExecutor:
             owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": uid, "blockOwnerDeletion": False}
             self.api.call("patch", "secrets", ns, core.patch_namespaced_secret, doc["metadata"]["name"], ns,
                           {"metadata": {"ownerReferences": [owner]}}, missing_ok=True, _preload_content=False)
-        return ReplicaHandle(job_ranks(job)[0], self.backend_name, {
-            "run_id": request.run_id, "attempt": request.attempt, "job": name, "namespace": ns, "index": 0,
-            "context": self.options.context,
-            "secret": secret_docs[0]["metadata"]["name"] if secret_docs else None})
+        return ReplicaHandle.of(request, job_ranks(job)[0], self.backend_name, job=name, namespace=ns, index=0,
+                                context=self.options.context,
+                                secret=secret_docs[0]["metadata"]["name"] if secret_docs else None)
 
     def _delete_secret(self, ns: str, name: str) -> None:
         self.api.call("delete", "secrets", ns, self.api.core().delete_namespaced_secret, name, ns, missing_ok=True,
@@ -157,7 +156,7 @@ class EksExecutor:
             deadline = deadline_cause(job)
             if deadline:  # Kubernetes' time limit ended it (the pod's own exit code is its SIGTERM's)
                 code, error = EXIT_TIME_LIMIT, f"{deadline}\n{error}"
-        return ReplicaResult(handle.rank, status, code if code is not None else 1, error, None, handle.attempt)
+        return ReplicaResult.failed(handle, status, error, code)
 
     # -- stopping ------------------------------------------------------------------------------
 

@@ -127,9 +127,9 @@ class ModalExecutor:
 
         def started(rank: int) -> ReplicaHandle:
             oid = start(rank)
-            return ReplicaHandle(rank, self.backend_name, {
-                "run_id": request.run_id, "attempt": request.attempt, "mode": body["mode"], "id": oid,
-                "app": body["app"] if body["mode"] == "sandbox" else body["function"], "url": dashboard_url(oid)})
+            return ReplicaHandle.of(request, rank, self.backend_name, mode=body["mode"], id=oid,
+                                    app=body["app"] if body["mode"] == "sandbox" else body["function"],
+                                    url=dashboard_url(oid))
         return start_each(request.ranks, started, self.cancel, platform="Modal")
 
     def _sandbox_creator(self, plan: LaunchPlan):
@@ -207,7 +207,7 @@ class ModalExecutor:
         else:  # from the call's output record (run_replica's exception), never from its log text
             code = self._call(f"poll {md['id']}", calls.outcome, self._object(md)).exit_code
         error = results.failure_error(tail, code, md["id"], dashboard_url(md["id"]))
-        return ReplicaResult(handle.rank, status, code if code is not None else 1, error, None, handle.attempt)
+        return ReplicaResult.failed(handle, status, error, code)
 
     # -- stopping ------------------------------------------------------------------------------
 

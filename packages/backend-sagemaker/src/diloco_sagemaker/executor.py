@@ -35,7 +35,7 @@ from diloco.options import options_from
 from diloco.protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
 from diloco.request import LaunchPlan, LaunchRequest
 from diloco.submitting import start_each
-from diloco.waiting import collect_results
+from diloco.waiting import LastStatus, collect_results
 
 from . import trainingjob as rq
 from . import source
@@ -71,7 +71,7 @@ class SageMakerExecutor:
         self.options.check()
         self.aws = Aws(self.options)
         self._stopped: set[str] = set()  # jobs this executor called StopTrainingJob on
-        self._last: dict[str, ReplicaStatus] = {}  # the status last read per job
+        self._last = LastStatus()  # per job
 
     # -- planning and launching ----------------------------------------------------------------
 
@@ -101,9 +101,8 @@ class SageMakerExecutor:
             name = job["TrainingJobName"]
             created = time.time()
             self.aws.call(f"create {name} on {job['ResourceConfig']['InstanceType']}", sm.create_training_job, **job)
-            return ReplicaHandle(rank, self.backend_name, {
-                "run_id": request.run_id, "attempt": request.attempt, "job": name, "region": region,
-                "url": console_url(region, name), "created": created})
+            return ReplicaHandle.of(request, rank, self.backend_name, job=name, region=region,
+                                    url=console_url(region, name), created=created)
 
         return start_each(request.ranks, start, self.cancel, platform="SageMaker", unit="job(s)")
 
@@ -129,12 +128,10 @@ class SageMakerExecutor:
         try:
             job = self.aws.describe(md)
         except Transient:
-            return self._last.get(md["job"], ReplicaStatus.PENDING)
+            return self._last.last(md["job"])
         if job is None:
             return ReplicaStatus.PENDING if self._may_still_appear(md) else ReplicaStatus.FAILED
-        status = st.replica_status(job, stop_requested=md["job"] in self._stopped)
-        self._last[md["job"]] = status
-        return status
+        return self._last.saw(md["job"], st.replica_status(job, stop_requested=md["job"] in self._stopped))
 
     def _may_still_appear(self, md: dict) -> bool:
         """Whether a job SageMaker does not show was created recently enough to be lagging."""
@@ -173,7 +170,7 @@ class SageMakerExecutor:
         timed_out = job.get("SecondaryStatus") in st.TIMED_OUT  # SageMaker ended it: its reason comes first
         first = st.failure_cause(job) if timed_out else (cause_from_log(tail) or st.failure_cause(job))
         error = f"{first}\n{md.get('url', '')}\n{tail}".rstrip()
-        return ReplicaResult(handle.rank, status, code if code is not None else 1, error, None, handle.attempt)
+        return ReplicaResult.failed(handle, status, error, code)
 
     # -- stopping ------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from diloco.protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaS
 from diloco.request import LaunchPlan, LaunchRequest
 from diloco.statedir import state_dir
 from diloco.submitting import start_each
-from diloco.waiting import poll_until_terminal
+from diloco.waiting import LastStatus, poll_until_terminal
 
 from . import batchscript, jobstate, limits
 from .access import ClusterAccess
@@ -54,7 +54,7 @@ class SlurmExecutor:
         remote = self.options.host is not None
         self.capabilities = replace(type(self).capabilities, preemption_signal=self.options.preemption_signal,
                                     shares_launcher_filesystem=not remote, log_files=not remote)
-        self._last: dict[str, ReplicaStatus] = {}
+        self._last = LastStatus()  # per job id
         self._max_time: int | None = None  # the partition's MaxTime in minutes, once `_asked`
         self._asked = False
 
@@ -98,9 +98,8 @@ class SlurmExecutor:
             if not answer.ok or not job_id.isdigit():
                 raise BackendError(f"sbatch of {job['job_name']} on {self.access.where} failed: "
                                    f"{(answer.err or answer.out).strip() or 'no job id'}")
-            return ReplicaHandle(rank, self.backend_name, {
-                "run_id": request.run_id, "attempt": request.attempt, "job_id": job_id,
-                "job_name": job["job_name"], "stem": job["stem"], "cluster": self.access.where})
+            return ReplicaHandle.of(request, rank, self.backend_name, job_id=job_id, job_name=job["job_name"],
+                                    stem=job["stem"], cluster=self.access.where)
 
         return start_each(request.ranks, start, self.cancel, platform=f"Slurm on {self.access.where}", unit="job(s)")
 
@@ -144,9 +143,8 @@ class SlurmExecutor:
         key = str(handle.metadata["job_id"])
         verdict = self._verdict(handle)
         if verdict is None:  # slurmctld did not answer: the status last seen stands
-            return self._last.get(key, ReplicaStatus.PENDING)
-        self._last[key] = verdict.status
-        return verdict.status
+            return self._last.last(key)
+        return self._last.saw(key, verdict.status)
 
     def status_detail(self, handle: ReplicaHandle) -> str | None:
         """Why the replica is waiting (Slurm's reason: Priority, Resources, a requeue's BeginTime hold)."""
@@ -186,7 +184,7 @@ class SlurmExecutor:
             tail = self.stream_logs(handle, n_lines=20).strip()
             first = verdict.cause or cause_from_log(tail) or f"Slurm job {handle.metadata['job_id']} failed"
             error, code = (f"{first}\nlast output:\n{tail}" if tail else first), verdict.exit_code
-        return ReplicaResult(handle.rank, status, code if isinstance(code, int) else 1, error, None, handle.attempt)
+        return ReplicaResult.failed(handle, status, error, code)
 
     # -- stopping ------------------------------------------------------------------------------
 

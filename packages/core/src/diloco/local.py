@@ -179,9 +179,8 @@ class LocalProcessExecutor:
                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
             self._procs[(request.run_id, row["rank"], request.attempt)] = proc
-            handles.append(ReplicaHandle(row["rank"], self.backend_name, {
-                "run_id": request.run_id, "attempt": request.attempt, "pid": proc.pid,
-                "started": started_at(proc.pid), "stem": stem, "launched_at": time.time()}))
+            handles.append(ReplicaHandle.of(request, row["rank"], self.backend_name, pid=proc.pid,
+                                            started=started_at(proc.pid), stem=stem, launched_at=time.time()))
         return handles
 
     # -- observing -------------------------------------------------------------------------

@@ -74,6 +74,12 @@ class ReplicaHandle:
     def run_id(self) -> str | None:
         return self.metadata.get("run_id")
 
+    @classmethod
+    def of(cls, request: LaunchRequest, rank: int, backend_name: str, **platform: Any) -> ReplicaHandle:
+        """Rank `rank`'s handle for `request`: core's two keys (the request's run and attempt) and
+        what the platform needs to find the replica again (`platform`, JSON-serializable)."""
+        return cls(rank, backend_name, {"run_id": request.run_id, "attempt": request.attempt, **platform})
+
     def to_dict(self) -> dict[str, Any]:
         return to_record(self)
 
@@ -106,6 +112,13 @@ class ReplicaResult:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ReplicaResult:
         return from_record(cls, data, where="a replica result")
+
+    @classmethod
+    def failed(cls, handle: ReplicaHandle, status: ReplicaStatus, error: str,
+               exit_code: int | None = None) -> ReplicaResult:
+        """A replica that ended badly (failed, preempted, timed out): the platform's account of
+        it, and its exit code, 1 where the platform gives none (every failure has a non-zero one)."""
+        return cls(handle.rank, status, exit_code if isinstance(exit_code, int) else 1, error, None, handle.attempt)
 
 
 @dataclass(frozen=True)
@@ -150,12 +163,20 @@ class Executor(Protocol):
     Class attributes:
       backend_name: the name a spec's `backend =` selects it by.
       Options: a dataclass of the `[backend]` options (`diloco.options.option` gives each its help,
-        bounds and choices); the executor is built as `cls(options)`.
+        bounds and choices).
       capabilities: a `Capabilities` (an instance attribute when it depends on the options).
+
+    The constructor is `cls(options=None, /, **overrides)`: the launcher passes the spec's
+    `[backend]` options as an `Options`; Python callers may pass keywords instead
+    (`diloco.options.options_from` does both, with the same checks).
     """
 
     backend_name: str
     capabilities: Capabilities
+    Options: type
+
+    def __init__(self, options: Any = None, /, **overrides: Any) -> None:
+        ...
 
     def plan(self, request: LaunchRequest) -> LaunchPlan:
         """What `submit` would send for this request, with no secret value in it. Checks

@@ -9,6 +9,22 @@ from collections.abc import Callable, Sequence
 from .protocol import ReplicaHandle, ReplicaResult, ReplicaStatus
 
 
+class LastStatus:
+    """The status each replica was last read in. A poll the platform did not answer (throttled,
+    unreachable) returns it instead of guessing: it stands until the platform answers again, and
+    a replica never read yet is PENDING."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, ReplicaStatus] = {}
+
+    def saw(self, key: str, status: ReplicaStatus) -> ReplicaStatus:
+        self._seen[key] = status
+        return status
+
+    def last(self, key: str) -> ReplicaStatus:
+        return self._seen.get(key, ReplicaStatus.PENDING)
+
+
 def poll_until_terminal(executor, handles: Sequence[ReplicaHandle], *, timeout: float | None,
                         interval: float) -> list[ReplicaStatus]:
     """Poll every handle until all have ended or `timeout` passes; return the last statuses."""

@@ -149,7 +149,7 @@ class ExecutorConformance(abc.ABC):
         executor = self.make_executor()
         cls = type(executor)
         require(isinstance(executor, Executor), f"{cls.__name__} lacks one of the methods plan, submit, poll, "
-                f"stream_logs, cancel, collect, or `backend_name`/`capabilities`", "#the-contract")
+                f"stream_logs, cancel, collect, or `backend_name`/`capabilities`/`Options`", "#the-contract")
         require(isinstance(getattr(cls, "backend_name", None), str) and cls.backend_name,
                 "declare `backend_name = \"...\"` on the class: a spec's `backend =` selects it by that", "#the-contract")
         require(isinstance(getattr(cls, "capabilities", None), Capabilities)
