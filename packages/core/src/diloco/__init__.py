@@ -21,6 +21,7 @@ _EXPORTS = {
     "ReplicaStatus": "protocol",
     "LaunchPlan": "request", "LaunchRequest": "request", "Secrets": "request",
     "option": "options",
+    "BACKEND_API": "backendapi",
 }
 __all__ = sorted(_EXPORTS)
 

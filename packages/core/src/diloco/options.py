@@ -227,12 +227,24 @@ def parse_options(options_type: type, table: dict[str, Any], *, source: str = "<
     return options_type(**values)
 
 
-def options_from(executor_type: type, options: Any = None, overrides: dict[str, Any] | None = None) -> Any:
+def options_from(executor_type: type, options: Any = None, overrides: dict[str, Any] | None = None,
+                 **older: Any) -> Any:
     """What an executor's `__init__(options=None, /, **overrides)` keeps: `options` as given, or
     built from keyword overrides (from Python), checked by the same rules as a spec's table.
 
     Takes the executor class (`type(self)`), not its `Options`: the options type and the backend
-    name every error line names are read from the one place a backend declares them."""
+    name every error line names are read from the one place a backend declares them. A call in
+    backend API 1's form (the `Options` class, `backend=NAME`) is refused in one line saying so."""
+    if older or dataclasses.is_dataclass(executor_type):
+        from .backendapi import outdated
+
+        raise outdated(f"options_from({getattr(executor_type, '__name__', executor_type)!s}, ..."
+                       f"{', backend=...' if 'backend' in older else ''})",
+                       "options_from(type(self), options, overrides) in __init__, with `Options` and `backend_name` "
+                       "declared on the executor class", 1)
+    if not hasattr(executor_type, "Options") or not hasattr(executor_type, "backend_name"):
+        raise TypeError(f"options_from({getattr(executor_type, '__name__', executor_type)!s}, ...): declare `Options` "
+                        f"(the [backend] options' dataclass) and `backend_name` on the executor class")
     options_type, backend = executor_type.Options, executor_type.backend_name
     if options is not None and not isinstance(options, options_type):
         raise TypeError(f"options must be a {options_type.__name__}, got {type(options).__name__}")
