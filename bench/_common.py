@@ -96,10 +96,11 @@ def reset_peak_rss() -> None:
         f.write("5")
 
 
-def peak_rss_kb() -> int:
-    """This process's peak RSS (VmHWM). Not getrusage's ru_maxrss: Linux carries that across fork
-    and exec, so a spawned worker would report the launching process's size (moto's objects) as its own."""
-    with open("/proc/self/status") as f:
+def peak_rss_kb(pid: int | str = "self") -> int:
+    """A process's peak RSS (VmHWM; this one's by default). Not getrusage's ru_maxrss: Linux carries
+    that across fork and exec, so a spawned worker would report the launching process's size (moto's
+    objects) as its own."""
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1])

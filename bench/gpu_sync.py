@@ -67,7 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "examples" / "tiny-lm"))
 
-from _common import QUICK, knob  # noqa: E402
+from _common import QUICK, knob, peak_rss_kb  # noqa: E402
 
 MODES: dict[str, dict | None] = {
     "compute-only": None,
@@ -180,21 +180,18 @@ def worker(spec: dict) -> dict:
 
 
 def peak_rss_bytes(settings: dict | None) -> int:
-    """This process's peak RSS so far (ru_maxrss, KiB on Linux); with a sync process (`exchange =
-    "process"`, still running) its peak is added, read from /proc (VmHWM)."""
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak RSS so far (`peak_rss_kb`); with a sync process (`exchange = "process"`,
+    still running) its peak is added."""
+    peak = peak_rss_kb()
     if settings and settings.get("exchange") == "process":
         import psutil
 
         for child in psutil.Process().children(recursive=True):
             try:
-                status = Path(f"/proc/{child.pid}/status").read_text()
-            except OSError:
+                peak += peak_rss_kb(child.pid)
+            except (OSError, RuntimeError):  # it ended meanwhile
                 continue
-            peak += next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:")), 0)
-    return peak
+    return peak * 1024
 
 
 def raw_transfer(ctx, nbytes: int, spec: dict, repeats: int = 3) -> float:
