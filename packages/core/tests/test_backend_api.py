@@ -11,12 +11,16 @@ import pytest
 from diloco.backendapi import BACKEND_API, NAMES, BackendAPIMismatch
 from diloco.errors import UserError
 from diloco.options import option, options_from
+from diloco.protocol import ReplicaHandle, ReplicaStatus
+from diloco.waiting import unless_failed
 
 OLD_PLUGIN = '''
 from dataclasses import dataclass
 from diloco import hookimpl
 from diloco.local import LocalProcessExecutor
 from diloco.options import option, options_from
+from diloco.protocol import ReplicaHandle, ReplicaStatus
+from diloco.waiting import unless_failed
 
 @dataclass(frozen=True)
 class OldOptions:
@@ -62,6 +66,29 @@ def test_an_api_1_call_is_one_line_saying_what_to_write(call):
     assert "\n" not in text and "backend API 1" in text and f"backend API {BACKEND_API}" in text
     assert "options_from(type(self), options, overrides)" in text
     assert isinstance(err.value, UserError) and isinstance(err.value, TypeError)
+
+
+def test_an_api_1_unless_failed_is_one_line_saying_what_to_write():
+    handle = ReplicaHandle(0, "box", {"attempt": 1})
+    with pytest.raises(BackendAPIMismatch) as err:
+        unless_failed(handle, ReplicaStatus.SUCCEEDED, lambda n: "diloco-result {}")  # API 1: read_log(n)
+    text = str(err.value)
+    assert "\n" not in text and "backend API 1" in text and "lambda: result_from_log(read_log(20))" in text
+
+
+@pytest.mark.parametrize("status, expected", [
+    (ReplicaStatus.SUCCEEDED, (ReplicaStatus.SUCCEEDED, 0, None, {"loss": 1.5})),
+    (ReplicaStatus.CANCELLED, (ReplicaStatus.CANCELLED, None, "cancelled by scancel", None)),
+    (ReplicaStatus.RUNNING, (ReplicaStatus.RUNNING, None, None, None)),
+    (ReplicaStatus.FAILED, None),
+])
+def test_unless_failed_builds_every_result_but_a_failure(status, expected):
+    handle = ReplicaHandle(3, "box", {"attempt": 2})
+    got = unless_failed(handle, status, lambda: {"loss": 1.5}, cancelled="cancelled by scancel")
+    if expected is None:
+        assert got is None
+    else:
+        assert (got.status, got.exit_code, got.error, got.result) == expected and (got.rank, got.attempt) == (3, 2)
 
 
 def test_the_current_call_builds_the_options():

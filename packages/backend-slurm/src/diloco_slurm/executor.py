@@ -27,7 +27,7 @@ from diloco.protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaS
 from diloco.request import LaunchPlan, LaunchRequest
 from diloco.statedir import state_dir
 from diloco.submitting import start_each
-from diloco.waiting import LastStatus, poll_until_terminal
+from diloco.waiting import LastStatus, poll_until_terminal, unless_failed
 
 from . import batchscript, jobstate, limits
 from .access import ClusterAccess
@@ -169,15 +169,14 @@ class SlurmExecutor:
         return [self._result(h, s) for h, s in zip(handles, statuses)]
 
     def _result(self, handle: ReplicaHandle, status: ReplicaStatus) -> ReplicaResult:
-        if not status.is_terminal:
-            return ReplicaResult(handle.rank, status, None, None, None, handle.attempt)
-        facts = self._facts(handle)
+        """`unless_failed`'s result, from the runner's result file; a failure in Slurm's words."""
+        facts = self._facts(handle) if status.is_terminal else None
         verdict = jobstate.decide(facts) if facts else jobstate.Verdict(status)
         result = facts.result if facts else None
-        if status is ReplicaStatus.CANCELLED:
-            return ReplicaResult(handle.rank, status, None, verdict.cause or "cancelled", None, handle.attempt)
-        if status is ReplicaStatus.SUCCEEDED:
-            return ReplicaResult(handle.rank, status, 0, None, (result or {}).get("result"), handle.attempt)
+        done = unless_failed(handle, status, lambda: (result or {}).get("result"),
+                             cancelled=verdict.cause or "cancelled")
+        if done is not None:
+            return done
         if result is not None and isinstance(result.get("error"), str):  # the runner's own account
             error, code = result["error"], result.get("exit_code")
         else:  # killed, timed out, preempted, lost: what Slurm and the job's output say

@@ -11,7 +11,8 @@ Version history (docs/writing-a-backend.md "The backend API"):
     1  options_from(options_type, options, overrides, backend=NAME)
     2  options_from(executor_class, options, overrides): `Options` and `backend_name` are read from
        the class, so a backend declares them once; `ReplicaHandle.of`, `ReplicaResult.failed` and
-       `diloco.waiting.LastStatus` added
+       `diloco.waiting.LastStatus` added; `unless_failed(handle, status, returned, *, cancelled)`
+       asks a callable for the return value (API 1: `read_log(n_lines)`)
 """
 
 from __future__ import annotations
