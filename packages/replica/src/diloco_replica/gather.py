@@ -76,27 +76,24 @@ class Gatherer:
 
         pending = []
         while wanted:
-            deadline = io.clock() + io.round_timeout  # (`RoundIO.clock`: stands still while the store is away)
-            backoff = io.backoff()
-            waited, looked, gone = False, io.clock(), []
-            while wanted:
-                with io.store.polling(waited):  # re-listing after a wait is a poll
+            poll = io.poll(f"round {r}'s reduced shards", wake=rnd.stop)
+            looked, gone = io.clock(), []
+            for look in poll:
+                with io.store.polling(look > 0):  # re-listing after a wait is a poll
                     present = io.present(prefix)
                 found = [j for j in wanted if j in present]
                 pending += [submit(j) for j in found]
                 wanted = [j for j in wanted if j not in present]
-                if found and rnd.parts > 1:  # parts arrive one after another, while the reducers work:
-                    backoff = io.backoff()  # look again soon, not at poll_max, and time out only
-                    deadline = io.clock() + io.round_timeout  # after a round_timeout without one
-                if wanted and rnd.replay:
+                if not wanted:
+                    break
+                if found and rnd.parts > 1:  # parts arrive one after another, while the reducers work: look
+                    poll.renew()  # again soon, not at poll_max, and time out only after a round_timeout without one
+                if rnd.replay:
                     self.membership.check_not_collected(r)
-                if wanted and io.clock() - looked >= PRESENCE_EVERY and not rnd.replay:
+                if io.clock() - looked >= PRESENCE_EVERY and not rnd.replay:
                     looked, gone = io.clock(), self._gone(rnd, wanted, generation)
                     if gone:
                         break
-                if wanted and not backoff.sleep(deadline, rnd.stop):
-                    break
-                waited = True
             if rnd.stop.is_set():  # this replica's own reduction failed: the round fails with it
                 break
             for j in list(gone or wanted):  # its reducer (or the last claimant) never published

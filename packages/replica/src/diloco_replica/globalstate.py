@@ -180,11 +180,10 @@ class GlobalState:
 
         if missing(self.io.rank, self.checkpoints.present(0)):
             self.checkpoints.put_piece(0, shards[self.io.rank], self.start, initial, None, launch)
-        deadline = self.io.clock() + self.io.round_timeout
-        backoff = self.io.backoff()
-        present = self.checkpoints.present(0)
-        while cover(present, self.start, self.stop) is None and backoff.sleep(deadline):
+        for _ in self.io.poll("round 0's checkpoint pieces"):
             present = self.checkpoints.present(0)
+            if cover(present, self.start, self.stop) is not None:
+                break
         for j in range(self.io.n):
             if missing(j, present):  # its owner never came: write it from here (create-only)
                 self.checkpoints.put_piece(0, shards[j], self.start, initial, None, launch)

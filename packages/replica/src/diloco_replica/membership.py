@@ -131,16 +131,18 @@ class Membership:
         `last_roster`: round r − 1's (who this round lets in for the first time)."""
         io = self.io
         self._pace(r)
-        start = io.clock()  # (stands still while the store is away: an outage is waited for, not timed out)
+        # The verdict, not the poll's deadline, ends this wait: past round_timeout it closes or fails, so
+        # the poll looks once more at its deadline (`final_look`). Its clock stands still while the store
+        # is away: an outage is waited for, not timed out.
+        poll = io.poll(f"round {r}'s ready markers", final_look=True)
+        start = poll.started
         grace = self.grace()
-        backoff = io.backoff()
         prefix = io.keys.ready(r)
         target, presence = self.rosters.look()
         looked = start
         expect, away, later = self._expected(r, roster, last_roster, presence)
-        waited = False  # the first LIST is the protocol's; every re-check after a wait is a poll
-        while True:
-            with io.store.polling(waited):
+        for look in poll:
+            with io.store.polling(look > 0):  # the first LIST is the protocol's; every re-check after a wait is a poll
                 lanes_of = ready_markers(io.store.list_names(prefix), roster)
             ready = set(lanes_of)
             got = verdict(ready, roster, expect, waited=io.clock() - start, grace=grace,
@@ -156,8 +158,6 @@ class Membership:
                     target, presence = self.rosters.look()
                 looked = io.clock()
                 expect, away, later = self._expected(r, roster, last_roster, presence)
-            backoff.sleep(start + io.round_timeout)
-            waited = True
         if len(ready) < len(roster):  # the others may have decided this round without us long ago, and
             self.check_not_collected(r)  # its record gone with the history: never decide it again (rejoin)
         if got is Verdict.FAIL:

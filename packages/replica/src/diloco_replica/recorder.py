@@ -47,8 +47,6 @@ class Recorder:
 
     def _summarize(self, r: int, members: list[int]) -> None:
         prefix = self.io.keys.metrics(r)
-        deadline = self.io.clock() + min(self.io.round_timeout, 2 * self.grace())
-        backoff = self.io.backoff()
         # The raw store, not the counting one: this runs in the background, often inside the next
         # round's exchange, whose row must count the exchange alone (diloco.estimate counts summaries
         # with the run's bookkeeping).
@@ -58,10 +56,12 @@ class Recorder:
             return [m["path"][len(prefix):] for m in store.list(prefix)]
 
         try:
-            names = names_now()
             expected = {f"rank-{m}.json" for m in members}
-            while not expected <= set(names) and backoff.sleep(deadline, self.closing):
+            for _ in self.io.poll(f"round {r}'s metrics rows", timeout=min(self.io.round_timeout, 2 * self.grace()),
+                                  wake=self.closing):
                 names = names_now()
+                if expected <= set(names):
+                    break
             if self.closing.is_set() and not expected <= set(names):
                 return  # leaving: readers rebuild this round from its rows
             rows = []

@@ -130,13 +130,24 @@ class RepairDesk:
     def _await_repair(self, r: int, j: int, key: str, numel: int, problem: str, writer: int | None,
                       incidents: list[dict[str, Any]], nonfinite: set[int]) -> torch.Tensor:
         io = self.io
-        deadline = io.clock() + io.round_timeout
-        backoff = io.backoff()
-        waited, windows = False, 0
-        while True:
-            with io.store.polling(waited):  # every look after the first is a poll
+        windows = 0
+
+        def another_window() -> bool:
+            """The deadline passed: wait again while the reducer's attempt is live (paused or slow), at
+            most REPAIR_WINDOWS round timeouts in all, else fail the round."""
+            nonlocal windows
+            self.membership.check_not_collected(r)
+            windows += 1
+            if windows < REPAIR_WINDOWS and writer is not None and self._writer_live(r, writer):
+                io.log(f"round {r}: rank {writer} has not re-published {key} in {windows * io.round_timeout:g}s "
+                       f"but its attempt is live (paused or slow); waiting for it")
+                return True
+            raise RoundFailed(f"{key} is corrupt ({problem}) and its reducer (rank {writer}) did not re-publish "
+                              f"it within {windows * io.round_timeout:g}s")
+
+        for look in io.poll(f"{key} re-published", extend=another_window):
+            with io.store.polling(look > 0):  # every look after the first is a poll
                 obj, again = io.get_reduced(r, j, numel, repaired=True)
-            waited = True
             if obj is None and again != "missing":  # re-published create-only, as read twice: it stays so
                 raise RoundFailed(f"{key} is corrupt ({problem}) and so is its re-publication: {again}")
             if obj is not None:
@@ -147,16 +158,7 @@ class RepairDesk:
                 incidents.append({"round": r, "object": key, "writer": writer, "problem": problem,
                                   "action": f"re-published by its reducer as {io.keys.repaired(r, j)}"})
                 return mean
-            if not backoff.sleep(deadline):
-                self.membership.check_not_collected(r)
-                windows += 1
-                if windows < REPAIR_WINDOWS and writer is not None and self._writer_live(r, writer):
-                    io.log(f"round {r}: rank {writer} has not re-published {key} in {windows * io.round_timeout:g}s "
-                           f"but its attempt is live (paused or slow); waiting for it")
-                    deadline = io.clock() + io.round_timeout
-                    continue
-                raise RoundFailed(f"{key} is corrupt ({problem}) and its reducer (rank {writer}) did not re-publish "
-                                  f"it within {windows * io.round_timeout:g}s")
+        raise AssertionError("a repair wait ends by returning or raising")  # `another_window` raises at the end
 
     def _writer_live(self, r: int, writer: int) -> bool:
         """Whether the reducer of round r may still answer: the attempt that was the round's member

@@ -30,7 +30,8 @@ from diloco.store import ObjectExists
 
 from .faults import Faults
 from .lanes import Lanes
-from .storeaccess import Backoff, CountingStore
+from .polling import Poll
+from .storeaccess import CountingStore
 from .wire import CorruptObject, Identity, Unpacked, unpack
 
 
@@ -57,8 +58,11 @@ class RoundIO:
         outage = getattr(self.store.store, "outage", None)  # a store handed in (a bench's, a user's) may not wait
         return outage.clock() if outage is not None else time.monotonic()
 
-    def backoff(self) -> Backoff:
-        return Backoff(self.poll_interval, self.poll_max, clock=self.clock)
+    def poll(self, what: str, *, timeout: float | None = None, **how) -> Poll:
+        """A wait for `what` at the run's pace (`poll_interval` growing to `poll_max`), on the round's
+        clock, ending after `timeout` (default: `round_timeout`); `how`: `Poll`'s other settings."""
+        return Poll(what, first=self.poll_interval, cap=self.poll_max, clock=self.clock,
+                    timeout=self.round_timeout if timeout is None else timeout, **how)
 
     def put(self, key: str, data, *, create_only: bool = False, written: tuple | None = None) -> bool:
         """Write `key`; False if `create_only` and it exists. `written` = (kind, round, shard[, writer])

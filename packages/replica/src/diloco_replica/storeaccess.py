@@ -1,5 +1,5 @@
-"""The store as the round protocol uses it: counted requests, paced waiting, and who reduces a
-shard.
+"""The store as the round protocol uses it: counted requests, and who reduces a shard (waiting
+on it is `polling`'s).
 
 Everything above this module addresses objects through `diloco.runkeys.RunKeys` (the layout,
 written down once for the launcher and the replicas alike) and moves them through
@@ -9,8 +9,6 @@ written down once for the launcher and the replicas alike) and moves them throug
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from contextlib import contextmanager
 
 from diloco.store import Store
@@ -94,25 +92,6 @@ class CountingStore:
         batch = getattr(self.store, "bulk_delete", 1)
         self.traffic.deletes += -(-len(keys) // batch)
         self.store.delete_many(keys)
-
-
-class Backoff:
-    """Waits that grow (×1.5 up to `cap`), so waiting costs O(log) requests, not a tight loop."""
-
-    def __init__(self, first: float, cap: float = 1.0, *, clock: Callable[[], float] = time.monotonic):
-        self.delay, self.cap, self.clock = first, cap, clock
-
-    def sleep(self, deadline: float, wake: threading.Event | None = None) -> bool:
-        """Sleep the next interval; False if the deadline (on `clock`) has passed (or `wake` is set)."""
-        now = self.clock()
-        if now >= deadline or (wake is not None and wake.is_set()):
-            return False
-        if wake is None:
-            time.sleep(min(self.delay, deadline - now))
-        elif wake.wait(min(self.delay, deadline - now)):
-            return False
-        self.delay = min(self.delay * 1.5, self.cap)
-        return True
 
 
 def reducer_of(shard: int, members: list[int], parts: int = 1, roster: list[int] | None = None) -> int:
