@@ -34,18 +34,24 @@ def page_plugin(page: Path, where: Path) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join(filter(None, [str(where), os.environ.get("PYTHONPATH")]))}
 
 
-def dryrun(page: Path, tmp_path: Path) -> subprocess.CompletedProcess:
-    """The page's ```toml walkthrough block, dry-run beside the tiny LM it trains (a hidden,
-    ignored file in examples/tiny-lm, so the entrypoint resolves as on the user's machine)."""
-    spec = ROOT / "examples" / "tiny-lm" / f".walkthrough-{page.stem}-{os.getpid()}.toml"
-    spec.write_text(block(page, "toml"))
+def spec_file(text: str, tmp_path: Path) -> Path:
+    """A page's spec, its code in examples/tiny-lm as `workdir` (the spec's own directory on the
+    user's machine), written under tmp_path: tests side by side never see it in the example."""
+    spec = tmp_path / "diloco.toml"
+    workdir = ROOT / "examples" / "tiny-lm"
+    assert 'entrypoint = "tiny_lm:train"' in text, "the walkthroughs train examples/tiny-lm"
+    entrypoint = 'entrypoint = "tiny_lm:train"'
+    spec.write_text(text.replace(entrypoint, f'{entrypoint}\nworkdir = "{workdir}"'))
+    return spec
+
+
+def dryrun(page: Path, tmp_path: Path, text: str | None = None) -> subprocess.CompletedProcess:
+    """The page's ```toml walkthrough block (or `text`), dry-run with the tiny LM it trains."""
+    spec = spec_file(block(page, "toml") if text is None else text, tmp_path)
     plugin = page_plugin(page, tmp_path) if "```python walkthrough" in page.read_text() else {}
-    try:
-        return subprocess.run([sys.executable, "-m", "diloco", "dryrun", str(spec)], capture_output=True, text=True,
-                              timeout=120, env={**os.environ, **FAKE_AWS, **plugin,
-                                                "DILOCO_STATE_DIR": str(tmp_path / "state")})
-    finally:
-        spec.unlink()
+    env = {**os.environ, **FAKE_AWS, **plugin, "DILOCO_STATE_DIR": str(tmp_path / "state")}
+    return subprocess.run([sys.executable, "-m", "diloco", "dryrun", str(spec)], capture_output=True, text=True,
+                          timeout=120, env=env)
 
 
 def test_there_are_the_three_new_users_pages():
@@ -115,14 +121,8 @@ def test_the_runpod_page_backend_passes_the_kits_planning_checks(check, tmp_path
 
 
 def test_the_runpod_page_backend_refuses_a_file_rendezvous_in_one_line(tmp_path):
-    spec = ROOT / "examples" / "tiny-lm" / f".walkthrough-runpod-file-{os.getpid()}.toml"
-    spec.write_text(block(RUNPOD_PAGE, "toml").replace("s3://my-bucket/diloco", f"file://{tmp_path}/store"))
-    try:
-        proc = subprocess.run([sys.executable, "-m", "diloco", "dryrun", str(spec)], capture_output=True, text=True,
-                              timeout=120, env={**os.environ, **FAKE_AWS, **page_plugin(RUNPOD_PAGE, tmp_path),
-                                                "DILOCO_STATE_DIR": str(tmp_path / "state")})
-    finally:
-        spec.unlink()
+    text = block(RUNPOD_PAGE, "toml").replace("s3://my-bucket/diloco", f"file://{tmp_path}/store")
+    proc = dryrun(RUNPOD_PAGE, tmp_path, text)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "file://" in proc.stderr, proc.stderr
 

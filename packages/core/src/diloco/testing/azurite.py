@@ -32,42 +32,55 @@ def azurite_command() -> str | None:
 def azurite(container: str = "diloco-test", prefix: str = "runs") -> Iterator[dict[str, Any]]:
     """Yields {"uri": az://container/prefix, "env": AZURE_* for processes, "client": ContainerClient,
     "endpoint"}; `env` splits into what a spec's [env] may carry and `secret_env` (the key)."""
-    from azure.storage.blob import BlobServiceClient
-
     command = azurite_command()
     if command is None:
         raise RuntimeError("azurite-blob not found: `npm install azurite` and put node_modules/.bin on PATH "
                            "(or set DILOCO_AZURITE)")
-    port = free_port()
-    workdir = tempfile.mkdtemp(prefix="azurite-")
-    proc = subprocess.Popen([command, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", workdir,
-                             "--silent", "--skipApiVersionCheck", "--loose"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    endpoint = f"http://127.0.0.1:{port}"
-    conn = (f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={ACCOUNT_KEY};"
-            f"BlobEndpoint={endpoint}/{ACCOUNT};")
+    workdir, proc = tempfile.mkdtemp(prefix="azurite-"), None
     try:
-        service = BlobServiceClient.from_connection_string(conn)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                client = service.create_container(container)
+        for tries_left in reversed(range(3)):  # a port free when picked may be taken before azurite binds it
+            port = free_port()
+            proc = subprocess.Popen([command, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location",
+                                     workdir, "--silent", "--skipApiVersionCheck", "--loose"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            endpoint = f"http://127.0.0.1:{port}"
+            client = _container(endpoint, container, proc, retry_in_use=tries_left > 0)
+            if client is not None:
                 break
-            except Exception:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"azurite exited: {proc.stderr.read()[-2000:]}") from None
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
         env = {"AZURE_STORAGE_ACCOUNT_NAME": ACCOUNT, "AZURE_STORAGE_USE_EMULATOR": "true",
                "AZURITE_BLOB_STORAGE_URL": endpoint}
         yield {"uri": f"az://{container}/{prefix}", "env": env,
                "secret_env": {"AZURE_STORAGE_ACCOUNT_KEY": ACCOUNT_KEY}, "client": client, "endpoint": endpoint,
                "container": container}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _container(endpoint: str, container: str, proc: subprocess.Popen, *, retry_in_use: bool):
+    """Create `container` once azurite at `endpoint` answers; None if azurite found its port taken
+    (and `retry_in_use`: the caller tries another port). Fails loudly otherwise."""
+    from azure.storage.blob import BlobServiceClient
+
+    conn = (f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={ACCOUNT_KEY};"
+            f"BlobEndpoint={endpoint}/{ACCOUNT};")
+    service = BlobServiceClient.from_connection_string(conn)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return service.create_container(container)
+        except Exception:
+            if proc.poll() is not None:
+                error = proc.stderr.read()[-2000:]
+                if retry_in_use and "EADDRINUSE" in error:
+                    return None
+                raise RuntimeError(f"azurite exited: {error}") from None
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise
+            time.sleep(0.2)

@@ -27,9 +27,9 @@ def moto_s3(bucket: str = "diloco-test", prefix: str = "runs") -> Iterator[dict[
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
 
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)  # the OS picks a free port as it
+    server.start()                                                               # binds: no race with tests beside
+    port = server.get_host_and_port()[1]
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1"}
     client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
