@@ -96,8 +96,12 @@ replicas = 2
 [group.backend]
 name = "local"
 """
-    spec = spec_with(tmp_path, steps=100 * H, restart="backoff = 4.0\nbackoff_max = 4.0", groups=groups)
-    proc, run_id = start(spec)
+    spec = spec_with(tmp_path, steps=60 * H, restart="backoff = 4.0\nbackoff_max = 4.0", groups=groups)
+    # Each phase of a round sleeps 0.1 s, so east's rounds after the kill last tens of seconds however
+    # fast its cores are: west's relaunch (new processes importing torch, slow when the cores are busy)
+    # meets a run that is still going, whatever the machine's load.
+    proc, run_id = start(spec, {"DILOCO_FAULT_PHASE_FILE": str(tmp_path / "phase-{rank}"),
+                                "DILOCO_FAULT_PHASE_DELAY": "0.1"})
     wait_for_round(state_dir, run_id, 3)
     west = [rank for rank, group in RunRecord.load(run_id, state_dir).rank_groups.items() if group == "west"]
     assert len(west) == 2

@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,9 @@ class SlurmCluster:
     pids: dict[str, int] = field(default_factory=dict)
     up_seconds: float | None = None  # from starting slurmctld to the node answering idle
     first_job_seconds: float | None = None  # from the first sbatch to that job running (a cold start)
+    # slurmd's spool holds each job step's Unix socket, whose path may not pass 108 bytes: kept short,
+    # under the system's temp directory, whatever the depth of `root` (a pytest-xdist worker's is deep)
+    spool: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="slurmd-")))
 
     @property
     def conf(self) -> Path:
@@ -63,7 +67,7 @@ class SlurmCluster:
 
     def write_conf(self) -> None:
         r = self.root
-        for d in ("state", "spool", "log"):
+        for d in ("state", "log"):
             (r / d).mkdir(parents=True, exist_ok=True)
         host = socket.gethostname()
         self.conf.write_text(f"""ClusterName={self.name}
@@ -75,7 +79,7 @@ SlurmdUser={getpass.getuser()}
 AuthType=auth/none
 CredType=cred/none
 StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool/%n
+SlurmdSpoolDir={self.spool}/%n
 SlurmctldPidFile={r}/slurmctld.pid
 SlurmdPidFile={r}/slurmd.pid
 SlurmctldLogFile={r}/log/slurmctld.log
@@ -156,6 +160,7 @@ PartitionName=short Nodes={host} MaxTime=2 State=UP
             else:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
+        shutil.rmtree(self.spool, ignore_errors=True)
 
     def __enter__(self) -> SlurmCluster:
         self.start()
