@@ -150,3 +150,53 @@ EXIT = "diloco-runpod-exit "
 def test_the_runpod_page_reads_pod_states_as_it_says(pod, tail, spot, expected, tmp_path):
     status, code = runpod_module(tmp_path).status_of(pod, tail, spot)
     assert (status.value, code) == expected
+
+
+def test_the_runpod_page_backend_without_an_api_key_says_so(tmp_path, monkeypatch):
+    from diloco.errors import UserError
+    from diloco.protocol import ReplicaHandle
+
+    monkeypatch.delenv("RUNPOD_API_KEY", raising=False)
+    module = runpod_module(tmp_path)
+    handle = ReplicaHandle(0, "runpod", {"pod_id": "p1", "spot": False, "attempt": 0})
+    with pytest.raises(UserError, match="RUNPOD_API_KEY is not set"):
+        module.RunPodExecutor(image="x").poll(handle)
+
+
+def test_the_runpod_page_backend_keeps_the_last_status_while_runpod_is_throttled(tmp_path, monkeypatch):
+    """RunPod's REST API answering 503 or 429 (down, throttled) leaves a pod in the status it was last
+    read in; a 404 (deleted) reads as cancelled."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from diloco.protocol import ReplicaHandle, ReplicaStatus
+
+    answers = [(503, b""), (200, b'{"desiredStatus": "RUNNING"}'), (429, b""), (503, b""), (404, b"")]
+    seen = []
+
+    class RunPod(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            seen.append((self.path, self.headers.get("Authorization")))
+            code, body = answers.pop(0)
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), RunPod)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        module = runpod_module(tmp_path)
+        monkeypatch.setattr(module, "REST", f"http://127.0.0.1:{server.server_address[1]}/v1")
+        monkeypatch.setenv("RUNPOD_API_KEY", RUNPOD_KEY)
+        executor = module.RunPodExecutor(image="x")
+        handle = ReplicaHandle(0, "runpod", {"pod_id": "pod-7", "spot": True, "attempt": 0})
+        statuses = [executor.poll(handle) for _ in range(5)]
+    finally:
+        server.shutdown()
+    assert statuses == [ReplicaStatus.PENDING, ReplicaStatus.RUNNING, ReplicaStatus.RUNNING, ReplicaStatus.RUNNING,
+                        ReplicaStatus.CANCELLED]
+    assert seen[0] == ("/v1/pods/pod-7", f"Bearer {RUNPOD_KEY}")
