@@ -13,19 +13,6 @@ from diloco.testing.scenarios import events_of, one_global_model, record_of, wai
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# scripts/test runs these tests side by side in pytest-xdist workers (`--dist loadgroup`): most wait on
-# subprocesses. Tests that share something a worker holds go to the same worker: the fault-free
-# reference run (a session fixture: run once, not once per worker), a module's fixture, and the real
-# Slurm clusters (one at a time, as their nodes' CPUs are the machine's).
-SAME_WORKER_MODULES = {"test_process_groups.py": "process-groups", "test_slurm_e2e.py": "slurm"}
-
-
-def pytest_collection_modifyitems(items) -> None:
-    for item in items:
-        group = "reference" if "reference" in item.fixturenames else SAME_WORKER_MODULES.get(item.path.name)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
-
 
 @pytest.fixture
 def state_dir(tmp_path, monkeypatch) -> Path:
