@@ -163,7 +163,11 @@ PartitionName=short Nodes={host} MaxTime=2 State=UP
         shutil.rmtree(self.spool, ignore_errors=True)
 
     def __enter__(self) -> SlurmCluster:
-        self.start()
+        try:
+            self.start()
+        except BaseException:  # a cluster that did not come up stops what it started: no daemon outlives it
+            self.stop()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
