@@ -97,7 +97,9 @@ def test_a_round_of_parts_moves_what_the_estimate_predicts():
     assert parts_per_shard(NUMEL, n, part_mb) == 4
     for i, res in results.items():
         got = res.traffic
-        assert got.puts == want.puts, (i, got, want)
+        # members.json: a replica that finds the round decided at its first look (it came late, on a
+        # loaded machine) reads the record instead of trying to write it: one PUT fewer
+        assert want.puts - 1 <= got.puts <= want.puts, (i, got, want)
         # the estimate's members.json GET is (N−1)/N of one; polls (waiting) it leaves out
         assert want.gets - 1 <= got.gets <= want.gets + got.polls, (i, got, want)
         assert want.lists <= got.lists <= want.lists + got.polls, (i, got, want)  # ready, roster (`roster`), reduced

@@ -271,7 +271,8 @@ class DiLoCo:
             self._inflight = BackgroundRound(r, part, local, time.monotonic() - t0)
             self._next_phase()
             return merged
-        return self._apply(self.sync.outcome(), None, t0, blocked_s=0.0)
+        outcome = self.sync.outcome()
+        return self._apply(outcome, None, t0, blocked_s=0.0, handed_over=outcome.ended)
 
     def _merge_now(self) -> bool:
         """Whether the round in flight is merged after this step: `overlap_delay` steps after its
@@ -291,8 +292,12 @@ class DiLoCo:
                            hidden_s=max(0.0, outcome.exchange_s - waited), next_phase=False)
 
     def _apply(self, outcome: Outcome, local_at_sync: torch.Tensor | None, t0: float, *, blocked_s: float,
-               hidden_s: float = 0.0, next_phase: bool = True) -> RoundMetrics:
-        """Put the round's outcome into the model (on its device); the round's row."""
+               hidden_s: float = 0.0, next_phase: bool = True, handed_over: float | None = None) -> RoundMetrics:
+        """Put the round's outcome into the model (on its device); the round's row.
+
+        A round the training process waited for counts its outer phase from `handed_over`, where
+        the exchange's phases ended, so that the result's way back (a thread waking, a pipe from
+        the sync process) is in it and the phases add up to the round's compute and sync time."""
         self.faults.phase("outer", outcome.round)
         outer_t0 = time.monotonic()
         self._round = outcome.round
@@ -304,9 +309,10 @@ class DiLoCo:
             if outcome.action == RESET and self.inner_opt is not None:
                 self.inner_opt.state.clear()  # AdamW's moments and step counts start afresh, lazily
                 self.inner_opt.zero_grad(set_to_none=True)
-        outer_s = time.monotonic() - outer_t0
+        now = time.monotonic()
+        outer_s = now - (outer_t0 if handed_over is None else min(handed_over, outer_t0))
         row = outcome.row
-        row.sync_s, row.hidden_s, row.t = blocked_s + time.monotonic() - t0, hidden_s, time.time()
+        row.sync_s, row.hidden_s, row.t = blocked_s + now - t0, hidden_s, time.time()
         outer_s += row.phases.get("outer", 0.0)  # the exchange's end of the outer step, then the copy into the model
         if len(row.phases) > 1:  # a round it took part in (a rejoin's row has its compute phase only)
             row.phases["outer"] = outer_s

@@ -68,6 +68,7 @@ class Outcome:
     part: int                   # the fragment round `round` updated (MERGE)
     row: RoundMetrics
     exchange_s: float = 0.0     # seconds the exchange took here
+    ended: float | None = None  # the instant (CLOCK_MONOTONIC) its phases end; the handoff counts from there
     leave: bool = False         # the next round's roster drops this replica (the run shrank): it stops
 
 
@@ -276,7 +277,7 @@ class Exchanger:
         self._warn_if_alone(row)
         self._unrecorded[row.round] = row
         return Outcome(self.state.round, action, self.state.fragment(result.round), row,
-                       exchange_s=time.monotonic() - t0, leave=leave)
+                       exchange_s=time.monotonic() - t0, ended=laps.at, leave=leave)
 
     def _adopted(self, work: Work, t0: float) -> Outcome:
         """Took no part in a round: adopted the run's state instead (rejoin or divergence repair)."""

@@ -22,3 +22,8 @@ class Laps:
         now = time.monotonic()
         self.seconds[name] = self.seconds.get(name, 0.0) + now - self._last
         self._last = now
+
+    @property
+    def at(self) -> float:
+        """The instant the last lap ended: where whoever takes the result over goes on counting."""
+        return self._last

@@ -158,7 +158,8 @@ class SyncProcess:
         self._in_flight = False
         return Outcome(int(msg["round"]), str(msg["action"]), int(msg["part"]),
                        from_record(RoundMetrics, msg["row"], where="the sync process's row"),
-                       exchange_s=float(msg["exchange_s"]), leave=bool(msg["leave"]))
+                       exchange_s=float(msg["exchange_s"]), leave=bool(msg["leave"]),
+                       ended=None if msg.get("ended") is None else float(msg["ended"]))
 
     def applied(self, r: int, **timings: float) -> None:
         self._send("applied", round=r, **timings)

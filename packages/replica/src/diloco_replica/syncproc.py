@@ -89,7 +89,7 @@ def serve(conn: Connection, parent: int) -> int:
         elif op == "round":
             out = exchanger.run(int(msg["round"]), snapshot, Work(**msg["work"]))
             send(conn, "done", round=out.round, action=out.action, part=out.part, row=asdict(out.row), leave=out.leave,
-                 exchange_s=out.exchange_s)
+                 exchange_s=out.exchange_s, ended=out.ended)
         elif op == "applied":
             exchanger.applied(int(msg["round"]), sync_s=float(msg["sync_s"]), outer_s=float(msg["outer_s"]),
                               hidden_s=float(msg["hidden_s"]))
