@@ -22,7 +22,6 @@ from diloco.testing.clockskew import ENV_CLOCK_SKEW
 
 JUMP_AFTER_ROUND = 3
 
-SKEW = {0: 30.0, 1: -30.0, 2: 45.0}  # rank 2's after its jump
 MODES = {"fixed H": "", "round_seconds": "round_seconds = 0.4\n"}
 
 
