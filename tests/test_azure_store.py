@@ -58,9 +58,13 @@ def on_azure(spec, az, cluster):
 def test_replicas_meet_in_azure_blob_and_survive_a_killed_pod(tmp_path, azure, cluster):
     state = tmp_path / "state"
     env = {**os.environ, "DILOCO_STATE_DIR": str(state)}
-    # long enough that the killed replica's pod is back and takes part again (no round waits for it)
-    spec = on_azure(tiny_spec(tmp_path, steps=400, sync_every=25, restart="backoff = 0.2\nmax_restarts_per_rank = 5"),
-                    azure, cluster)
+    # Long enough that the killed replica's pod is back and takes part again (no round waits for it):
+    # each phase of a round sleeps 0.25 s, so the 14 rounds after the kill last ~14 s however fast
+    # the cores are, and the new pod (a process importing torch, slow on a loaded machine) meets a
+    # run that is still going.
+    phases = f'\n[env]\nDILOCO_FAULT_PHASE_FILE = "{tmp_path}/phase-{{rank}}"\nDILOCO_FAULT_PHASE_DELAY = "0.25"\n'
+    spec = on_azure(tiny_spec(tmp_path, steps=400, sync_every=25, restart="backoff = 0.2\nmax_restarts_per_rank = 5",
+                              extra=phases), azure, cluster)
     spec.write_text(spec.read_text().replace("round_timeout = 120", "round_timeout = 8\ncheckpoint_every = 2"))
     dry = subprocess.run([sys.executable, "-m", "diloco", "dryrun", str(spec)], capture_output=True, text=True,
                          env=env, timeout=120)

@@ -61,7 +61,11 @@ def test_a_replica_gone_for_good_costs_no_round_time(tmp_path, state_dir):
     round 2 and stays gone. Every round after it closes with ranks 0 and 1 in seconds (it took the
     full round_timeout each before), and they end on one global model."""
     spec = spec_with(tmp_path, steps=24 * H, replicas=3, restart='policy = "never"\nmin_replicas = 2')
-    proc, run_id = start(spec)
+    # Each phase of a round sleeps 0.1 s: a round lasts ~0.5 s however fast the cores are, so the
+    # kill (aimed from the launcher's round events, which lag by a second or more on a loaded
+    # machine) lands early and leaves well over 10 rounds to watch.
+    proc, run_id = start(spec, {"DILOCO_FAULT_PHASE_FILE": str(tmp_path / "phase-{rank}"),
+                                "DILOCO_FAULT_PHASE_DELAY": "0.1"})
     wait_for_round(state_dir, run_id, 2)
     killed = kill(state_dir, run_id, [2])
     out, _ = proc.communicate(timeout=600)
