@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, events_of, on_s3, one_global_model, placed_by_groups, record_of, tiny_spec, wait_for_round
+from conftest import ROOT, events_of, on_s3, one_global_model, placed_by_groups, record_of, tiny_spec
+from test_gone import round_ends
 
 pytest.importorskip("diloco_slurm")
 from diloco_slurm.testing import SlurmCluster, job_processes, slurm_installed  # noqa: E402
@@ -40,45 +41,67 @@ def slurm_spec(tmp_path, cluster, **kw):
     return spec
 
 
+ROUND_TIMEOUT = 120  # the tiny spec's: a round that waited for the requeued reducer took this long
+
+
 def cli(state, *args, timeout=600):
     return subprocess.run([sys.executable, "-m", "diloco", *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "DILOCO_STATE_DIR": str(state)})
 
 
-def disturb_three_ranks(state, run_id, cluster, launcher) -> list[dict]:
-    """After round 2: SIGKILL rank 1's job, send rank 2's the preemption signal, requeue rank 3's;
-    the four jobs' handles as they were."""
-    try:
-        wait_for_round(state, run_id, 2, timeout=240)
-    except AssertionError:
-        launcher.send_signal(signal.SIGINT)
-        raise AssertionError(launcher.communicate(timeout=120)[0][-4000:]) from None
+def reducing(phases, rank: int, after_round: int, launcher, timeout: float = 240) -> int:
+    """Wait until `rank` starts reducing its shards of a round after `after_round` (the replica's
+    own phase marker, DILOCO_FAULT_PHASE_FILE); that round."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and launcher.poll() is None:
+        try:
+            phase, r, _ = (phases / f"phase-{rank}").read_text().split()
+        except (FileNotFoundError, ValueError):  # not yet written, or caught mid-write
+            phase, r = "", "0"
+        if phase == "reduce" and int(r) > after_round:
+            return int(r)
+        time.sleep(0.01)
+    launcher.send_signal(signal.SIGINT)
+    raise AssertionError(launcher.communicate(timeout=120)[0][-4000:])
+
+
+def disturb_three_ranks(state, run_id, cluster, launcher, phases) -> tuple[list[dict], int, float]:
+    """While rank 3 reduces its shards of a round after round 2: requeue its job, SIGKILL rank 1's,
+    send rank 2's the preemption signal. The four jobs' handles as they were, that round, and when."""
+    r = reducing(phases, 3, 2, launcher)
+    disturbed = time.time()
     jobs = [r["handle"]["metadata"] for r in record_of(state, run_id)["ranks"]]
+    slurm = {"env": cluster.env, "check": True, "capture_output": True, "text": True}
+    subprocess.run(["scontrol", "requeue", jobs[3]["job_id"]], **slurm)  # rank 3: requeued by Slurm
     pids = job_processes(jobs[1]["stem"])  # rank 1: the replica and its batch shell, the job SIGKILLed
     assert pids
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
-    slurm = {"env": cluster.env, "check": True, "capture_output": True, "text": True}
     subprocess.run(["scancel", "--batch", "--signal=USR1", jobs[2]["job_id"]], **slurm)  # rank 2: preempted
-    subprocess.run(["scontrol", "requeue", jobs[3]["job_id"]], **slurm)  # rank 3: requeued by Slurm
     deadline = time.monotonic() + 60  # held until the launcher has seen it pending (a requeue is no failure)
     while not any(e["event"] == "pending" and e.get("rank") == 3 for e in events_of(state, run_id)):
         assert time.monotonic() < deadline and launcher.poll() is None, events_of(state, run_id)[-5:]
         time.sleep(0.1)
     cluster.release(jobs[3]["job_id"])  # end the ~120 s hold a requeue puts on a job
-    return jobs
+    return jobs, r, disturbed
 
 
 def test_tiny_lm_on_four_slurm_jobs_survives_a_kill_a_preemption_and_a_requeue_bit_identical(tmp_path, cluster):
-    state = tmp_path / "state"
-    # 15 rounds: the launcher may see round 2 a few rounds late (it reads rounds as they are recorded),
-    # and the disturbances must still meet running replicas (140 steps could end first under load)
-    spec = slurm_spec(tmp_path, cluster, steps=300, sync_every=20, restart="backoff = 0.2\nmax_restarts_per_rank = 3")
+    """No round waits for what the three disturbances took, the requeued reducer included (Slurm
+    numbers a job's runs, so the launcher marks the run it requeued away: its shards are taken over
+    at once, where they once waited out the whole round_timeout)."""
+    state, phases = tmp_path / "state", tmp_path / "phases"
+    phases.mkdir()
+    # 15 rounds, each phase of each stretched by 0.3 s: rank 3 is requeued while it reduces, and the
+    # three new runs (processes importing torch, slow on a loaded machine) still meet a running run
+    marker = f'\n[env]\nDILOCO_FAULT_PHASE_FILE = "{phases}/phase-{{rank}}"\nDILOCO_FAULT_PHASE_DELAY = "0.3"\n'
+    spec = slurm_spec(tmp_path, cluster, steps=300, sync_every=20, restart="backoff = 0.2\nmax_restarts_per_rank = 3",
+                      extra=marker)
     launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec)], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env={**os.environ, "DILOCO_STATE_DIR": str(state)})
     try:
         run_id = launcher.stdout.readline().split()[1].rstrip(":")
-        jobs = disturb_three_ranks(state, run_id, cluster, launcher)
+        jobs, requeued_in, disturbed = disturb_three_ranks(state, run_id, cluster, launcher, phases)
         out, _ = launcher.communicate(timeout=600)
     finally:
         if launcher.poll() is None:  # a failed check must not leave the launcher behind
@@ -100,10 +123,16 @@ def test_tiny_lm_on_four_slurm_jobs_survives_a_kill_a_preemption_and_a_requeue_b
     assert [e["rank"] for e in events if e["event"] == "preempted"] == [2]
     pending = [e for e in events if e["event"] == "pending" and e["rank"] == 3]
     assert pending and "requeued" in str(pending[0]), [e for e in events if e.get("rank") == 3]
+    assert pending[0].get("rerun") == 1, pending
     for rank, attempt in ((1, 1), (2, 1), (3, 0)):
         logs = cli(state, "logs", run_id, "--rank", str(rank), "--attempt", str(attempt), "-n", "3000").stdout
         joined = [line for line in logs.splitlines() if "joined at round" in line]
         assert joined and int(joined[-1].split("joined at round ")[1].split()[0]) >= 2, (rank, logs[-2000:])
+        assert (f"attempt 0 rerun 1] " in joined[-1]) is (rank == 3), joined[-1]  # the requeued job's next run
+    ends = round_ends(state, run_id)
+    assert {r for _, r, _ in ends} == set(range(1, 16)), ends
+    periods = [(r, round(b - a, 1)) for (a, _, _), (b, r, _) in zip(ends, ends[1:]) if b > disturbed]
+    assert max(p for _, p in periods) < ROUND_TIMEOUT / 2, (requeued_in, periods)
 
 
 @pytest.fixture

@@ -67,10 +67,12 @@ def test_a_requeued_job_reads_pending_then_runs_again_under_the_same_id(slurm, s
     job_id = handle.metadata["job_id"]
     # requeued once the replica runs (a requeue while slurmd still launches the batch step is another case)
     assert "sleeping" in wait_for_output(executor, handle, "sleeping", timeout=60)
+    assert executor.reruns(handle) == 0
     subprocess.run(["scontrol", "requeue", job_id], env=slurm_cluster.env, check=True)
     assert wait_for_status(executor, handle, {"pending"}, timeout=30) == "pending"
     detail = executor.status_detail(handle)
     assert detail and "requeued (restart 1)" in detail, detail
+    assert executor.reruns(handle) == 1  # the launcher marks run 0 away; the next run is DILOCO_RERUN=1
     wait_for(lambda: "JobState=PENDING" in scontrol(slurm_cluster, job_id), timeout=30)
     # the hold keeps the job off the node until its first run has ended there; released early, it
     # may only start once that run's processes are gone (else slurmd refuses the second launch)
@@ -79,6 +81,7 @@ def test_a_requeued_job_reads_pending_then_runs_again_under_the_same_id(slurm, s
     again = wait_for_status(executor, handle, {"running"}, timeout=60)
     assert again == "running", (again, scontrol(slurm_cluster, job_id), executor.stream_logs(handle))
     assert "restart 1" in wait_for_output(executor, handle, "(restart 1)", timeout=30)
+    assert "(attempt 0 rerun 1)" in wait_for_output(executor, handle, "(attempt 0 rerun 1)", timeout=30)  # its run
     executor.cancel(handle)
     assert wait_for_status(executor, handle, {"cancelled"}) == "cancelled"
 

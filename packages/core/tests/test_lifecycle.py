@@ -74,7 +74,7 @@ def supervised(restart=None, n=2):
     request = LaunchRequest(run_id="scripted", n_replicas=n, entrypoint="x:y", timeout=60)
     sup = Supervisor(ex, record, request, {"backoff": 0, **(restart or {})}, clock=lambda: now[0])
     seen = []
-    sup.on_presence = lambda rank, attempt, present, reason: seen.append((rank, attempt, present, reason))
+    sup.on_presence = lambda rank, attempt, present, reason, rerun=None: seen.append((rank, attempt, present, reason))
     sup.start()
     sup.tick()  # every rank reads running
     return sup, ex, record, now, seen

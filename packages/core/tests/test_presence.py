@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.presence import away_name, join_name, read_presence
+from diloco.presence import (RERUNS, away_name, incarnation, join_name, last_incarnation, read_presence,
+                             rerun_ended)
 
 
 @pytest.mark.parametrize("names, rank, away, joined, announced", [
@@ -26,6 +27,28 @@ def test_what_the_markers_say(names, rank, away, joined, announced):
     assert (rank in p.joined()) is joined
     for r in range(12):
         assert p.announced(rank, r) is (r in announced)
+
+
+A0, A0R1, A0R2, A1 = incarnation(0), incarnation(0, 1), incarnation(0, 2), incarnation(1)
+
+
+@pytest.mark.parametrize("names, away", [
+    ([away_name(1, A0), join_name(1, 7, A0R1)], False),                   # requeued: its next run announced
+    ([away_name(1, A0R1), join_name(1, 7, A0R1)], True),                  # ... and that run was requeued too
+    ([join_name(1, 7, A0R2), away_name(1, A0R1)], False),                 # a run after the one that ended
+    ([away_name(1, last_incarnation(0)), join_name(1, 7, A0R2)], True),   # the attempt ended: all its runs
+    ([away_name(1, last_incarnation(0)), join_name(1, 7, A1)], False),    # the relaunch outranks them all
+    ([away_name(1, A0R1), join_name(1, 7, A1)], False),
+])
+def test_runs_of_one_attempt_are_told_apart(names, away):
+    assert read_presence(names).is_away(1) is away
+
+
+def test_incarnations_order_runs_within_attempts():
+    order = [incarnation(a, k) for a in range(3) for k in (0, 1, 2, RERUNS - 2)] + [last_incarnation(2)]
+    assert order == sorted(order) and len(set(order)) == len(order)
+    assert last_incarnation(0) < incarnation(1) and incarnation(0, RERUNS + 5) == last_incarnation(0)
+    assert rerun_ended(0, 3) == incarnation(0, 3) and rerun_ended(2, RERUNS - 2) is None  # the next would not outrank it
 
 
 def test_a_rank_waiting_for_a_later_round():
@@ -61,7 +84,7 @@ def test_the_supervisor_marks_an_ended_attempt_away_in_the_store(tmp_path):
     ex.now[(2, 0)] = ReplicaStatus.PENDING
     sup.tick()
     names = sorted(m["path"].rsplit("/", 1)[-1] for m in open_store(uri).list("presence/roster/"))
-    assert names == [away_name(1, 0)]
+    assert names == [away_name(1, last_incarnation(0))]
     assert read_presence(names).is_away(1) and not read_presence(names).is_away(2)
 
     bad = RunRecord.create("presence-bad", {})
@@ -75,3 +98,48 @@ def test_the_supervisor_marks_an_ended_attempt_away_in_the_store(tmp_path):
     ex.now[(0, 0)] = (ReplicaStatus.FAILED, 1, "killed by SIGKILL")
     sup.tick()
     assert [e["rank"] for e in bad.events() if e["event"] == "presence_failed"] == [0]
+
+
+def test_a_requeued_run_is_marked_away_when_the_platform_numbers_its_runs(tmp_path):
+    """Slurm's requeue: the same job (attempt) pending again, Restarts one higher. An executor that
+    numbers its re-runs (`numbered_reruns`) has the run that ended marked away at once, so its
+    shards are taken over and no round waits for it; the next run (DILOCO_RERUN = 1) announces
+    itself one higher and is there again. Unnumbered, nothing is marked (a grace window instead)."""
+    from dataclasses import replace
+
+    from test_lifecycle import Scripted
+
+    from diloco.protocol import ReplicaStatus
+    from diloco.request import LaunchRequest
+    from diloco.state import RunRecord
+    from diloco.store import open_store
+    from diloco.supervisor import Supervisor
+
+    class Requeuing(Scripted):
+        capabilities = replace(Scripted.capabilities, numbered_reruns=True)
+
+        def __init__(self):
+            super().__init__()
+            self.restarts: dict[tuple[int, int], int] = {}
+
+        def reruns(self, handle):
+            return self.restarts.get((handle.rank, handle.attempt), 0)
+
+    for executor, marked in ((Requeuing(), [away_name(2, incarnation(0, 0))]), (Scripted(), [])):
+        uri = f"file://{tmp_path / type(executor).__name__}"
+        run = f"requeue-{type(executor).__name__.lower()}"
+        request = LaunchRequest(run_id=run, n_replicas=3, entrypoint="x:y", timeout=60, rendezvous=uri)
+        record = RunRecord.create(run, {})
+        sup = Supervisor(executor, record, request, {"backoff": 0}, clock=lambda: 1000.0)
+        sup.start()
+        sup.tick()
+        executor.now[(2, 0)] = ReplicaStatus.PENDING  # requeued by Slurm
+        if isinstance(executor, Requeuing):
+            executor.restarts[(2, 0)] = 1
+        sup.tick()
+        names = sorted(m["path"].rsplit("/", 1)[-1] for m in open_store(uri).list(f"{run}/roster/"))
+        assert names == marked
+        presence = read_presence([*names, join_name(2, 5, incarnation(0, 1))])  # the next run announces itself
+        assert not presence.is_away(2) and presence.announced(2, 5)
+        pending = [e for e in record.events() if e["event"] == "pending"]
+        assert [e["rank"] for e in pending] == [2] and pending[0].get("rerun") == (1 if marked else None)

@@ -13,6 +13,7 @@ from conftest import write_spec
 
 from diloco.context import ReplicaContext
 from diloco.errors import SpecError
+from diloco.presence import incarnation
 from diloco.replicaenv import parse_entrypoint, replica_env
 from diloco.procgroup import gpu_count, replica_command, resolve_processes
 from diloco.spec import parse_spec
@@ -72,6 +73,23 @@ def test_the_rank_contract_for_one_and_for_several_processes():
     assert (ctx.rank, ctx.world_size, ctx.lane, ctx.lanes) == (1, 4, 3, 8)
     old = ReplicaContext.from_env({"REPLICA_RANK": "2", "WORLD_SIZE": "3"})  # the original contract still reads
     assert (old.rank, old.world_size, old.lane, old.lanes) == (2, 3, 0, 1)
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, incarnation(0)),
+    ({"DILOCO_ATTEMPT": "2"}, incarnation(2)),
+    ({"DILOCO_ATTEMPT": "2", "DILOCO_RERUN": "3"}, incarnation(2, 3)),   # Slurm's third requeue of attempt 2
+    ({"DILOCO_RERUN": ""}, incarnation(0)),
+])
+def test_a_replica_knows_its_incarnation(env, expected):
+    ctx = ReplicaContext.from_env({"REPLICA_RANK": "1", "WORLD_SIZE": "2", **env})
+    assert ctx.incarnation == expected
+
+
+@pytest.mark.parametrize("value", ["-1", "x", "1.5", "1" * 12, "٣"])
+def test_a_rerun_number_that_is_not_a_count_is_named(value):
+    with pytest.raises(ValueError, match="DILOCO_RERUN"):
+        ReplicaContext.from_env({"DILOCO_RERUN": value})
 
 
 def test_local_dryrun_shows_torchrun_and_the_devices_each_replica_gets(cli, project):

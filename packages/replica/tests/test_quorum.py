@@ -144,7 +144,7 @@ def _record(run, r, members, nxt):
     from diloco_replica.wire import Identity, pack_json
 
     return pack_json(Identity(run, r, "members"), {"members": members, "lanes": [1] * len(members), "next": nxt,
-                                                    "attempts": [0] * len(members)})
+                                                    "incarnations": [0] * len(members)})
 
 
 def _meta(store, key):

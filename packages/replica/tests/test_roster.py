@@ -56,10 +56,10 @@ def test_a_decider_reads_the_newest_wellformed_target_and_the_join_markers():
     ({"members": [0, 1], "lanes": [1], "next": [0, 1]}, "a lane count"),
     ({"members": [0, 1], "lanes": [1, 0], "next": [0, 1]}, "a lane count"),
     ({"members": [0, 1], "lanes": [1, 5000], "next": [0, 1]}, "a lane count"),
-    ({"members": [0, 1], "lanes": [1, 2], "next": [0, 1]}, "an attempt per member"),              # none
-    ({"members": [0, 1], "lanes": [1, 2], "next": [0, 1], "attempts": [0]}, "an attempt per member"),
-    ({"members": [0, 1], "lanes": [1, 2], "next": [0, 1], "attempts": [0, -1]}, "an attempt per member"),
-    ({"members": [0, 1], "lanes": [1, 2], "next": [0, 1], "attempts": [0, "1"]}, "an attempt per member"),
+    ({"members": [0, 1], "lanes": [1, 2], "next": [0, 1]}, "an incarnation per member"),              # none
+    ({"members": [0, 1], "lanes": [1, 2], "next": [0, 1], "incarnations": [0]}, "an incarnation per member"),
+    ({"members": [0, 1], "lanes": [1, 2], "next": [0, 1], "incarnations": [0, -1]}, "an incarnation per member"),
+    ({"members": [0, 1], "lanes": [1, 2], "next": [0, 1], "incarnations": [0, "1"]}, "an incarnation per member"),
 ])
 def test_a_malformed_membership_record_is_corrupt_not_a_crash(meta, problem):
     from diloco_replica.allreduce import StoreAllReduce
@@ -73,9 +73,9 @@ def test_a_malformed_membership_record_is_corrupt_not_a_crash(meta, problem):
             ar.membership.read(3)
         store.put(RunKeys(run).members(4), pack_json(Identity(run, 4, "members"),
                                                     {"members": [0, 1], "lanes": [1, 2], "next": [0, 1, 5],
-                                                     "attempts": [0, 3]}))
+                                                     "incarnations": [0, 3]}))
         assert ar.membership.read(4).layouts == {0: 1, 1: 2} and ar.roster(5) == [0, 1, 5]
-        assert ar.membership.read(4).attempts_of == {0: 0, 1: 3}
+        assert ar.membership.read(4).incarnations_of == {0: 0, 1: 3}
     finally:
         ar.close()
 

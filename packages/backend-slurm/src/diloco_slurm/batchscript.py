@@ -98,6 +98,7 @@ trap on_notice "${preempt_signal#SIG}"
 trap on_term TERM
 rm -f -- "$stem.result.json" "$stem.exit"  # left by this job's run before a requeue
 echo "diloco: job $SLURM_JOB_ID on $(hostname) (restart ${SLURM_RESTART_COUNT:-0})"
+export DILOCO_RERUN="${SLURM_RESTART_COUNT:-0}"  # a requeued job's run: a new incarnation (diloco.presence)
 "$@" &
 child=$!
 while kill -0 "$child" 2>/dev/null; do wait "$child"; done

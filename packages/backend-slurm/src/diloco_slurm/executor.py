@@ -7,7 +7,8 @@ runs every command here or over the user's own ssh. Handles hold the job id and 
 the attempt's files, so `diloco status / logs / cancel / resume` reattach from any shell.
 
 A rank is relaunched alone as a new job (attempt + 1); a requeue (scontrol requeue, preemption
-with requeue) keeps the job id and reads pending meanwhile, costing no budget. `poll` never turns
+with requeue) keeps the job id and reads pending meanwhile, costing no budget; its next run is a
+new incarnation of the attempt (`reruns`, DILOCO_RERUN), so no round waits for the run that ended. `poll` never turns
 a failed read into an ending: if slurmctld does not answer, the status last seen stands.
 """
 
@@ -46,7 +47,7 @@ class SlurmExecutor:
     # node): a file:// rendezvous there is seen by every job. With `host` (below) it is not.
     capabilities = Capabilities(shares_launcher_filesystem=True, relaunches_one_rank=True, process_groups=True,
                                 inter_replica_network=False, preemption_signal="SIGUSR1", status_detail=True,
-                                log_files=True)
+                                numbered_reruns=True, log_files=True)
 
     def __init__(self, options: SlurmOptions | None = None, /, **overrides: Any):
         self.options = options_from(type(self), options, overrides)
@@ -152,6 +153,16 @@ class SlurmExecutor:
         if verdict is None:
             return f"Slurm on {self.access.where} did not answer; the status shown is the last one read"
         return verdict.detail or (verdict.cause if verdict.status is ReplicaStatus.CANCELLED else None)
+
+    def reruns(self, handle: ReplicaHandle) -> int | None:
+        """How often Slurm has requeued the job (its Restarts, which the next run reads as
+        SLURM_RESTART_COUNT and the batch script exports as DILOCO_RERUN); None if Slurm did not
+        answer or has forgotten the job."""
+        job_id = str(handle.metadata.get("job_id", ""))
+        if not job_id.isdigit():
+            return None
+        view = self._slurm_view(job_id)
+        return view.restarts if isinstance(view, jobstate.SlurmView) else None
 
     def log_path(self, handle: ReplicaHandle) -> Path:
         """The job's output file (sbatch --output), which `diloco logs --follow` tails; without `host` only."""

@@ -18,12 +18,13 @@ from . import envvars as v
 class ReplicaContext:
     def __init__(self, rank: int, world_size: int, run_id: str, attempt: int = 0, rendezvous: str | None = None,
                  settings: dict[str, object] | None = None, args: dict[str, object] | None = None,
-                 lane: int = 0, lanes: int = 1):
+                 lane: int = 0, lanes: int = 1, rerun: int = 0):
         self.rank = rank              # this replica's index
         self.world_size = world_size  # the number of replicas (not torch's WORLD_SIZE inside a replica)
         self.lane, self.lanes = lane, lanes  # this process's index in its replica, and the replica's processes
         self.run_id = run_id
         self.attempt = attempt
+        self.rerun = rerun            # the platform's run of this attempt (a Slurm requeue runs it again)
         self.rendezvous = rendezvous
         if settings is not None:
             self.settings = dict(settings)
@@ -43,9 +44,17 @@ class ReplicaContext:
         """The entrypoint arguments (the spec's [args] table)."""
         return _parse_json(self._raw_args)
 
+    @property
+    def incarnation(self) -> int:
+        """This run of this attempt as one ordered number: what the rounds' presence markers and
+        membership records name a replica by (`diloco.presence.incarnation`)."""
+        from .presence import incarnation
+
+        return incarnation(self.attempt, self.rerun)
+
     def __repr__(self) -> str:
         return (f"ReplicaContext(rank={self.rank}, world_size={self.world_size}, run_id={self.run_id!r}, "
-                f"attempt={self.attempt}, rendezvous={self.rendezvous!r}, lane={self.lane}, lanes={self.lanes})")
+                f"attempt={self.attempt}, rerun={self.rerun}, rendezvous={self.rendezvous!r}, lane={self.lane}, lanes={self.lanes})")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ReplicaContext:
@@ -58,6 +67,7 @@ class ReplicaContext:
             rendezvous=env.get(v.ENV_RENDEZVOUS) or None,
             lane=int(env.get(v.ENV_LANE) or "0") if env.get(v.ENV_REPLICAS) else 0,
             lanes=int(env.get(v.ENV_LANES) or "1") if env.get(v.ENV_REPLICAS) else 1,
+            rerun=_count(env, v.ENV_RERUN),
         )
         ctx._raw_settings = env.get(v.ENV_SETTINGS) or "{}"
         ctx._raw_args = env.get(v.ENV_ENTRYPOINT_ARGS) or "{}"
@@ -65,7 +75,8 @@ class ReplicaContext:
 
     @cached_property
     def log(self):
-        """A logger that prefixes every line with the rank and attempt."""
+        """A logger that prefixes every line with the rank and attempt (and the platform's re-run
+        of it, from the first requeue on)."""
         import logging
         import sys
 
@@ -74,7 +85,8 @@ class ReplicaContext:
         if not logger.handlers:
             handler = logging.StreamHandler(sys.stderr)
             handler.setFormatter(logging.Formatter(
-                f"%(asctime)s [{who} attempt {self.attempt}] %(levelname)s %(message)s"))
+                f"%(asctime)s [{who} attempt {self.attempt}{f' rerun {self.rerun}' if self.rerun else ''}] "
+                f"%(levelname)s %(message)s"))
             logger.addHandler(handler)
             logger.setLevel(logging.INFO)
             logger.propagate = False
@@ -94,6 +106,16 @@ class ReplicaContext:
         limit = self.settings.get("store_outage_limit")
         limit = float(limit) if isinstance(limit, (int, float)) else DilocoSettings.store_outage_limit
         return throttled_from_env(open_store(self.rendezvous, outage_limit=limit, log=self.log.warning))
+
+
+def _count(env: Mapping[str, str], name: str) -> int:
+    """A non-negative count from the environment (0 when unset); anything else is an error that
+    names the variable."""
+    text = env.get(name) or "0"
+    if not (text.isascii() and text.isdigit() and len(text) <= 9):
+        raise ValueError(f"{name}={text!r} is not a non-negative count: the backend that started this "
+                         f"replica set it wrong")
+    return int(text)
 
 
 def _parse_json(text: str) -> dict[str, object]:

@@ -13,6 +13,8 @@ ENV_RENDEZVOUS = "DILOCO_RENDEZVOUS"
 ENV_RUN_ID = "DILOCO_RUN_ID"
 ENV_GROUP = "DILOCO_GROUP"  # the replica's group, in a run with [[group]] tables (diloco.groups)
 ENV_ATTEMPT = "DILOCO_ATTEMPT"
+ENV_RERUN = "DILOCO_RERUN"  # the run of the attempt (0: its first), set by a backend whose platform runs
+# an attempt again in place and numbers the runs (Slurm: SLURM_RESTART_COUNT; `diloco.presence`)
 ENV_ENTRYPOINT = "DILOCO_ENTRYPOINT"
 ENV_ENTRYPOINT_ARGS = "DILOCO_ENTRYPOINT_ARGS"
 ENV_SETTINGS = "DILOCO_SETTINGS"

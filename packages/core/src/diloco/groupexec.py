@@ -66,6 +66,7 @@ class GroupedExecutor:
             process_groups=all(c.process_groups for c in caps),
             inter_replica_network=False,
             status_detail=any(c.status_detail for c in caps),
+            numbered_reruns=any(c.numbered_reruns for c in caps),
             log_files=all(c.log_files for c in caps))
 
     def group_of(self, rank: int) -> ReplicaGroup:
@@ -136,6 +137,10 @@ class GroupedExecutor:
     def status_detail(self, handle: ReplicaHandle) -> str | None:
         executor = self.executor_of(handle.rank)
         return executor.status_detail(handle) if executor.capabilities.status_detail else None
+
+    def reruns(self, handle: ReplicaHandle) -> int | None:
+        executor = self.executor_of(handle.rank)
+        return executor.reruns(handle) if executor.capabilities.numbered_reruns else None
 
     def log_path(self, handle: ReplicaHandle) -> Any:
         return self.executor_of(handle.rank).log_path(handle)

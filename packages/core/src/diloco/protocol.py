@@ -137,6 +137,11 @@ class Capabilities:
         backend exports it to replicas as DILOCO_PREEMPTION_SIGNAL and the runner turns it into exit 75.
     status_detail: the executor has `status_detail(handle) -> str | None`, the platform's words
         for why a replica is pending again (recorded in `pending` events).
+    numbered_reruns: the platform runs an attempt again in place and numbers the runs (Slurm's
+        requeue: the same job, Restarts + 1): the executor has `reruns(handle) -> int | None`, how
+        many re-runs of the attempt the platform has started or scheduled (None: cannot tell now),
+        and each run's replica gets its number as DILOCO_RERUN. The launcher then marks the run
+        that ended away at once (`diloco.presence`), so no round waits for it.
     log_files: the executor has `log_path(handle) -> Path`, an absolute path on this machine of a
         file the replica's output grows in; `diloco logs --follow` tails it instead of re-reading `stream_logs`.
     cloud: the cloud whose network the replicas run in ("aws", "gcp", "azure"), so the estimate
@@ -149,6 +154,7 @@ class Capabilities:
     inter_replica_network: bool = False
     preemption_signal: str | None = None
     status_detail: bool = False
+    numbered_reruns: bool = False
     log_files: bool = False
     cloud: str | None = None
 

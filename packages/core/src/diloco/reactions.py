@@ -21,14 +21,16 @@ from .policy import (Action, Ending, Failure, Peer, Spend, cancelled_everywhere,
 from .protocol import ReplicaStatus
 from .rankstate import RankState, RankStatus
 
-# on_presence(rank, attempt, present, reason): `present` False when the launcher learns that the
-# rank's attempt `attempt` is not running (reason: the event that said so: "failed", "preempted",
-# "time_limit", "cancelled_outside", "given_up", "pending", "succeeded", "gang_restart",
-# "retired"), True when it runs ("running").
-Presence = Callable[[int, int, bool, str], None]
+# on_presence(rank, attempt, present, reason, rerun): `present` False when the launcher learns that
+# the rank's attempt `attempt` is not running (reason: the event that said so: "failed",
+# "preempted", "time_limit", "cancelled_outside", "given_up", "pending", "succeeded",
+# "gang_restart", "retired"), True when it runs ("running"). `rerun`, with "pending" only: the
+# run of the attempt that ended, where the platform runs it again in place and numbers the runs
+# (`Capabilities.numbered_reruns`), else None.
+Presence = Callable[[int, int, bool, str, "int | None"], None]
 
 
-def no_presence(rank: int, attempt: int, present: bool, reason: str) -> None:
+def no_presence(rank: int, attempt: int, present: bool, reason: str, rerun: int | None = None) -> None:
     """An `on_presence` that tells nobody (a supervisor whose rounds need no presence markers)."""
 
 
@@ -46,8 +48,10 @@ class Reactions:
         the pass must stop looking at other ranks (the run ended, or every rank restarts)."""
         sup, attempt = self.sup, st.handle.attempt
         if status is ReplicaStatus.PENDING and was is RankStatus.RUNNING:  # a spot interruption the platform retries
-            sup.event("pending", rank=st.rank, attempt=attempt, reason=self.why_waiting(st))
-            self.presence(st, False, "pending")
+            rerun = self.rerun_ended(st)
+            sup.event("pending", rank=st.rank, attempt=attempt, reason=self.why_waiting(st),
+                      **({"rerun": rerun + 1} if rerun is not None else {}))
+            self.presence(st, False, "pending", rerun)
         elif status is ReplicaStatus.RUNNING:
             sup.event("running", rank=st.rank, attempt=attempt)
             self.presence(st, True, "running")
@@ -76,8 +80,20 @@ class Reactions:
         except Exception as exc:  # noqa: BLE001 - a reason is decoration; never stop supervising for it
             return f"(no detail: {type(exc).__name__})"
 
-    def presence(self, st: RankState, present: bool, reason: str) -> None:
-        self.sup.on_presence(st.rank, st.handle.attempt if st.handle else 0, present, reason)
+    def rerun_ended(self, st: RankState) -> int | None:
+        """The run of `st`'s attempt that just ended to be run again in place, if the executor
+        numbers its re-runs (`Capabilities.numbered_reruns`: the next run is `reruns`); else None."""
+        sup = self.sup
+        if not sup.capabilities.numbered_reruns:
+            return None
+        try:
+            reruns = sup.executor.reruns(st.handle)
+        except Exception:  # noqa: BLE001 - unknown now: the rounds give the rank a grace window instead
+            return None
+        return reruns - 1 if isinstance(reruns, int) and not isinstance(reruns, bool) and reruns > 0 else None
+
+    def presence(self, st: RankState, present: bool, reason: str, rerun: int | None = None) -> None:
+        self.sup.on_presence(st.rank, st.handle.attempt if st.handle else 0, present, reason, rerun)
 
     # -- an attempt that ended without success ---------------------------------------------
 

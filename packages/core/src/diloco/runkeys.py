@@ -43,11 +43,12 @@ class RunKeys:
         """Lane `lane` of replica `src`: its piece of shard j (`diloco_replica.layout.Cut.pieces`)."""
         return f"{self.round(r)}/scatter/{shard}/{src}.{lane}"
 
-    def ready(self, r: int, src: int | None = None, lanes: int = 1, attempt: int = 0) -> str:
-        """Attempt `attempt` of replica `src` of `lanes` processes has every piece it sends in the
-        store (the name carries its lane count and attempt, so whoever decides the round learns
-        them from one LIST, and everyone can tell when a member's attempt ended)."""
-        return f"{self.round(r)}/ready/" + ("" if src is None else f"{src}.{lanes}.{attempt}")
+    def ready(self, r: int, src: int | None = None, lanes: int = 1, incarnation: int = 0) -> str:
+        """That incarnation (`diloco.presence.incarnation`) of replica `src` of `lanes` processes
+        has every piece it sends in the store (the name carries its lane count and incarnation, so
+        whoever decides the round learns them from one LIST, and everyone can tell when a member's
+        incarnation ended)."""
+        return f"{self.round(r)}/ready/" + ("" if src is None else f"{src}.{lanes}.{incarnation}")
 
     def members(self, r: int) -> str:
         return f"{self.round(r)}/members.json"
@@ -90,13 +91,13 @@ class RunKeys:
     def scale(self, seq: int) -> str:
         return f"{self.roster()}{SCALE_PREFIX}{seq:08d}{SCALE_SUFFIX}"
 
-    def join(self, rank: int, round_: int, attempt: int) -> str:
-        """Attempt `attempt` of `rank` takes part from round `round_` on."""
-        return f"{self.roster()}{join_name(rank, round_, attempt)}"
+    def join(self, rank: int, round_: int, incarnation: int) -> str:
+        """That incarnation of `rank` (`diloco.presence.incarnation`) takes part from round `round_` on."""
+        return f"{self.roster()}{join_name(rank, round_, incarnation)}"
 
-    def away(self, rank: int, attempt: int) -> str:
-        """The launcher saw attempt `attempt` of `rank` end."""
-        return f"{self.roster()}{away_name(rank, attempt)}"
+    def away(self, rank: int, incarnation: int) -> str:
+        """The launcher saw that incarnation of `rank`, and every earlier one, end."""
+        return f"{self.roster()}{away_name(rank, incarnation)}"
 
     # -- what the run reports ----------------------------------------------------------------
 

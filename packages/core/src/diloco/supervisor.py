@@ -95,8 +95,8 @@ class Supervisor:
         self._outage_since: dict[str, float] = {}  # by group: one backend's outage is timed on its own
         self.lease: Any = None  # a diloco.lease.SupervisorLease while this supervisor runs
 
-    def _mark_presence(self, rank: int, attempt: int, present: bool, reason: str) -> None:
-        problem = self.away.on_presence(rank, attempt, present, reason)
+    def _mark_presence(self, rank: int, attempt: int, present: bool, reason: str, rerun: int | None = None) -> None:
+        problem = self.away.on_presence(rank, attempt, present, reason, rerun)
         if problem is not None:  # the rounds fall back on their grace window; said once per rank and attempt
             self.event("presence_failed", rank=rank, attempt=attempt, error=shorten(problem))
 

@@ -4,7 +4,7 @@ The store cannot add, so the replicas do the reduction (LambdaML's reduce-scatte
 Round r, replica i with pseudo-gradient Δ_i split into N contiguous shards, shard j owned by j:
 
 1. scatter: upload shard j of Δ_i to ``r/scatter/j/i.<lane>`` for every j ≠ i, then a tiny
-   ``r/ready/i.<lanes>.<attempt>`` marker (so "ready" implies all its shards are in the store);
+   ``r/ready/i.<lanes>.<incarnation>`` marker (so "ready" implies all its shards are in the store);
 2. membership (`membership.Membership`): one create-only ``members.json`` fixes who is in;
 3. reduce (`reduce.ShardReducer`): the reducer of shard j (j itself if it is a member, else the
    member at position j mod |members|) averages the members' contributions in rank order in
@@ -81,7 +81,7 @@ class StoreAllReduce:
                  poll_max: float = 1.0, workers: int | None = None, log: Callable[[str], None] | None = None,
                  lanes: Lanes | None = None, topk_density: float = DilocoSettings.topk_density,
                  step_cap: int | None = None, part_mb: float = DilocoSettings.part_mb,
-                 round_grace: float | None = None, attempt: int = 0):
+                 round_grace: float | None = None, incarnation: int = 0):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         lanes = lanes or Lanes()
@@ -91,7 +91,7 @@ class StoreAllReduce:
                           run_id=run_id, rank=rank, n=world_size, round_timeout=round_timeout,
                           poll_interval=poll_interval, poll_max=poll_max, log=log or (lambda msg: None),
                           faults=Faults(rank, lanes.index), codec=codec)
-        self.rank, self.n, self.lanes, self.attempt = rank, world_size, lanes, attempt
+        self.rank, self.n, self.lanes, self.incarnation = rank, world_size, lanes, incarnation
         self.codec, self.topk_density, self.part_mb = codec, topk_density, part_mb
         # Time-based rounds (`round_seconds`): each contribution states its inner steps (1..step_cap)
         # and a shard's mean is FedNova's (`reduce`).
@@ -210,7 +210,7 @@ class StoreAllReduce:
                 decided = self.lanes.on_leader(lambda: self._ready_and_decide(r))
         rnd.laps.lap("wait")
         members = Decided.from_json(decided)
-        rnd.members, rnd.layouts, rnd.attempts = members.members, members.layouts, members.attempts_of
+        rnd.members, rnd.layouts, rnd.incarnations = members.members, members.layouts, members.incarnations_of
         self._learn(r, members)
         # The previous round's reduced shards stay servable until this round is formed: a reader
         # that found one corrupt is still finishing that round, and this round waits for it.
@@ -283,7 +283,7 @@ class StoreAllReduce:
 
     def _ready_and_decide(self, r: int) -> list:
         """(Lane 0, once per replica) mark this replica ready, then fix the round's members."""
-        self.io.put(self.io.keys.ready(r, self.rank, self.lanes.count, self.attempt), b"{}", create_only=True)
+        self.io.put(self.io.keys.ready(r, self.rank, self.lanes.count, self.incarnation), b"{}", create_only=True)
         return self.membership.decide(r, self.roster(r), self.roster(r - 1) if r > 1 else None).to_json()
 
     def fetch(self, r: int, cut: Cut, *, sink: RoundSink | None = None) -> RoundResult:
@@ -294,7 +294,7 @@ class StoreAllReduce:
         if decided is None:
             self.membership.check_not_collected(r)
             raise RoundFailed(f"round {r} has no membership record; it has not happened yet")
-        rnd.members, rnd.layouts, rnd.attempts = decided.members, decided.layouts, decided.attempts_of
+        rnd.members, rnd.layouts, rnd.incarnations = decided.members, decided.layouts, decided.incarnations_of
         self._learn(r, decided)
         mean = None
         if sink is None:

@@ -87,7 +87,7 @@ class Exchanger:
             poll_interval=float(s.poll_interval or first), poll_max=float(s.poll_max or cap), log=log,
             lanes=lanes, topk_density=float(s.topk_density),
             step_cap=self.H if s.round_seconds is not None else None, part_mb=float(s.part_mb),
-            round_grace=s.round_grace, attempt=ctx.attempt)
+            round_grace=s.round_grace, incarnation=ctx.incarnation)
         self.state = GlobalState(self.allreduce, total, lr=float(s.outer_lr), momentum=float(s.outer_momentum),
                                  nesterov=bool(s.nesterov), checkpoint_every=int(s.checkpoint_every), log=log,
                                  fragments=self.fragments, theta_out=theta_out)
@@ -150,16 +150,16 @@ class Exchanger:
     def _where(self, c: int, announced: int | None, *, stuck: bool) -> str | int:
         """(Lane 0) "go": take part in round c + 1 now; "out": scaled away; else the round this
         replica has announced it takes part from (announced here if it had not been)."""
-        ar, rank, attempt = self.allreduce, self.ctx.rank, self.ctx.attempt
+        ar, rank, incarnation = self.allreduce, self.ctx.rank, self.ctx.incarnation
         rosters = ar.membership.rosters
         if rank not in ar.roster(c + 1):  # added by `diloco scale`: a round's decision lets it in
             target = rosters.look()[0]
             if target is not None and rank not in target.ranks:
                 return "out"
             if announced is None:
-                rosters.announce(rank, c + 2, attempt)
+                rosters.announce(rank, c + 2, incarnation)
             return announced or c + 2
-        if c == 0 and attempt == 0:  # the run's start: every rank of the launch is expected in round 1
+        if c == 0 and incarnation == 0:  # the run's start: every rank of the launch is expected in round 1
             return "go"
         if c > 0 and rank not in ar.roster(c):  # round c's decision let it in: round c + 1 expects it
             return "go"
@@ -167,9 +167,9 @@ class Exchanger:
             return announced
         presence = rosters.look()[1]
         if stuck or not self._others_train(c, presence):
-            rosters.announce(rank, c + 1, attempt)
+            rosters.announce(rank, c + 1, incarnation)
             return "go"
-        rosters.announce(rank, c + 2, attempt)
+        rosters.announce(rank, c + 2, incarnation)
         return c + 2
 
     def _others_train(self, c: int, presence: Presence) -> bool:

@@ -4,7 +4,7 @@ Every lane downloads the reduced shards it holds a piece of and did not reduce i
 its piece of each to the sink. One whose reducer died is taken over by exactly one waiting
 replica — whoever wins the create-only ``r/claim/j.<g>`` — while the rest keep waiting for its
 result; a claimant that dies too is replaced by generation g+1. A reducer is known dead when the
-launcher has marked the attempt that was the round's member away (`diloco.presence`, read every
+launcher has marked the incarnation that was the round's member away (`diloco.presence`, read every
 `PRESENCE_EVERY` seconds while shards are missing), so its shards are taken over at once; without
 that word (the launcher is down) a shard is taken over once it has not appeared within the
 round timeout. A corrupt shard is repaired by its reducer
@@ -36,7 +36,7 @@ class Gatherer:
         self.io, self.membership, self.repairs, self.window = io, membership, repairs, window
 
     def _gone(self, rnd: Round, wanted: list[int], generation: dict[int, int]) -> list[int]:
-        """The shards of `wanted` still with their first reducer (generation 0) whose attempt the
+        """The shards of `wanted` still with their first reducer (generation 0) whose incarnation the
         launcher saw end (one LIST of the presence markers, a poll)."""
         first = [j for j in wanted if generation[j] == 0]
         if not first:
@@ -46,7 +46,7 @@ class Gatherer:
         out = []
         for j in first:
             k = rnd.reducer(j)[0]
-            if k in rnd.attempts and presence.away.get(k, -1) >= rnd.attempts[k]:
+            if k in rnd.incarnations and presence.away.get(k, -1) >= rnd.incarnations[k]:
                 out.append(j)
         return out
 
@@ -100,7 +100,7 @@ class Gatherer:
                 if not io.put(io.keys.claim(r, j, generation[j]), str(io.rank).encode(), create_only=True):
                     generation[j] += 1  # someone else claimed it: wait for their result, then claim the next
                     continue
-                io.log(f"round {r}: reduced shard {j} " + ("has no reducer left (its attempt ended)" if gone else
+                io.log(f"round {r}: reduced shard {j} " + ("has no reducer left (its incarnation ended)" if gone else
                        f"did not appear in {io.round_timeout:g}s") + "; reducing it here")
                 rnd.deliver(sink, j, take_over(j))
                 rnd.takeovers.append(j)

@@ -5,9 +5,10 @@ last round's members, those announced for it, minus those the launcher saw end) 
 ready (their pieces are up), or a grace window set from the run's pace passes; then one
 replica's create-only ``members.json`` fixes the members for every shard, and says why each
 absent rank is absent; everyone reads the winner's list. A ready marker's name carries its
-replica's lane count and attempt (``ready/<rank>.<lanes>.<attempt>``) and the record keeps them
-beside each member, so every reducer knows which pieces each member sent (`layout.Cut.pieces`)
-and everyone can tell when a member's attempt ended (`gather`). Fewer than `min_members` → `RoundFailed`. A replica that arrives after
+replica's lane count and incarnation (``ready/<rank>.<lanes>.<incarnation>``: its attempt and
+re-run, `diloco.presence.incarnation`) and the record keeps them beside each member, so every
+reducer knows which pieces each member sent (`layout.Cut.pieces`) and everyone can tell when a
+member's incarnation ended (`gather`). Fewer than `min_members` → `RoundFailed`. A replica that arrives after
 the decision is not a member: its update is left out and it adopts the round's result.
 
 History is never rewritten: a round at or below the store's low-water mark (see
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from diloco.scaling import ranks_ok
 
-from diloco.presence import Presence
+from diloco.presence import MAX_INCARNATION, Presence
 
 from .checkpoints import Checkpoints
 from .layout import MAX_LANES
@@ -66,11 +67,11 @@ class Membership:
         if not isinstance(lanes, list) or len(lanes) != len(members) or not all(
                 type(k) is int and 1 <= k <= MAX_LANES for k in lanes):
             raise CorruptObject(f"{key}: malformed membership record (a lane count in 1..{MAX_LANES} per member)")
-        attempts = got.meta.get("attempts")
-        if not isinstance(attempts, list) or len(attempts) != len(members) or not all(
-                type(a) is int and 0 <= a < 1 << 40 for a in attempts):
-            raise CorruptObject(f"{key}: malformed membership record (an attempt per member)")
-        decided = self._decided[r] = Decided(members, lanes, nxt, attempts)
+        incarnations = got.meta.get("incarnations")
+        if not isinstance(incarnations, list) or len(incarnations) != len(members) or not all(
+                type(a) is int and 0 <= a < MAX_INCARNATION for a in incarnations):
+            raise CorruptObject(f"{key}: malformed membership record (an incarnation per member)")
+        decided = self._decided[r] = Decided(members, lanes, nxt, incarnations)
         for old in [k for k in self._decided if k < r - 3]:
             del self._decided[old]
         return decided
@@ -169,7 +170,7 @@ class Membership:
                           [lanes_of[m][1] for m in members])
         absent = Absent.of(roster, ready, expect, away, later)
         record = pack_json(Identity(io.run_id, r, "members"), {
-            "members": members, "lanes": decided.lanes, "next": decided.next, "attempts": decided.attempts,
+            "members": members, "lanes": decided.lanes, "next": decided.next, "incarnations": decided.incarnations,
             "decided_by": io.rank,
             "absent": {str(a.rank): a.why for a in absent}})
         if not io.put(io.keys.members(r), record, create_only=True):
@@ -185,24 +186,24 @@ class Membership:
 
 @dataclass(frozen=True)
 class Decided:
-    """A round's members (ranks, ascending), each one's lane count and attempt in the same
+    """A round's members (ranks, ascending), each one's lane count and incarnation in the same
     order, and the next round's roster (`roster`)."""
 
     members: list[int]
     lanes: list[int]
     next: list[int]
-    attempts: list[int]
+    incarnations: list[int]
 
     @property
     def layouts(self) -> dict[int, int]:
         return dict(zip(self.members, self.lanes))
 
     @property
-    def attempts_of(self) -> dict[int, int]:
-        return dict(zip(self.members, self.attempts))
+    def incarnations_of(self) -> dict[int, int]:
+        return dict(zip(self.members, self.incarnations))
 
     def to_json(self) -> list:
-        return [self.members, self.lanes, self.next, self.attempts]
+        return [self.members, self.lanes, self.next, self.incarnations]
 
     @classmethod
     def from_json(cls, value: list) -> Decided:
@@ -210,17 +211,17 @@ class Decided:
 
 
 def ready_markers(names: list[str], roster: list[int]) -> dict[int, tuple[int, int]]:
-    """rank -> (lane count, attempt) from ready markers' names (``<rank>.<lanes>.<attempt>``) of
-    the round's roster; anything else is ignored, and a rank named twice counts with its fewest
-    lanes and newest attempt."""
+    """rank -> (lane count, incarnation) from ready markers' names (``<rank>.<lanes>.<incarnation>``)
+    of the round's roster; anything else is ignored, and a rank named twice counts with its fewest
+    lanes and newest incarnation."""
     out: dict[int, tuple[int, int]] = {}
     expected = set(roster)
     for name in names:
         parts = name.split(".")
         if len(parts) != 3 or not all(p.isdigit() and len(p) <= 12 for p in parts):
             continue
-        rank, lanes, attempt = (int(p) for p in parts)
-        if rank in expected and 1 <= lanes <= MAX_LANES:
+        rank, lanes, inc = (int(p) for p in parts)
+        if rank in expected and 1 <= lanes <= MAX_LANES and inc < MAX_INCARNATION:
             had = out.get(rank, (MAX_LANES, -1))
-            out[rank] = (min(lanes, had[0]), max(attempt, had[1]))
+            out[rank] = (min(lanes, had[0]), max(inc, had[1]))
     return out

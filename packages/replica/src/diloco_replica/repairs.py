@@ -161,7 +161,7 @@ class RepairDesk:
         raise AssertionError("a repair wait ends by returning or raising")  # `another_window` raises at the end
 
     def _writer_live(self, r: int, writer: int) -> bool:
-        """Whether the reducer of round r may still answer: the attempt that was the round's member
+        """Whether the reducer of round r may still answer: the incarnation that was the round's member
         has not moved on past it (a member of round r + 1, or announced for a round after that:
         then it forgot what it published, `next_round`) and the launcher has not marked it away
         (`diloco.presence`). A GET of the two rounds' records unless held, and a LIST of the
@@ -171,17 +171,17 @@ class RepairDesk:
             decided, after = self.membership.read(r), self.membership.read(r + 1)
         except CorruptObject:  # a damaged record says nothing about the reducer
             return False
-        attempt = decided.attempts_of.get(writer) if decided is not None else None
-        if attempt is None:
+        incarnation = decided.incarnations_of.get(writer) if decided is not None else None
+        if incarnation is None:
             return False
-        if after is not None and after.attempts_of.get(writer) == attempt:
+        if after is not None and after.incarnations_of.get(writer) == incarnation:
             return False
         with self.io.store.polling():
             presence = self.membership.rosters.look()[1]
         joined = presence.joins.get(writer)
-        if joined is not None and joined[0] == attempt and any(k > r + 1 for k in joined[1]):
+        if joined is not None and joined[0] == incarnation and any(k > r + 1 for k in joined[1]):
             return False
-        return presence.away.get(writer, -1) < attempt
+        return presence.away.get(writer, -1) < incarnation
 
     # -- serving -----------------------------------------------------------------------------
 

@@ -85,10 +85,10 @@ class Rosters:
                 self.log(f"ignoring {self.keys.roster()}{name}: {exc}")
         return self.target, presence
 
-    def announce(self, rank: int, round_: int, attempt: int) -> None:
-        """Attempt `attempt` of this replica holds the global state and takes part from round
+    def announce(self, rank: int, round_: int, incarnation: int) -> None:
+        """This incarnation of this replica holds the global state and takes part from round
         `round_` on (`diloco.presence`)."""
         try:
-            self.store.put(self.keys.join(rank, round_, attempt), b"", create_only=True)
+            self.store.put(self.keys.join(rank, round_, incarnation), b"", create_only=True)
         except ObjectExists:  # announced before, the same words: as good
             pass

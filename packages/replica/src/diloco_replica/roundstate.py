@@ -62,7 +62,7 @@ class Round:
     replay: bool = False
     members: list[int] = field(default_factory=list)
     layouts: dict[int, int] = field(default_factory=dict)  # member -> its lane count
-    attempts: dict[int, int] = field(default_factory=dict)  # member -> its attempt (`gather`: is it gone?)
+    incarnations: dict[int, int] = field(default_factory=dict)  # member -> its incarnation (`gather`: is it gone?)
     roster: list[int] = field(default_factory=list)  # the ranks of the round, in order (`roster`; default 0 … N−1)
     codec: str = "fp32"                # the run's transport codec
     sent: dict[int, list[memoryview]] = field(default_factory=dict)  # pieces encoded before the upload, as sent

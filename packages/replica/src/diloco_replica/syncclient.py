@@ -133,7 +133,7 @@ class SyncProcess:
             self._send("start", total=total, theta=theta_path, snapshot=snapshot_path, lanes_file=lanes_file,
                  threads=threads, settings=asdict(settings),
                  ctx={"rank": ctx.rank, "world_size": ctx.world_size, "run_id": ctx.run_id, "attempt": ctx.attempt,
-                      "rendezvous": ctx.rendezvous, "lane": ctx.lane, "lanes": ctx.lanes})
+                      "rerun": ctx.rerun, "rendezvous": ctx.rendezvous, "lane": ctx.lane, "lanes": ctx.lanes})
             self._expect("mapped")
         finally:
             sharedbuf.unlink(theta_path)  # both map them now; no name is left behind, whoever dies

@@ -65,7 +65,7 @@ def serve(conn: Connection, parent: int) -> int:
     send(conn, "mapped")
     settings = DilocoSettings.from_table(start["settings"], where="the sync process's settings")
     ctx = ReplicaContext(int(c["rank"]), int(c["world_size"]), str(c["run_id"]), int(c["attempt"]),
-                         str(c["rendezvous"]), lane=int(c["lane"]), lanes=int(c["lanes"]),
+                         str(c["rendezvous"]), lane=int(c["lane"]), lanes=int(c["lanes"]), rerun=int(c["rerun"]),
                          settings=settings.to_dict())  # its store waits out outages as the spec says
     if os.environ.get(ENV_FAULT_CLOCK_SKEW):  # a test's skewed wall clock (diloco.testing.clockskew)
         from diloco.testing.clockskew import install_from_env

@@ -176,22 +176,28 @@ class ExecutorConformance(abc.ABC):
 
     def test_capabilities_hold(self):
         """What `capabilities` declares is what core relies on: a preemption signal the runner can
-        install, a cloud the estimate prices, the methods `status_detail` and `log_files` promise."""
+        install, a cloud the estimate prices, the methods `status_detail`, `numbered_reruns` and
+        `log_files` promise (a replica that has run once has been re-run 0 times, or cannot tell)."""
         executor = self.executor()
         caps = executor.capabilities
         require(caps.preemption_signal is None or caps.preemption_signal in signal.Signals.__members__,
                 f"preemption_signal {caps.preemption_signal!r} is not a signal name such as 'SIGINT'", "#capabilities")
         require(caps.cloud is None or caps.cloud in CLOUDS, f"cloud {caps.cloud!r} is not one of {CLOUDS} or None",
                 "#capabilities")
-        for flag, method in (("status_detail", "status_detail"), ("log_files", "log_path")):
+        for flag, method in (("status_detail", "status_detail"), ("numbered_reruns", "reruns"),
+                             ("log_files", "log_path")):
             require(not getattr(caps, flag) or callable(getattr(executor, method, None)),
                     f"capabilities.{flag} is true but the executor has no `{method}(handle)`", "#capabilities")
-        if caps.status_detail:
+        if caps.status_detail or caps.numbered_reruns:
             handles = self.launch(executor, REPORT, n=1)
-            detail = executor.status_detail(handles[0])
+            detail = executor.status_detail(handles[0]) if caps.status_detail else None
             executor.collect(handles, timeout=self.wait_timeout)
             require(detail is None or isinstance(detail, str),
                     f"status_detail returned {type(detail).__name__}, not str or None", "#capabilities")
+            reruns = executor.reruns(handles[0]) if caps.numbered_reruns else None
+            require(reruns in (None, 0) and not isinstance(reruns, bool),
+                    f"reruns returned {reruns!r} for a replica that ran once: 0 (or None: cannot tell)",
+                    "#capabilities")
 
     def test_log_path_is_a_local_file_the_output_grows_in(self):
         """`diloco logs --follow` tails `log_path(handle)` from another process when `log_files` is declared."""

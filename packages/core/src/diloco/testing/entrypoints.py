@@ -24,7 +24,7 @@ def fail_on(ctx: ReplicaContext, fail_rank: int = 0) -> dict:
 
 
 def sleep(ctx: ReplicaContext, seconds: float = 60.0) -> None:
-    print(f"rank {ctx.rank} sleeping {seconds}s", flush=True)
+    print(f"rank {ctx.rank} sleeping {seconds}s (attempt {ctx.attempt} rerun {ctx.rerun})", flush=True)
     time.sleep(seconds)
 
 
