@@ -12,6 +12,7 @@ import torch
 
 from diloco.store import open_store
 from diloco_replica.allreduce import StoreAllReduce
+from diloco_replica.wire import Identity, unpack
 from diloco.runkeys import RunKeys
 
 from test_untrusted_objects import repacked
@@ -65,12 +66,15 @@ def test_a_bad_reduced_shard_is_repaired_not_a_crash(damage, problem):
 
 
 @pytest.mark.parametrize("away", [False, True], ids=["paused", "its attempt ended"])
-def test_a_reader_waits_past_the_round_timeout_for_a_live_reducer_to_repair_its_shard(away):
+def test_a_reader_waits_for_a_live_reducer_to_repair_its_shard_and_voids_a_gone_ones(away):
     """Rank 1's reduced shard lands corrupt and rank 1 then pauses (no repair served) for 2.5
     round timeouts. Only rank 1 holds the mean it applied, so rank 0 waits for it while its attempt
     is live and gets the repair (it used to fail after one timeout, and every relaunch failed the
-    same way while the reducer slept); once the launcher marks that attempt away, it stops
-    waiting after the window it is in."""
+    same way while the reducer slept). Once the launcher marks that attempt away, nobody can ever
+    get that mean (failing only made every relaunch fail replaying the round: the soak's crash
+    loop), so after the window it is in rank 0 voids the shard's update: a zero mean at the
+    re-publication's key, create-only, which the reducer, waking, cannot replace; and round 1's
+    checkpoint is void."""
     from diloco.presence import away_name
 
     timeout = 1.5
@@ -103,11 +107,18 @@ def test_a_reader_waits_past_the_round_timeout_for_a_live_reducer_to_repair_its_
     [t.join() for t in threads]
     for ar in ars:
         ar.close()
-    if away:
-        assert len(errors) == 1 and "did not re-publish it within" in str(errors[0]), errors
-        assert ended[0] - t0 < 2.5 * timeout  # one window, not until the reducer woke
-        return
     assert not errors, errors
+    if away:
+        assert ended[0] - t0 < 2.5 * timeout  # one window, not until the reducer woke
+        voided = results[0].mean == 0
+        assert int(voided.sum()) == 1000 and torch.equal(results[0].mean[~voided], results[1].mean[~voided])
+        [incident] = results[0].incidents
+        assert "voided" in incident["action"] and "rank 1" in incident["action"]
+        names = [m["path"].rsplit("/", 1)[-1] for m in store.list(RunKeys(run).checkpoint(1))]
+        assert names == ["void"], names
+        obj = unpack(store.get(RunKeys(run).repaired(1, 1)), Identity(run, 1, "reduced", 1, -1), "repaired")
+        assert obj.meta["void"] is True and not obj.tensor().any()  # what a replay reads too
+        return
     assert torch.equal(results[0].mean, results[1].mean)
     [incident] = results[0].incidents
     assert "re-published by its reducer" in incident["action"]
@@ -141,3 +152,40 @@ def test_a_re_publication_that_is_corrupt_too_fails_the_round_at_once():
         ar.close()
     assert "so is its re-publication" in str(errors.get(0)), errors
     assert ended[0] - t0 < 2 * timeout  # not REPAIR_WINDOWS round timeouts
+
+
+def test_a_corrupt_shard_whose_reducer_was_killed_is_voided_and_the_run_goes_on(replicas, store_uri, tmp_path):
+    """The soak's crash loop (docs/benchmarks.md, "A thousand faults", run 10): rank 1 publishes
+    round 2's reduced shard 1 with the wrong length and is SIGKILLed while it gathers, before any
+    reader asked it to re-publish; the launcher marks it away and relaunches it. Nobody holds that
+    mean any more, so the readers failed round 2, and every relaunch failed again replaying it,
+    until the restart budget ran out. Now the readers void the shard's update after one round
+    timeout, the relaunched rank replays the void, and all three end on one model."""
+    import os
+    import signal
+    from pathlib import Path
+
+    from diloco.metrics import read_rounds
+    from diloco.presence import away_name, last_incarnation
+
+    settings = {"sync_every": 2, "round_timeout": 2.0, "checkpoint_every": 2}
+    env = {"DILOCO_FAULT_WRONG_LENGTH": "reduced:2:1", "DILOCO_FAULT_PHASE_FILE": str(tmp_path / "phase-{rank}"),
+           "DILOCO_FAULT_PHASE_DELAY": "0.1"}
+    first = replicas.launch("mlp_rounds", 3, rendezvous=store_uri, settings=settings, env=env,
+                            args={"steps": 12, "dim": 16})
+    marker, deadline = Path(tmp_path / "phase-1"), time.monotonic() + 120
+    while time.monotonic() < deadline:  # "gather 2 <pid>": its shard is up, nobody has asked for a repair yet
+        if marker.exists() and marker.read_text().split()[:2] == ["gather", "2"]:
+            break
+        time.sleep(0.005)
+    else:
+        raise AssertionError(f"rank 1 never gathered round 2: {marker.read_text() if marker.exists() else None}")
+    os.killpg(first[1].metadata["pid"], signal.SIGKILL)
+    open_store(store_uri).put(RunKeys(replicas.run_id).roster() + away_name(1, last_incarnation(0)), b"")  # the launcher's word
+    again = replicas.launch("mlp_rounds", 3, rendezvous=store_uri, settings=settings, env=env, ranks=[1], attempt=1,
+                            args={"steps": 12, "dim": 16})
+    results = replicas.results([first[0], first[2], *again])
+    assert len({r["final"] for r in results}) == 1
+    rounds = {s.round: s for s in read_rounds(store_uri, replicas.run_id, final=True)}
+    voided = [i for i in rounds[2].incidents if "voided" in i["action"]]
+    assert voided and all(i["writer"] == 1 and "layout" in i["problem"] for i in voided), rounds[2].incidents

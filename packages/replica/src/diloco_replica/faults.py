@@ -39,29 +39,30 @@ class PhaseMarker:
 
 
 class CorruptionInjector:
-    """Damages objects at rest right after they are written, as bit rot or a bad disk would.
+    """Damages objects on their way into the store, as a bad disk or a torn write would: the
+    store never holds the good bytes, so no reader can have read them.
 
     DILOCO_FAULT_CORRUPT="scatter:3:0:1,reduced:5:2" flips one payload byte of round 3's shard 0
-    from rank 1, and of round 5's reduced shard 2, in the store, after the writer has put them
-    (the writer keeps the good bytes it had). Off unless the variable is set.
+    from rank 1, and of round 5's reduced shard 2, as they are written (the writer keeps the good
+    bytes it had). Off unless the variable is set.
     """
 
     def __init__(self):
         spec = os.environ.get("DILOCO_FAULT_CORRUPT") or ""
         self.targets = {tuple(x.split(":")) for x in spec.split(",") if x}
 
-    def __call__(self, store, key: str, kind: str, r: int, owner: int, src: int | None = None) -> None:
+    def __call__(self, blob: bytes, kind: str, r: int, owner: int, src: int | None = None) -> bytes:
         want = (kind, str(r), str(owner)) + ((str(src),) if src is not None else ())
         if want not in self.targets:
-            return
-        blob = bytearray(store.get(key))
-        blob[-1] ^= 0xFF
-        store.put(key, bytes(blob))
+            return blob
+        damaged = bytearray(blob)
+        damaged[-1] ^= 0xFF
+        return bytes(damaged)
 
 
 class WrongLengthInjector:
-    """Re-packs objects right after they are written with one element too many, as a writer bug
-    would: identity, header and payload checksums all valid, only the layout is wrong.
+    """Re-packs objects as they are written with one element too many, as a writer bug would:
+    identity, header and payload checksums all valid, only the layout is wrong.
 
     DILOCO_FAULT_WRONG_LENGTH="scatter:3:0:1,reduced:5:2" (targets as DILOCO_FAULT_CORRUPT's).
     """
@@ -70,10 +71,9 @@ class WrongLengthInjector:
         spec = os.environ.get("DILOCO_FAULT_WRONG_LENGTH") or ""
         self.targets = {tuple(x.split(":")) for x in spec.split(",") if x}
 
-    def __call__(self, store, key: str, kind: str, r: int, owner: int, src: int | None = None) -> None:
+    def __call__(self, blob: bytes, kind: str, r: int, owner: int, src: int | None = None) -> bytes:
         want = (kind, str(r), str(owner)) + ((str(src),) if src is not None else ())
-        if want in self.targets:
-            store.put(key, lengthened(bytes(store.get(key))))
+        return lengthened(blob) if want in self.targets else blob
 
 
 def lengthened(blob: bytes) -> bytes:
@@ -109,7 +109,7 @@ class NonFiniteInjector:
 
 
 class Faults:
-    """The fault-injection hooks: where a replica is (`phase`), what it just wrote (`after_write`,
+    """The fault-injection hooks: where a replica is (`phase`), what it writes (`as_written`,
     called by `roundio.RoundIO`) and which inner step it just took (`after_step`, called by
     `DiLoCo.step`). Off unless the variables above are set."""
 
@@ -118,6 +118,10 @@ class Faults:
         self._corrupt, self._lengthen = CorruptionInjector(), WrongLengthInjector()
         self.after_step = NonFiniteInjector(rank)
 
-    def after_write(self, store, key: str, kind: str, r: int, owner: int, src: int | None = None) -> None:
-        self._corrupt(store, key, kind, r, owner, src)
-        self._lengthen(store, key, kind, r, owner, src)
+    def as_written(self, data, kind: str, r: int, owner: int, src: int | None = None):
+        """`data` as the store is to hold it: damaged if it is a target, else untouched (no copy)."""
+        if not (self._corrupt.targets or self._lengthen.targets):
+            return data
+        blob = data if isinstance(data, bytes) else joined(data)
+        damaged = self._lengthen(self._corrupt(blob, kind, r, owner, src), kind, r, owner, src)
+        return data if damaged is blob else damaged

@@ -11,8 +11,17 @@ shard holds up the next round, so the reducer meets it while it waits itself —
 round's members, for reduced shards, or for a repair of its own — and looks then (`waiting()`),
 at most once every `REPAIR_LOOK_EVERY` seconds (polls, counted as `repair_looks`); and once when
 the next round is formed. A reader waits one round timeout for the repair, and more while the
-reducer's attempt is live (`REPAIR_WINDOWS`): nobody else can reduce that shard to the bits its
-reducer applied. Between rounds it also looks 1, 3, 7, 15, … seconds after its own
+reducer's incarnation is live (`REPAIR_WINDOWS`): nobody else can reduce that shard to the bits its
+reducer applied (its own piece never left it).
+
+A reducer that is *gone* (the launcher marked its incarnation away, or a later incarnation of it
+joined) holds those bits no more, and a replica that replays the round cannot get them either, so
+waiting or failing would only loop. The shard's update is *voided* instead: the first reader to
+find the reducer gone writes, create-only at the re-publication's own key, a zero mean marked
+`void` (and voids the round's checkpoint, whose piece of that shard the reducer may have written
+from the mean it applied). Either the reducer's re-publication or the void is there, never both,
+and every reader and replayer applies whichever it is: the round's update of that shard is a zero
+pseudo-gradient on every replica (the outer momentum still moves it), so θ_global stays one. Between rounds it also looks 1, 3, 7, 15, … seconds after its own
 round ended (`look_soon`, the gap doubling): a reader that asks t seconds after that is served
 within another t at most, so within its round timeout whenever it asked within it, while a
 healthy inner phase of T seconds costs about log2(T) LISTs, not one every few seconds (~20 a
@@ -42,7 +51,7 @@ from .roundio import RoundIO
 from .roundstate import Round
 from .roster import MAX_RANK
 from .storeaccess import reducer_of
-from .wire import CorruptObject, Unpacked
+from .wire import CorruptObject, Unpacked, encode_tensor, pack
 
 # While a reducer waits, it looks for repair requests at most this often (and at the store's
 # poll_max, if longer): a stuck reader is served within about a second of the reducer's next wait.
@@ -133,11 +142,15 @@ class RepairDesk:
         windows = 0
 
         def another_window() -> bool:
-            """The deadline passed: wait again while the reducer's attempt is live (paused or slow), at
-            most REPAIR_WINDOWS round timeouts in all, else fail the round."""
+            """The deadline passed: void the shard's update if its reducer is gone; wait again while
+            the reducer's incarnation is live (paused or slow), at most REPAIR_WINDOWS round timeouts
+            in all; else fail the round."""
             nonlocal windows
             self.membership.check_not_collected(r)
             windows += 1
+            if writer is not None and self._writer_gone(r, writer):
+                self._void(r, j, numel, writer, problem)
+                return True  # the next look reads the void, or the re-publication that beat it
             if windows < REPAIR_WINDOWS and writer is not None and self._writer_live(r, writer):
                 io.log(f"round {r}: rank {writer} has not re-published {key} in {windows * io.round_timeout:g}s "
                        f"but its attempt is live (paused or slow); waiting for it")
@@ -155,10 +168,45 @@ class RepairDesk:
                     mean = self._usable(obj, nonfinite)
                 except CorruptObject as exc:  # re-published create-only: it will not get better
                     raise RoundFailed(f"{key} is corrupt ({problem}) and so is its re-publication: {exc}") from None
-                incidents.append({"round": r, "object": key, "writer": writer, "problem": problem,
-                                  "action": f"re-published by its reducer as {io.keys.repaired(r, j)}"})
+                void = obj.meta.get("void") is True
+                if void and (mean.any() or obj.meta.get("nonfinite")):
+                    raise RoundFailed(f"{io.keys.repaired(r, j)} says the shard's update is void but holds values")
+                incidents.append({"round": r, "object": key, "writer": writer, "problem": problem, "action": (
+                    f"voided: its reducer (rank {writer}) is gone, and with it the only copy of the mean; the "
+                    f"round's update of this shard is a zero pseudo-gradient on every replica" if void else
+                    f"re-published by its reducer as {io.keys.repaired(r, j)}")})
+                if void:
+                    io.log(f"round {r}: {key} is corrupt ({problem}) and its reducer (rank {writer}) is gone: "
+                           f"the shard's update is void (zero) on every replica")
                 return mean
         raise AssertionError("a repair wait ends by returning or raising")  # `another_window` raises at the end
+
+    def _writer_gone(self, r: int, writer: int) -> bool:
+        """Whether the incarnation that reduced shard j of round r has ended for certain: the
+        launcher marked it away, or a later incarnation of the rank announced itself (it replaced
+        it). Not when the round's record is unknown or damaged: nothing is voided on a guess."""
+        try:
+            decided = self.membership.read(r)
+        except CorruptObject:
+            return False
+        incarnation = decided.incarnations_of.get(writer) if decided is not None else None
+        if incarnation is None:
+            return False
+        with self.io.store.polling():
+            presence = self.membership.rosters.look()[1]
+        joined = presence.joins.get(writer)
+        return presence.away.get(writer, -1) >= incarnation or (joined is not None and joined[0] > incarnation)
+
+    def _void(self, r: int, j: int, numel: int, writer: int, problem: str) -> None:
+        """Void shard j's update of round r (see the module): round r's checkpoint first, then a
+        zero mean marked `void` at the re-publication's key, create-only (a re-publication that
+        came first stands)."""
+        io = self.io
+        why = f"reduced shard {j} of round {r} is corrupt ({problem}) and its reducer (rank {writer}) is gone"
+        self.membership.checkpoints.void([r], why)
+        blob = pack(io.reduced_identity(r, j), encode_tensor(torch.zeros(numel), io.codec), codec=io.codec,
+                    numel=numel, meta={"void": True, "by": io.rank, "reducer": writer, "nonfinite": []})
+        io.put(io.keys.repaired(r, j), blob, create_only=True)
 
     def _writer_live(self, r: int, writer: int) -> bool:
         """Whether the reducer of round r may still answer: the incarnation that was the round's member

@@ -66,13 +66,13 @@ class RoundIO:
 
     def put(self, key: str, data, *, create_only: bool = False, written: tuple | None = None) -> bool:
         """Write `key`; False if `create_only` and it exists. `written` = (kind, round, shard[, writer])
-        names the object for the fault-injection hook, which may damage it at rest afterwards."""
+        names the object for the fault-injection hook, which may damage it on its way in."""
+        if written is not None:
+            data = self.faults.as_written(data, *written)
         try:
             self.store.put(key, data, create_only=create_only)
         except ObjectExists:
             return False
-        if written is not None:
-            self.faults.after_write(self.store.store, key, *written)
         return True
 
     def present(self, prefix: str) -> set[int]:
