@@ -107,6 +107,54 @@ def peak_rss_kb(pid: int | str = "self") -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
+class HostMemory:
+    """The host memory a process tree holds, sampled on a thread every `every` seconds: the sum of
+    each process's proportional set size (Pss: a page shared by k processes counts 1/k in each),
+    so memory a training process shares with its sync process counts once, which summed RSS
+    peaks count twice. `mark()` gives the peak since the previous mark (or the start) over the
+    given `base`, and starts the next window: a bench takes its base just before `DiLoCo(...)`,
+    marks once it is built (the join's peak: checkpoint loads, θ_0) and once training ends (the
+    rounds' peak), so each phase is measured over the same process without DiLoCo."""
+
+    def __init__(self, every: float = 0.1):
+        import threading
+
+        import psutil
+
+        self._me, self._every = psutil.Process(), every
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self.base = self._pss()
+        self._peak = self.base
+        self._thread = threading.Thread(target=self._sample, name="bench-host-memory", daemon=True)
+        self._thread.start()
+
+    def _pss(self) -> int:
+        total = 0
+        for proc in [self._me, *self._me.children(recursive=True)]:
+            try:
+                total += proc.memory_full_info().pss
+            except Exception:  # noqa: BLE001 - a child that ended between the listing and the read
+                continue
+        return total
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self._every):
+            now = self._pss()
+            with self._lock:
+                self._peak = max(self._peak, now)
+
+    def mark(self) -> int:
+        """Bytes: the window's peak over `base` (a last sample is taken first)."""
+        now = self._pss()
+        with self._lock:
+            peak, self._peak = max(self._peak, now), now
+        return max(0, peak - self.base)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def baseline_sources(stack: ExitStack, rev: str) -> list[str]:
     """A `git worktree` of `rev` (removed when `stack` closes); its core and replica source folders,
     for workers that put them first on sys.path to run that revision's code in the same bench run."""

@@ -20,10 +20,14 @@ the machine's disk. Per mode and H, in the same run:
   share_of_step_bound: tokens_per_s over it.
 - eval_loss: θ_global's loss on held-out text at the end (equal steps for every row);
   eval_loss_vs_sync_fp32: over the same run's "sync fp32" row, minus 1.
-- host_peak_gb: the largest peak RSS of a replica's training process while it trained (before the
-  raw-transfer phase; with `exchange = "process"` its sync process's peak is added);
-  host_added_gb: that over the compute-only row's, and host_added_x_model over the model's fp32
-  bytes: what DiLoCo holds on the host per replica.
+- host memory per replica (`_common.HostMemory`: the Pss of its training process and any sync
+  process, shared memory counted once, sampled every 0.1 s, over the same process just before
+  `DiLoCo(...)`, with the model built and warmed up): host_join_gb, the peak while `DiLoCo(...)`
+  joins the run (θ_0, the state from the store); host_train_gb, the peak while it trains, up to
+  its last round (before the raw-transfer phase). The largest replica's. host_added_gb:
+  host_train_gb over the compute-only row's (what training itself grows by over the same
+  window), and host_added_x_model / host_join_x_model over the model's fp32 bytes: what DiLoCo
+  holds on the host per replica, training and joining.
 
 "sync fp32 whole-shards" sends each shard as one object (`part_mb = 65536`), the layout before
 parts; "sync fp32" cuts shards over 32 MiB into parts that pipeline (the default). Rows named
@@ -67,7 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "examples" / "tiny-lm"))
 
-from _common import QUICK, knob, peak_rss_kb  # noqa: E402
+from _common import QUICK, HostMemory, knob  # noqa: E402
 
 MODES: dict[str, dict | None] = {
     "compute-only": None,
@@ -123,10 +127,12 @@ def worker(spec: dict) -> dict:
             model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
     diloco = None
+    memory = HostMemory()  # the base: this process, model built and warmed up, without DiLoCo
     if spec["settings"] is not None:
         from diloco_replica import DiLoCo
 
         diloco = DiLoCo(model, opt, ctx)
+    host_join = memory.mark()
     params = [p for p in model.parameters()]
     nudges = [torch.full_like(p, 1e-4) for p in params] if not cuda else None
     tick = torch.zeros(1)
@@ -163,8 +169,11 @@ def worker(spec: dict) -> dict:
     if cuda:
         torch.cuda.synchronize()
     loop_s = time.perf_counter() - start
-    host_peak = peak_rss_bytes(spec["settings"])
-    out = {"rank": ctx.rank, "loop_s": last - start, "drain_s": loop_s - (last - start), "parameters": sum(p.numel() for p in params), "tokens": len(steps) * tokens_per_step, "rows": rows, "host_peak_gb": host_peak / 1e9,
+    host_train = memory.mark()
+    memory.stop()
+    out = {"rank": ctx.rank, "loop_s": last - start, "drain_s": loop_s - (last - start),
+           "parameters": sum(p.numel() for p in params), "tokens": len(steps) * tokens_per_step, "rows": rows,
+           "host_join_gb": host_join / 1e9, "host_train_gb": host_train / 1e9,
            "idle_steps": [s for s, f in steps if not f], "busy_steps": [s for s, f in steps if f]}
     if diloco is not None:
         diloco.close()
@@ -177,21 +186,6 @@ def worker(spec: dict) -> dict:
             out["eval_loss"] = evaluate(model, held_out.to(device), shape["context"])
         out["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9
     return out
-
-
-def peak_rss_bytes(settings: dict | None) -> int:
-    """This process's peak RSS so far (`peak_rss_kb`); with a sync process (`exchange = "process"`,
-    still running) its peak is added."""
-    peak = peak_rss_kb()
-    if settings and settings.get("exchange") == "process":
-        import psutil
-
-        for child in psutil.Process().children(recursive=True):
-            try:
-                peak += peak_rss_kb(child.pid)
-            except (OSError, RuntimeError):  # it ended meanwhile
-                continue
-    return peak * 1024
 
 
 def raw_transfer(ctx, nbytes: int, spec: dict, repeats: int = 3) -> float:
@@ -262,7 +256,8 @@ def summarise(name: str, H: int, device: str, outs: list[dict]) -> dict:
     row = {"device": device, "mode": name, "replicas": N, "H": H, "steps": STEPS, "tokens_per_s": round(tokens / loop),
            "step_bound_tokens_per_s": round(step_bound), "share_of_step_bound": round(tokens / loop / step_bound, 3),
            "parameters": outs[0]["parameters"], "eval_loss": outs[0].get("eval_loss"),
-           "host_peak_gb": round(max(o["host_peak_gb"] for o in outs), 2)}
+           "host_join_gb": round(max(o["host_join_gb"] for o in outs), 3),
+           "host_train_gb": round(max(o["host_train_gb"] for o in outs), 3)}
     if name == "compute-only":
         return row
     assert len({o["theta_crc32"] for o in outs}) == 1, f"{name}: replicas disagree on θ_global"
@@ -312,9 +307,11 @@ def compare(row: dict, compute: dict | None, sync: dict | None) -> None:
     if compute is not None:
         row["compute_only_tokens_per_s"] = compute["tokens_per_s"]
         row["share_of_compute_only"] = round(row["tokens_per_s"] / compute["tokens_per_s"], 3)
-        added = row["host_peak_gb"] - compute["host_peak_gb"]
-        row["host_added_gb"] = round(added, 2)
-        row["host_added_x_model"] = round(added / (4 * row["parameters"] / 1e9), 2)
+        model_gb = 4 * row["parameters"] / 1e9
+        added = row["host_train_gb"] - compute["host_train_gb"]
+        row["host_added_gb"] = round(added, 3)
+        row["host_added_x_model"] = round(added / model_gb, 2)
+        row["host_join_x_model"] = round(row["host_join_gb"] / model_gb, 2)
     phases = row["phases_s_per_round"]
     if phases.get("compute"):
         row["exchange_vs_compute"] = round(sum(v for k, v in phases.items() if k != "compute") / phases["compute"], 3)

@@ -62,8 +62,9 @@ def test_the_bench_runs_in_quick_mode_and_prints_its_json(bench, tmp_path):
         assert all(row["round_s"] > 0 and row["requests_per_replica_per_round"] > 0 for row in out["rows"])
     if bench == "gpu_sync.py":  # no GPU here: the proxy, compute-only first, every row's fields
         assert [r["mode"] for r in out["rows"]][0] == "compute-only" and {r["device"] for r in out["rows"]} == {"cpu-proxy"}
-        assert all({"tokens_per_s", "blocked_s_per_round", "step_inflation", "eval_loss"} <= set(r)
-                   for r in out["rows"][1:])
+        assert all({"tokens_per_s", "blocked_s_per_round", "step_inflation", "eval_loss", "host_train_gb", "host_join_gb",
+                    "host_added_x_model", "host_join_x_model"} <= set(r) for r in out["rows"][1:])
+        assert all(r["host_join_gb"] > 0 for r in out["rows"][1:])  # θ_global and the snapshot at least
     if bench == "peers.py":
         assert [row["system"] for row in out["rows"]] == ["diloco", "torchft"]
         assert all(row["eval_loss"] > 0 for row in out["rows"])  # the same model trained on both sides
