@@ -96,11 +96,19 @@ class Checkpoints:
         for r in rounds:
             self.io.put(self.io.keys.checkpoint(r, VOID), json.dumps({"why": why}).encode(), create_only=True)
 
-    def load(self, r: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+    def load(self, r: int, start: int, stop: int, into: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+             ) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
         """θ and momentum of checkpoint r for the model's values [start, stop) (a lane's), and round
-        r + 1's roster; None if a piece vanished (GC raced us), is corrupt, or the pieces leave a gap."""
+        r + 1's roster; None if a piece vanished (GC raced us), is corrupt, or the pieces leave a gap.
+
+        `into`: the buffers to load θ and the momentum into (each made here where None), so a join
+        holds no second copy of the state; after a None they hold part of checkpoint r, which the
+        caller's next load overwrites whole."""
         io = self.io
-        theta, buf, rosters = torch.empty(stop - start), torch.empty(stop - start), []
+        theta, buf = (x if x is not None else torch.empty(stop - start) for x in into)
+        if theta.numel() != stop - start or buf.numel() != stop - start:
+            raise ValueError(f"load into buffers of {theta.numel()} and {buf.numel()} values, not {stop - start}")
+        rosters: list[list[int]] = []
         # a lane holding nothing of the model (a tiny one) still reads one piece: its roster
         chain = cover(self.present(r), start, stop) if start < stop else cover(self.present(r), 0, 1)
         if chain is None:
@@ -108,13 +116,15 @@ class Checkpoints:
             return None
         keys = [io.keys.checkpoint(r, piece) for piece in chain]
         # Pieces in flight are copied out and dropped as they come, so loading holds a few pieces
-        # beyond θ and the momentum, not the whole checkpoint twice: four small ones, or one large.
-        depth = 4 if chain and 8 * max(b - a for a, b in chain) <= LOAD_WINDOW_BYTES else 1
-        window = [io.pool.submit(io.store.get, k) for k in keys[:depth]]
+        # beyond θ and the momentum, not the whole checkpoint twice: four small ones ahead, or one
+        # large one at a time (a piece of a 2-replica run is as large as the model).
+        small = chain and 8 * max(b - a for a, b in chain) <= LOAD_WINDOW_BYTES
+        ahead = 3 if small else 0
+        window = [io.pool.submit(io.store.get, k) for k in keys[:ahead + 1]]
         for i, ((a, b), key) in enumerate(zip(chain, keys)):
             blob = window.pop(0).result()
-            if i + depth < len(keys):
-                window.append(io.pool.submit(io.store.get, keys[i + depth]))
+            if ahead and i + ahead + 1 < len(keys):
+                window.append(io.pool.submit(io.store.get, keys[i + ahead + 1]))
             if blob is None:
                 io.log(f"checkpoint piece {key} vanished while loading; trying the next checkpoint")
                 return None
@@ -138,6 +148,9 @@ class Checkpoints:
                 return None
             x, y = clip(a, b, start, stop)  # copies out of the downloaded buffer
             theta[x - start:y - start], buf[x - start:y - start] = part[x - a:y - a], part[b - a + x - a:b - a + y - a]
+            del blob, got, part  # before the next piece arrives
+            if not ahead and i + 1 < len(keys):
+                window.append(io.pool.submit(io.store.get, keys[i + 1]))
         return theta, buf, rosters[0]
 
     def _void_corrupt(self, r: int, key: str, exc: CorruptObject) -> None:

@@ -116,12 +116,13 @@ class GlobalState:
         return None
 
     def _load(self, c: int) -> None:
-        loaded = self.checkpoints.load(c, self.start, self.stop)
+        """Checkpoint c straight into θ_global's buffer (`theta_out`, the one the training loop
+        reads) and the momentum's: a join holds no second copy of the state. A load that fails
+        part-way is retried, from another checkpoint if need be, and overwrites them whole."""
+        loaded = self.checkpoints.load(c, self.start, self.stop, into=(self.theta_out, self.buf))
         if loaded is None:
             raise Retry(f"checkpoint {c} changed while loading")
         self.theta, self.buf, self.ar.rosters[c + 1] = loaded
-        if self.theta_out is not None:
-            self.theta = self.theta_out.copy_(self.theta)
         self.round = c
 
     def catch_up(self, *, during: str = "catch-up") -> int:

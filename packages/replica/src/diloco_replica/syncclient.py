@@ -75,7 +75,7 @@ class InThread:
         self._future: Future | None = None
 
     def join(self, initial: bool) -> tuple[int, bool]:
-        return self.exchanger.join((lambda: self.snapshot.clone()) if initial else None)
+        return self.exchanger.join((lambda: self.snapshot) if initial else None)  # the loop waits: no copy
 
     def start(self, r: int, work: Work) -> None:
         self._future = self._pool.submit(self.exchanger.run, r, self.snapshot, work)
