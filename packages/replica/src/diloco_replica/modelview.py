@@ -61,6 +61,16 @@ class ModelView:
                   for t, x, y, _ in self._pieces(self.start + a, self.start + b)]
         return torch.cat(pieces) if pieces else torch.empty(0, device=self.device)
 
+    def copy_part_into(self, part: int, parts: int, out: torch.Tensor) -> None:
+        """Fragment `part` of `parts` of this lane into `out` (fp32, its length) tensor by tensor,
+        with no flat copy in between: for a model on the host, where `gather_part`'s vector
+        would be one more copy of the fragment in host memory. The same values, exactly."""
+        a, b = self.fragment(part, parts)
+        base = self.start + a
+        with torch.no_grad():
+            for t, x, y, off in self._pieces(base, self.start + b):
+                out[off - base:off - base + (y - x)].copy_(t.detach().reshape(-1)[x:y])
+
     def write(self, theta: torch.Tensor) -> None:
         """Put this lane's θ into the model (and, where replicated, every other lane's too)."""
         self.write_part(theta, 0, 1)
@@ -189,6 +199,9 @@ class ShardedView(ModelView):
         except RuntimeError as exc:  # a process of the replica died mid-exchange
             self.lanes.peer_lost(exc)
         return out.to(self.device)
+
+    def copy_part_into(self, part: int, parts: int, out: torch.Tensor) -> None:
+        out.copy_(self.gather_part(part, parts))  # the fragment's rows come from the other processes
 
     def gather_part(self, part: int, parts: int) -> torch.Tensor:
         me, targets = self.lanes.index, self._targets(part, parts)

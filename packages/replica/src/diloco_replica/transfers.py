@@ -29,13 +29,17 @@ class Transfers:
 
     def initial(self) -> None:
         """The lane's parameters into the snapshot buffer: θ_0 if the run turns out to be new."""
-        self._to_host(self.view.gather_part(0, 1), 0, self.view.numel)
+        self.snapshot(0, 1, keep=False)
 
     def snapshot(self, part: int, parts: int, *, keep: bool) -> torch.Tensor | None:
         """Fragment `part` of `parts` into the snapshot buffer; with `keep`, also returned (on the
-        model's device) for the merge of an overlapped round."""
-        local = self.view.gather_part(part, parts)
+        model's device) for the merge of an overlapped round. A model on the host is copied
+        tensor by tensor straight into the buffer when nothing is kept (no flat copy between)."""
         a, b = self.view.fragment(part, parts)
+        if not keep and self.view.device.type == "cpu":
+            self.view.copy_part_into(part, parts, self.snapshot_buf[a:b])
+            return None
+        local = self.view.gather_part(part, parts)
         self._to_host(local, a, b)
         return local if keep else None
 
