@@ -48,7 +48,8 @@ def test_incarnations_order_runs_within_attempts():
     order = [incarnation(a, k) for a in range(3) for k in (0, 1, 2, RERUNS - 2)] + [last_incarnation(2)]
     assert order == sorted(order) and len(set(order)) == len(order)
     assert last_incarnation(0) < incarnation(1) and incarnation(0, RERUNS + 5) == last_incarnation(0)
-    assert rerun_ended(0, 3) == incarnation(0, 3) and rerun_ended(2, RERUNS - 2) is None  # the next would not outrank it
+    assert rerun_ended(0, 3) == incarnation(0, 3) and rerun_ended(2, RERUNS - 2) == incarnation(2, RERUNS - 2)
+    assert rerun_ended(2, RERUNS - 1) is None  # the next run would share its number: it could not outrank it
 
 
 def test_a_rank_waiting_for_a_later_round():

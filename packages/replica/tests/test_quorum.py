@@ -116,7 +116,7 @@ def test_a_member_the_launcher_saw_end_is_not_waited_for_and_one_announced_is():
     # round 3: 0 and 1 were members of 2, 1 is away; 2 missed round 2 and has not announced
     assert a.membership.decide(3, [0, 1, 2], [0, 1, 2]).members == [0, 2]
     assert _meta(store, keys.members(3))["absent"] == {"1": "away"}
-    # round 4: rank 1's attempt 1 announced round 4: it is waited for (the grace window, 30 s),
+    # round 4: rank 1, re-run once (incarnation 1), announced round 4: it is waited for (the grace window, 30 s),
     # and closes the round the moment it is ready
     store.put(f"{keys.roster()}{join_name(1, 4, 1)}", b"")
     store.put(keys.ready(4, 0, 1), b"{}")

@@ -65,7 +65,7 @@ def test_a_bad_reduced_shard_is_repaired_not_a_crash(damage, problem):
     assert problem in incident["problem"] and "re-published by its reducer" in incident["action"]
 
 
-@pytest.mark.parametrize("away", [False, True], ids=["paused", "its attempt ended"])
+@pytest.mark.parametrize("away", [False, True, "claimed"], ids=["paused", "its attempt ended", "taken over"])
 def test_a_reader_waits_for_a_live_reducer_to_repair_its_shard_and_voids_a_gone_ones(away):
     """Rank 1's reduced shard lands corrupt and rank 1 then pauses (no repair served) for 2.5
     round timeouts. Only rank 1 holds the mean it applied, so rank 0 waits for it while its attempt
@@ -74,7 +74,9 @@ def test_a_reader_waits_for_a_live_reducer_to_repair_its_shard_and_voids_a_gone_
     get that mean (failing only made every relaunch fail replaying the round: the soak's crash
     loop), so after the window it is in rank 0 voids the shard's update: a zero mean at the
     re-publication's key, create-only, which the reducer, waking, cannot replace; and round 1's
-    checkpoint is void."""
+    checkpoint is void. Unless someone took the shard over ("taken over": a claim in ``claim/``):
+    its publisher may then be that live claimant, holding the mean, so nothing is voided and the
+    round fails as before."""
     from diloco.presence import away_name
 
     timeout = 1.5
@@ -102,11 +104,18 @@ def test_a_reader_waits_for_a_live_reducer_to_repair_its_shard_and_voids_a_gone_
         while store.get(RunKeys(run).members(1)) is None:
             time.sleep(0.01)
         store.put(RunKeys(run).roster() + away_name(1, 0), b"")
+        if away == "claimed":
+            store.put(RunKeys(run).claim(1, 1, 0), b"2")
     time.sleep(2.5 * timeout)
     awake.set()
     [t.join() for t in threads]
     for ar in ars:
         ar.close()
+    if away == "claimed":
+        assert len(errors) == 1 and "did not re-publish it within" in str(errors[0]), errors
+        assert store.get(RunKeys(run).repaired(1, 1)) is not None  # the reducer's own, once it woke: no void
+        assert not [m for m in store.list(RunKeys(run).checkpoint(1)) if m["path"].endswith("/void")]
+        return
     assert not errors, errors
     if away:
         assert ended[0] - t0 < 2.5 * timeout  # one window, not until the reducer woke

@@ -157,7 +157,7 @@ class SlurmExecutor:
     def reruns(self, handle: ReplicaHandle) -> int | None:
         """How often Slurm has requeued the job (its Restarts, which the next run reads as
         SLURM_RESTART_COUNT and the batch script exports as DILOCO_RERUN); None if Slurm did not
-        answer or has forgotten the job."""
+        answer or has forgotten the job (accounting's record of an ended job reads 0)."""
         job_id = str(handle.metadata.get("job_id", ""))
         if not job_id.isdigit():
             return None

@@ -51,7 +51,7 @@ def rerun_ended(attempt: int, rerun: int) -> int | None:
     """The away marker's incarnation for run `rerun` of `attempt` that ended to be run again in
     place (a requeue): the next run outranks it. None past the re-runs told apart (they would
     share a number): those rounds give the rank a grace window instead."""
-    return incarnation(attempt, rerun) if rerun < RERUNS - 2 else None
+    return incarnation(attempt, rerun) if rerun < RERUNS - 1 else None
 
 
 def join_name(rank: int, round_: int, incarnation: int) -> str:

@@ -103,7 +103,7 @@ class StoreAllReduce:
         self.beside = ThreadPoolExecutor(max_workers=3, thread_name_prefix="diloco-round")
         self.checkpoints = Checkpoints(self.io)
         self.membership = Membership(self.io, self.checkpoints, min_members=min_members, round_grace=round_grace)
-        self.repairs = RepairDesk(self.io, self.membership)
+        self.repairs = RepairDesk(self.io, self.membership, incarnation=incarnation)
         self.reducer = ShardReducer(self.io, self.membership, self.repairs, window=self.window, step_cap=step_cap)
         self.gatherer = Gatherer(self.io, self.membership, self.repairs, window=self.window)
         self._cleanup_due: list[str] | None = None  # the inputs of the last round this lane reduced

@@ -18,6 +18,7 @@ no more than `window` reduced shards are held.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import wait
 
 import torch
 
@@ -58,8 +59,7 @@ class Gatherer:
         garbage-collected under it: it rejoins at once (`FellBehind`) instead of waiting out the
         timeout.
         """
-        io, r = self.io, rnd.r
-        prefix = io.keys.reduced(r)
+        io = self.io
         wanted = [j for j in rnd.mine() if j not in have]  # the shards this lane holds a piece of
         generation = {j: 0 for j in wanted}
         gate = Window(self.window * rnd.parts)  # `window` shards' worth of parts
@@ -74,7 +74,19 @@ class Gatherer:
             gate.acquire()  # here, not in the task: no pool thread ever waits for the gate, so the
             return io.pool.submit(read_to_sink, j)  # downloads of this replica's own reductions never queue behind one
 
-        pending = []
+        pending: list = []
+        try:
+            self._gather(rnd, wanted, generation, submit, pending, take_over, sink)
+        finally:  # no sink task outlives the round: a rejoin next loads θ and the momentum in place
+            wait(pending)
+        for f in pending:
+            f.result()
+
+    def _gather(self, rnd: Round, wanted: list[int], generation: dict[int, int], submit: Callable,
+                pending: list, take_over: Callable[[int], torch.Tensor], sink: RoundSink) -> None:
+        """`gather`'s loop: every shard of `wanted` submitted (into `pending`) or taken over."""
+        io, r = self.io, rnd.r
+        prefix = io.keys.reduced(r)
         while wanted:
             poll = io.poll(f"round {r}'s reduced shards", wake=rnd.stop)
             looked, gone = io.clock(), []
@@ -107,5 +119,3 @@ class Gatherer:
                 wanted.remove(j)
             if wanted and all(generation[j] > len(rnd.members) for j in wanted):
                 raise RoundFailed(f"round {r}: reduced shards {wanted} never appeared")
-        for f in pending:
-            f.result()

@@ -4,11 +4,11 @@ A round's roster (`roster`) names every rank the run has; not all of them are th
 waits only for the roster's *expected* ranks, those there is reason to expect:
 
 - in a run's first round, every rank of the roster the launcher has not seen end;
-- later, a rank that was a member of the round before, or that a live attempt of announced for
+- later, a rank that was a member of the round before, or that a live incarnation of announced for
   exactly this round (a relaunched or late replica rejoining at a round boundary: `presence`), or
   that this round's roster let in for the first time (`diloco scale`);
-- never a rank whose attempt the launcher saw end with no later attempt announced (`away`), nor
-  one whose live attempt announced a later round only (it holds the state and waits for that
+- never a rank whose incarnation the launcher saw end with no later one announced (`away`), nor
+  one whose live incarnation announced a later round only (it holds the state and waits for that
   round to start with everyone else: `exchanger.Exchanger.take_part`).
 
 A rank that missed a round, or that is starting, pending, relaunching or given up, does not hold
@@ -45,8 +45,8 @@ def expected(roster: Sequence[int], *, first: bool, last_members: Sequence[int],
              announced: set[int], away: set[int], later: set[int] = frozenset()) -> set[int]:
     """The ranks of `roster` a round waits for (see the module's rules). `first`: the run's first
     round (nobody has been a member yet); `last_members`/`last_roster`: the round before's;
-    `announced`: ranks a live attempt announced for this round; `away`: ranks the launcher saw end;
-    `later`: ranks a live attempt announced for a later round only (rejoining: training nothing now)."""
+    `announced`: ranks a live incarnation announced for this round; `away`: ranks the launcher saw end;
+    `later`: ranks a live incarnation announced for a later round only (rejoining: training nothing now)."""
     if first:
         return set(roster) - away - later
     there = set(last_members) | announced | (set(roster) - set(last_roster))
@@ -89,7 +89,7 @@ class Absent:
     """Why a roster rank is not in a round (for the log and the membership record)."""
 
     rank: int
-    why: str    # "away" (its attempt ended), "rejoining" (announced a later round), "late" (expected, not
+    why: str    # "away" (its incarnation ended), "rejoining" (announced a later round), "late" (expected, not
                 # ready within the grace window), "missed" (not expected: missed the last round, or starting)
 
     @staticmethod

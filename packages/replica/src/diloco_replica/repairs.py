@@ -15,13 +15,19 @@ reducer's incarnation is live (`REPAIR_WINDOWS`): nobody else can reduce that sh
 reducer applied (its own piece never left it).
 
 A reducer that is *gone* (the launcher marked its incarnation away, or a later incarnation of it
-joined) holds those bits no more, and a replica that replays the round cannot get them either, so
-waiting or failing would only loop. The shard's update is *voided* instead: the first reader to
-find the reducer gone writes, create-only at the re-publication's own key, a zero mean marked
-`void` (and voids the round's checkpoint, whose piece of that shard the reducer may have written
-from the mean it applied). Either the reducer's re-publication or the void is there, never both,
-and every reader and replayer applies whichever it is: the round's update of that shard is a zero
-pseudo-gradient on every replica (the outer momentum still moves it), so θ_global stays one. Between rounds it also looks 1, 3, 7, 15, … seconds after its own
+joined, or is this very replica replaying its own round) holds those bits no more, and a replica
+that replays the round cannot get them either, so waiting or failing would only loop. The
+shard's update is *voided* instead: the first reader to find the reducer gone writes, create-only
+at the re-publication's own key, a zero mean marked `void` (and voids the round's checkpoint,
+whose piece of that shard the reducer may have written from the mean it applied). Either the
+reducer's re-publication or the void is there, never both, and every reader and replayer applies
+whichever it is: the round's update of that shard is a zero pseudo-gradient on every replica (the
+outer momentum still moves it), so θ_global stays one. Never voided: a shard someone took over
+(``claim/``: its live claimant may hold the mean), or one whose round a complete checkpoint at
+or after it already holds (only the reducer could have written it, with the real mean: readers
+rejoin from there instead). A platform that re-runs an attempt without numbering the runs
+(SageMaker's managed spot) leaves the reducer's incarnation unchanged, so there a gone reducer is
+only waited for (`REPAIR_WINDOWS`), as before. Between rounds it also looks 1, 3, 7, 15, … seconds after its own
 round ended (`look_soon`, the gap doubling): a reader that asks t seconds after that is served
 within another t at most, so within its round timeout whenever it asked within it, while a
 healthy inner phase of T seconds costs about log2(T) LISTs, not one every few seconds (~20 a
@@ -46,7 +52,7 @@ import torch
 
 from .finite import all_finite
 from .membership import Membership
-from .rounderrors import RoundFailed
+from .rounderrors import FellBehind, RoundFailed
 from .roundio import RoundIO
 from .roundstate import Round
 from .roster import MAX_RANK
@@ -57,7 +63,7 @@ from .wire import CorruptObject, Unpacked, encode_tensor, pack
 # poll_max, if longer): a stuck reader is served within about a second of the reducer's next wait.
 REPAIR_LOOK_EVERY = 1.0
 
-# A reader waits for a repair one round timeout at a time, while the reducer's attempt is live, up
+# A reader waits for a repair one round timeout at a time, while the reducer's incarnation is live, up
 # to this many in all: only that reducer holds the mean it applied (its own piece of the shard never
 # left it, so nobody else can reduce the shard to the same bits), so a reducer paused past one round
 # timeout is waited for, not answered with restarts that would wait for it all the same.
@@ -68,8 +74,8 @@ class RepairDesk:
     """Reads reduced shards (asking for a repair when one is corrupt) and serves repairs of the
     shards this replica published."""
 
-    def __init__(self, io: RoundIO, membership: Membership):
-        self.io, self.membership = io, membership
+    def __init__(self, io: RoundIO, membership: Membership, *, incarnation: int = 0):
+        self.io, self.membership, self.incarnation = io, membership, incarnation  # this replica's own
         self.published: dict[int, tuple[int, list]] = {}  # shard -> (round, blob) this replica last reduced
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -148,12 +154,12 @@ class RepairDesk:
             nonlocal windows
             self.membership.check_not_collected(r)
             windows += 1
-            if writer is not None and self._writer_gone(r, writer):
+            if writer is not None and not self._claimed(r, j) and self._writer_gone(r, writer):
                 self._void(r, j, numel, writer, problem)
                 return True  # the next look reads the void, or the re-publication that beat it
             if windows < REPAIR_WINDOWS and writer is not None and self._writer_live(r, writer):
                 io.log(f"round {r}: rank {writer} has not re-published {key} in {windows * io.round_timeout:g}s "
-                       f"but its attempt is live (paused or slow); waiting for it")
+                       f"but its incarnation is live (paused or slow); waiting for it")
                 return True
             raise RoundFailed(f"{key} is corrupt ({problem}) and its reducer (rank {writer}) did not re-publish "
                               f"it within {windows * io.round_timeout:g}s")
@@ -192,16 +198,31 @@ class RepairDesk:
         incarnation = decided.incarnations_of.get(writer) if decided is not None else None
         if incarnation is None:
             return False
+        if writer == self.io.rank and incarnation < self.incarnation:  # this replica, replaying its own round
+            return True
         with self.io.store.polling():
             presence = self.membership.rosters.look()[1]
         joined = presence.joins.get(writer)
         return presence.away.get(writer, -1) >= incarnation or (joined is not None and joined[0] > incarnation)
+
+    def _claimed(self, r: int, j: int) -> bool:
+        """Whether someone took shard j of round r over (a claim in ``claim/``; one LIST, a poll):
+        then its publisher may be that live claimant, and nothing is voided under it."""
+        with self.io.store.polling():
+            names = self.io.store.list_names(f"{self.io.keys.round(r)}/claim/")
+        return any(name.split(".", 1)[0] == str(j) for name in names)
 
     def _void(self, r: int, j: int, numel: int, writer: int, problem: str) -> None:
         """Void shard j's update of round r (see the module): round r's checkpoint first, then a
         zero mean marked `void` at the re-publication's key, create-only (a re-publication that
         came first stands)."""
         io = self.io
+        if io.exists(io.keys.repaired(r, j)):
+            return  # re-published (or voided) meanwhile: the next look reads it
+        held = [c for c in self.membership.checkpoints.complete() if c >= r]
+        if held:  # only the reducer can have completed it (every other member waits here): with the real mean
+            raise FellBehind(f"round {r}: reduced shard {j} is corrupt and its reducer (rank {writer}) is gone, but "
+                             f"checkpoint {held[-1]} holds the round; rejoining from it")
         why = f"reduced shard {j} of round {r} is corrupt ({problem}) and its reducer (rank {writer}) is gone"
         self.membership.checkpoints.void([r], why)
         blob = pack(io.reduced_identity(r, j), encode_tensor(torch.zeros(numel), io.codec), codec=io.codec,

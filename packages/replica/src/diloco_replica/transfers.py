@@ -3,7 +3,8 @@
 At a round boundary the training loop does device work only: the round's fragment of its lane is
 gathered into one flat fp32 vector on the model's device (a device copy), and that is copied into
 the snapshot buffer the sync process reads (`sharedbuf`; registered with CUDA, so the copy is
-DMA). When the round is done, its fragment of θ_global is copied back to the device and merged
+DMA). A model on the host in a synchronous round is copied tensor by tensor straight into the
+buffer instead (the flat vector would be one more copy of it in host memory). When the round is done, its fragment of θ_global is copied back to the device and merged
 there: θ_global's fragment as it is (synchronous rounds), or, with overlap, on top of the progress
 made since the snapshot, θ_local_now + θ_global_new − θ_local_at_sync, so the next Δ counts every
 inner step once. Every operation is a separate elementwise add or subtract, each rounded on its
