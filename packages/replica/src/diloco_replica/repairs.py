@@ -69,6 +69,9 @@ REPAIR_LOOK_EVERY = 1.0
 # timeout is waited for, not answered with restarts that would wait for it all the same.
 REPAIR_WINDOWS = 8
 
+# What became of a round's reducer (`RepairDesk._writer_state`).
+GONE, LIVE, UNKNOWN = "gone", "live", "unknown"
+
 
 class RepairDesk:
     """Reads reduced shards (asking for a repair when one is corrupt) and serves repairs of the
@@ -154,10 +157,11 @@ class RepairDesk:
             nonlocal windows
             self.membership.check_not_collected(r)
             windows += 1
-            if writer is not None and not self._claimed(r, j) and self._writer_gone(r, writer):
+            state = self._writer_state(r, writer) if writer is not None else UNKNOWN
+            if state == GONE and not self._claimed(r, j):
                 self._void(r, j, numel, writer, problem)
                 return True  # the next look reads the void, or the re-publication that beat it
-            if windows < REPAIR_WINDOWS and writer is not None and self._writer_live(r, writer):
+            if windows < REPAIR_WINDOWS and state == LIVE:
                 io.log(f"round {r}: rank {writer} has not re-published {key} in {windows * io.round_timeout:g}s "
                        f"but its incarnation is live (paused or slow); waiting for it")
                 return True
@@ -187,24 +191,6 @@ class RepairDesk:
                 return mean
         raise AssertionError("a repair wait ends by returning or raising")  # `another_window` raises at the end
 
-    def _writer_gone(self, r: int, writer: int) -> bool:
-        """Whether the incarnation that reduced shard j of round r has ended for certain: the
-        launcher marked it away, or a later incarnation of the rank announced itself (it replaced
-        it). Not when the round's record is unknown or damaged: nothing is voided on a guess."""
-        try:
-            decided = self.membership.read(r)
-        except CorruptObject:
-            return False
-        incarnation = decided.incarnations_of.get(writer) if decided is not None else None
-        if incarnation is None:
-            return False
-        if writer == self.io.rank and incarnation < self.incarnation:  # this replica, replaying its own round
-            return True
-        with self.io.store.polling():
-            presence = self.membership.rosters.look()[1]
-        joined = presence.joins.get(writer)
-        return presence.away.get(writer, -1) >= incarnation or (joined is not None and joined[0] > incarnation)
-
     def _claimed(self, r: int, j: int) -> bool:
         """Whether someone took shard j of round r over (a claim in ``claim/``; one LIST, a poll):
         then its publisher may be that live claimant, and nothing is voided under it."""
@@ -229,28 +215,39 @@ class RepairDesk:
                     numel=numel, meta={"void": True, "by": io.rank, "reducer": writer, "nonfinite": []})
         io.put(io.keys.repaired(r, j), blob, create_only=True)
 
-    def _writer_live(self, r: int, writer: int) -> bool:
-        """Whether the reducer of round r may still answer: the incarnation that was the round's member
-        has not moved on past it (a member of round r + 1, or announced for a round after that:
-        then it forgot what it published, `next_round`) and the launcher has not marked it away
-        (`diloco.presence`). A GET of the two rounds' records unless held, and a LIST of the
-        presence markers (a poll). Unknown (no record) reads as gone. Without a launcher to mark
-        it away, a dead reducer reads as live: the wait is bounded by `REPAIR_WINDOWS`."""
+    def _writer_state(self, r: int, writer: int) -> str:
+        """What became of the incarnation that reduced round r's shard (one GET of each of the two
+        rounds' records unless held, one LIST of the presence markers, a poll):
+        `GONE`, ended for certain: the launcher marked it away, a later incarnation of the rank
+        announced itself, or it is this very replica's earlier one (replaying its own round);
+        `LIVE`, it may still answer: none of that, and it has not moved on past the round (a
+        member of round r + 1, or announced for a round after that: then it forgot what it
+        published, `next_round`); `UNKNOWN` otherwise, a missing or damaged record included:
+        nothing is voided on a guess. Without a launcher to mark it away, a dead reducer reads
+        as live: the wait is bounded by `REPAIR_WINDOWS`."""
         try:
-            decided, after = self.membership.read(r), self.membership.read(r + 1)
+            decided = self.membership.read(r)
         except CorruptObject:  # a damaged record says nothing about the reducer
-            return False
+            return UNKNOWN
         incarnation = decided.incarnations_of.get(writer) if decided is not None else None
         if incarnation is None:
-            return False
-        if after is not None and after.incarnations_of.get(writer) == incarnation:
-            return False
+            return UNKNOWN
+        if writer == self.io.rank and incarnation < self.incarnation:  # this replica, replaying its own round
+            return GONE
         with self.io.store.polling():
             presence = self.membership.rosters.look()[1]
         joined = presence.joins.get(writer)
+        if presence.away.get(writer, -1) >= incarnation or (joined is not None and joined[0] > incarnation):
+            return GONE
+        try:
+            after = self.membership.read(r + 1)
+        except CorruptObject:
+            return UNKNOWN
+        if after is not None and after.incarnations_of.get(writer) == incarnation:
+            return UNKNOWN
         if joined is not None and joined[0] == incarnation and any(k > r + 1 for k in joined[1]):
-            return False
-        return presence.away.get(writer, -1) < incarnation
+            return UNKNOWN
+        return LIVE
 
     # -- serving -----------------------------------------------------------------------------
 
