@@ -103,6 +103,29 @@ def test_every_process_of_every_replica_holds_the_same_model_after_every_round(
             assert req["puts"] + req["gets"] + req["lists"] - req["polls"] <= 2 * 30, req
         assert len({x.state_digest for x in row.rows}) == 1  # the whole state's digest (every lane's part of it)
         assert row.diverged is None
+    assert_export_is_the_whole_model(store, f"pg-{parallel}", tmp_path / "export", traces[0]["final"])
+
+
+def assert_export_is_the_whole_model(store: str, run_id: str, out: Path, final_crc: str) -> None:
+    """`diloco export` of a run whose replicas are DDP pairs (names without DDP's `module.`) or
+    FSDP2 pairs (each process holds rows of every parameter; the manifest has the full shapes):
+    one fresh single-process model holds exactly what every process ended on."""
+    from safetensors.torch import load_file
+
+    from diloco.store import open_store
+    from diloco_replica.export import export
+    from lane_jobs import whole_model_crc
+
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        from tiny_lm import build
+    finally:
+        sys.path.pop(0)
+    written = export(open_store(store), run_id, out)
+    fresh = build(0, 64, 64, 1)  # lane_jobs.train_traced's model
+    missing, unexpected = fresh.load_state_dict(load_file(written.path), strict=False)
+    assert not unexpected and not set(missing) & dict(fresh.named_parameters()).keys()
+    assert whole_model_crc(fresh) == final_crc
 
 
 # Replica 0 of one process beside replica 1 of two: the exchange is cut from the model's flat

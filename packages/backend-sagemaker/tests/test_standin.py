@@ -187,7 +187,8 @@ def test_stop_signals_pid_1_only_then_kills_the_container_after_the_grace_period
     wait_status("standin-pid1", "InProgress")
     stopped_at = time.monotonic()
     sm(3).stop_training_job(TrainingJobName="standin-pid1")
-    wait_status("standin-pid1", "Stopping", timeout=10)
+    # Stopping lasts the grace period (3 s): a busy machine's polls can miss it (CI did, its next
+    # describe came 8 s later), so the transitions below prove the job passed through it
     job = wait_status("standin-pid1", "Stopped")
     assert time.monotonic() - stopped_at >= sagemaker.config["grace_seconds"]  # PID 1 ignored SIGTERM: killed later
     assert (out / "pid1-term").exists() and not (out / "child-term").exists()  # SIGTERM reached PID 1 alone

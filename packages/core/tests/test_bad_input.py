@@ -6,6 +6,8 @@ import pytest
 
 from conftest import write_spec
 
+from diloco.errors import UserError
+
 GOOD = 'backend = "local"\nreplicas = 2\nentrypoint = "job:main"\n'
 
 
@@ -75,3 +77,25 @@ def test_dryrun_validates_too(cli, project):
     spec = write_spec(project, 'backend = "local"\nreplicas = "four"\nentrypoint = "job:main"\n')
     proc = cli("dryrun", str(spec))
     assert proc.returncode == 2 and "`replicas` must be int, got 'four' (a string)" in proc.stderr
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("export", "no-such-run", "--out", "m"), "`diloco list` shows the recorded runs"),
+    (("export", "Bad_Id", "--out", "m", "--store", "file:///tmp/x"), "'Bad_Id' is not a run id"),
+    (("export", "run-1", "--out", "m", "--round", "-1"), "Invalid value for '--round'"),
+    (("export", "run-1"), "Missing option '--out'"),
+])
+def test_export_refuses_in_one_line(cli, tmp_path, args, expected):
+    proc = cli(*args, cwd=tmp_path)
+    assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "m").exists()
+
+
+def test_export_without_the_replica_package_says_what_to_install(monkeypatch, tmp_path):
+    """diloco-core alone (this suite's environment, or a launcher-only install) cannot read the
+    checkpoints: the one line names the package to add."""
+    from diloco import exporting
+
+    monkeypatch.setattr(exporting, "find_spec", lambda name: None)
+    with pytest.raises(UserError, match=r"not installed here: pip install diloco-replica$"):
+        exporting.export_model("run-1", tmp_path / "m", store=(tmp_path / "store").as_uri())

@@ -110,7 +110,8 @@ def test_s3_end_to_end_against_moto(replicas, s3):
 
 
 def test_store_keeps_only_what_a_rejoin_can_need(replicas, store_uri):
-    """Checkpoints every 3 rounds: after round 9 rounds ≤ 6 and checkpoints < 6 are deleted."""
+    """Checkpoints every 3 rounds and of the last round (10): after it, rounds ≤ 9 and
+    checkpoints < 9 are deleted (after round 9: rounds ≤ 6 and checkpoints < 6)."""
     from pathlib import Path
     from urllib.parse import urlparse
 
@@ -122,9 +123,9 @@ def test_store_keeps_only_what_a_rejoin_can_need(replicas, store_uri):
     def holding_objects(d):  # obstore leaves emptied local directories behind; S3 has none
         return sorted(p.name for p in d.iterdir() if any(f.is_file() for f in p.rglob("*")))
 
-    assert holding_objects(run) == sorted(
-        ["ckpt", "history", "metrics", "rounds", *[f"r{r:08d}" for r in range(7, 11)]])
-    assert holding_objects(run / "history") == []  # marks are empty objects: gc-through-r00000006
-    assert sorted(p.name for p in (run / "history").iterdir())[-1] == "gc-through-r00000006"
-    assert holding_objects(run / "ckpt") == ["r00000006", "r00000009"]
+    assert holding_objects(run) == sorted(["ckpt", "history", "metrics", "rounds", "r00000010"])
+    assert holding_objects(run / "history") == []  # marks are empty objects: gc-through-r00000009
+    assert sorted(p.name for p in (run / "history").iterdir())[-1] == "gc-through-r00000009"
+    assert holding_objects(run / "ckpt") == ["r00000009", "r00000010"]
+    assert (run / "model.json").is_file()  # what `diloco export` names the tensors by
     assert len(list((run / "metrics").iterdir())) == 10  # progress history stays

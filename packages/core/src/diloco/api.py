@@ -252,6 +252,14 @@ class Run:
         by = "launcher" if self.supervisor is not None or launcher_alive(self.record) else "resume"
         return {"run": self.id, "group": req.group, "replicas": req.replicas, "request": req.name, "applied_by": by}
 
+    def export(self, out: str | Path, *, round_: int | None = None) -> dict[str, Any]:
+        """Write the run's global model to ``<out>/model.safetensors`` (`diloco.exporting`): the
+        newest complete checkpoint, or round `round_`'s. Returns what was written."""
+        from .exporting import export_model
+
+        record = self.record
+        return export_model(record.run_id, out, round_=round_, store=record.rendezvous or None)
+
     # -- supervision --------------------------------------------------------------------------
 
     def supervise(self, on_tick: Callable[[Any], None] | None = None) -> str:

@@ -274,6 +274,25 @@ def scale(run_id: str, replicas: int, group: str | None) -> None:
                    f"`diloco resume {out['run']}` applies it")
 
 
+@main.command()
+@click.argument("run_id", metavar="RUN")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Directory to write model.safetensors into (created if missing; an existing file is kept).")
+@click.option("--round", "round_", type=click.IntRange(min=0), default=None,
+              help="The checkpoint of this round (default: the newest; the last round once training ended).")
+@click.option("--store", default=None, metavar="URI",
+              help="The run's rendezvous URI, from a shell that has no record of the run (default: its record's).")
+def export(run_id: str, out_dir: str, round_: int | None, store: str | None) -> None:
+    """Write a run's global model as named tensors (safetensors), from any shell that reaches its store."""
+    from . import api
+    from .exporting import export_model
+
+    out = export_model(run_id, out_dir, round_=round_, store=store) if store else \
+        api.attach(run_id).export(out_dir, round_=round_)
+    click.echo(f"run {out['run']}: round {out['round']} written to {out['path']} ({out['tensors']} tensors, "
+               f"{out['parameters']:,} parameters, theta digest {out['theta_digest']})")
+
+
 @main.command(name="list")
 @click.option("--limit", default=20, show_default=True)
 def list_runs(limit: int) -> None:

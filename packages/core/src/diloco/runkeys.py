@@ -78,6 +78,11 @@ class RunKeys:
     def checkpoints(self) -> str:
         return f"{self.run}/ckpt/"
 
+    def model(self) -> str:
+        """What the checkpoints' flat θ holds: each trainable parameter's name and shape, in order
+        (`diloco_replica.manifest`), so `diloco export` can name the tensors it writes."""
+        return f"{self.run}/model.json"
+
     def low_water(self, r: int | None = None) -> str:
         return f"{self.run}/history/" + ("" if r is None else f"gc-through-r{r:08d}")
 

@@ -1,6 +1,7 @@
 """The run's history in the store: checkpoints, the garbage-collection low-water mark, and GC.
 
-- Checkpoints every `checkpoint_every` rounds at ``ckpt/r<round>/<a>-<b>``: [θ_global ;
+- Checkpoints every `checkpoint_every` rounds, and of the run's last round when its training
+  ends (`GlobalState.checkpoint_last`), at ``ckpt/r<round>/<a>-<b>``: [θ_global ;
   momentum] of the model's values [a, b) in fp32. Shard j of N (of the whole model) is written
   create-only by shard j's reducer, each of its lanes writing its piece of it (`layout`); round
   0 is the initial state. Pieces are named by their ranges, so a checkpoint written by replicas
@@ -96,14 +97,15 @@ class Checkpoints:
         for r in rounds:
             self.io.put(self.io.keys.checkpoint(r, VOID), json.dumps({"why": why}).encode(), create_only=True)
 
-    def load(self, r: int, start: int, stop: int, into: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-             ) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
+    def load(self, r: int, start: int, stop: int, into: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+             *, void: bool = True) -> tuple[torch.Tensor, torch.Tensor, list[int]] | None:
         """θ and momentum of checkpoint r for the model's values [start, stop) (a lane's), and round
         r + 1's roster; None if a piece vanished (GC raced us), is corrupt, or the pieces leave a gap.
 
         `into`: the buffers to load θ and the momentum into (each made here where None), so a join
         holds no second copy of the state; after a None they hold part of checkpoint r, which the
-        caller's next load overwrites whole."""
+        caller's next load overwrites whole. `void`: a corrupt piece voids the checkpoint and is
+        reported (a replica's load); False: only logged (a reader outside the run changes nothing)."""
         io = self.io
         theta, buf = (x if x is not None else torch.empty(stop - start) for x in into)
         if theta.numel() != stop - start or buf.numel() != stop - start:
@@ -144,7 +146,10 @@ class Checkpoints:
                 if not all_finite(part):
                     raise CorruptObject(f"{key}: non-finite values in a checkpoint (no replica writes them)")
             except CorruptObject as exc:
-                self._void_corrupt(r, key, exc)
+                if void:
+                    self._void_corrupt(r, key, exc)
+                else:
+                    io.log(f"checkpoint piece {key} is corrupt: {exc}")
                 return None
             x, y = clip(a, b, start, stop)  # copies out of the downloaded buffer
             theta[x - start:y - start], buf[x - start:y - start] = part[x - a:y - a], part[b - a + x - a:b - a + y - a]

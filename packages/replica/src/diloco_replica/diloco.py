@@ -64,11 +64,14 @@ from diloco.errors import UserError
 from diloco.metrics import RoundMetrics
 from diloco.envvars import ENV_SETTINGS, ENV_SYNC_THREADS
 from diloco.options import describe_options
+from diloco.runkeys import RunKeys
 from diloco.settings import DilocoSettings
 
 from .exchanger import MERGE, RESET, Outcome, Work
 from .faults import Faults
 from .lanes import Lanes
+from .manifest import manifest_of
+from .manifest import publish as publish_manifest
 from .modelview import model_view
 from .outer import blocks_digest
 from .roundclock import RoundClock
@@ -133,7 +136,9 @@ class DiLoCo:
                                  self.lanes, self._log)
         self.transfers = Transfers(self.view, self.sync.theta, self.sync.snapshot)
         self.transfers.initial()  # θ_0 from this replica's model, used only if the run is new
-        self._round, left = self.sync.join(initial=True)
+        self._round, left = self.sync.join(initial=True)  # the store is verified by now
+        if self.lanes.leader:  # names what the checkpoints hold (`manifest`); another model's stops here
+            publish_manifest(self.store, RunKeys(self.ctx.run_id), manifest_of(model))
         self.view.write(self.sync.theta)
         self._inflight: BackgroundRound | None = None
         self.left = left  # the run was scaled down without this replica: its loop ends (`roster`)
@@ -207,7 +212,13 @@ class DiLoCo:
         while self.global_step < total_steps and not self.left:
             yield self.global_step
         self.finish()
-        self.sync.settle()  # the last round's record shares the lanes' group with the write below
+        # the last round's record (it shares the lanes' group with the write below) and, when the
+        # run's training is done (not when this replica was scaled away), that round checkpointed:
+        # the store holds the final model (`diloco export`)
+        if self.left:
+            self.sync.settle()
+        else:
+            self.sync.checkpoint_last()
         self.view.write(self.sync.theta)
 
     def step(self, loss: float | None = None, tokens: int = 0) -> RoundMetrics | None:

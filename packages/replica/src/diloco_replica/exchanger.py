@@ -331,6 +331,12 @@ class Exchanger:
             pending, self._pending = self._pending, None
             pending.result()
 
+    def checkpoint_last(self) -> None:
+        """Training is over: the last round's record written, that round checkpointed
+        (`GlobalState.checkpoint_last`)."""
+        self.settle()
+        self.state.checkpoint_last()
+
     def _warn_if_alone(self, row: RoundMetrics) -> None:
         if not self._alone_since_start or not self.lanes.leader:  # one warning per replica
             return

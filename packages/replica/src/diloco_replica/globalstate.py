@@ -52,6 +52,7 @@ class GlobalState:
         self.theta: torch.Tensor | None = None
         self.buf: torch.Tensor | None = None
         self.written: dict[int, list[int]] = {}  # checkpoint round -> shards this replica wrote
+        self.finished: tuple[int, list[int]] | None = None  # the last round this lane applied, and its members
         self.total = total  # values in the model
         lanes = self.io.lanes
         self.start, self.stop = lane_range(total, lanes.count, lanes.index)  # this lane's slice of it
@@ -124,6 +125,7 @@ class GlobalState:
             raise Retry(f"checkpoint {c} changed while loading")
         self.theta, self.buf, self.ar.rosters[c + 1] = loaded
         self.round = c
+        self.finished = None  # round c is a checkpoint already
 
     def catch_up(self, *, during: str = "catch-up") -> int:
         """Apply every round completed after ours; returns how many were applied.
@@ -222,18 +224,31 @@ class GlobalState:
     def finish(self, r: int, members: list[int]) -> None:
         """Round r's outer step is applied everywhere: it is the state's round; checkpoint it if due."""
         self.round = r
+        self.finished = (r, members)
         if r % self.checkpoint_every == 0:
-            roster = self.ar.roster(r)
-            mine = [j for j in range(len(roster)) if reducer_of(j, members, 1, roster) == self.io.rank]
-            shards = shard_bounds(self.total, len(roster))
-            for j in mine:
-                piece = clip(*shards[j], self.start, self.stop)
-                if piece[0] < piece[1]:
-                    self.checkpoints.put_piece(r, piece, self.start, self.theta, self.buf, self.ar.roster(r + 1))
-            if mine:
-                self.written[r] = mine
-            if reducer_of(0, members, 1, roster) == self.io.rank and self.io.lanes.leader:  # one collector, off the hot path
-                self.io.pool.submit(self.checkpoints.collect_garbage, r)
+            self._checkpoint(r, members)
+
+    def checkpoint_last(self) -> None:
+        """The run's training is over: checkpoint its last round if `checkpoint_every` left it out,
+        so the store holds the final global model (`diloco export` takes it out; a longer run
+        resumes from it). Shard j's reducer in that round writes its pieces, as in any checkpoint."""
+        if self.finished is not None and self.finished[0] == self.round and self.round % self.checkpoint_every:
+            self._checkpoint(*self.finished)
+
+    def _checkpoint(self, r: int, members: list[int]) -> None:
+        """Write this replica's pieces of checkpoint r (the shards it reduces among `members`),
+        then, from one collector, delete what no rejoin needs any more."""
+        roster = self.ar.roster(r)
+        mine = [j for j in range(len(roster)) if reducer_of(j, members, 1, roster) == self.io.rank]
+        shards = shard_bounds(self.total, len(roster))
+        for j in mine:
+            piece = clip(*shards[j], self.start, self.stop)
+            if piece[0] < piece[1]:
+                self.checkpoints.put_piece(r, piece, self.start, self.theta, self.buf, self.ar.roster(r + 1))
+        if mine:
+            self.written[r] = mine
+        if reducer_of(0, members, 1, roster) == self.io.rank and self.io.lanes.leader:  # one collector, off the hot path
+            self.io.pool.submit(self.checkpoints.collect_garbage, r)
 
     def digest(self) -> tuple[int, int]:
         """This lane's part of the state's digest (`outer.state_digest`; the replica's is `digest_of` its lanes')."""

@@ -99,6 +99,9 @@ class InThread:
     def settle(self) -> None:
         self.exchanger.settle()
 
+    def checkpoint_last(self) -> None:
+        self.exchanger.checkpoint_last()
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self.exchanger.close()
@@ -172,6 +175,10 @@ class SyncProcess:
     def settle(self) -> None:
         self._send("settle")
         self._expect("settled")
+
+    def checkpoint_last(self) -> None:
+        self._send("checkpoint_last")
+        self._expect("checkpointed")
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -96,6 +96,9 @@ def serve(conn: Connection, parent: int) -> int:
         elif op == "settle":
             exchanger.settle()
             send(conn, "settled")
+        elif op == "checkpoint_last":
+            exchanger.checkpoint_last()
+            send(conn, "checkpointed")
         elif op == "close":
             exchanger.close()
             lanes.close()
