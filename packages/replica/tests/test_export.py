@@ -42,6 +42,16 @@ def test_the_manifest_names_the_trainable_parameters_in_the_synced_order():
 
     assert unwrapped(Compiled(model)) is model and manifest_of(Compiled(model)) == m
 
+    class Checkpointed(torch.nn.Module):  # activation checkpointing's wrapper around a submodule
+        def __init__(self, inner):
+            super().__init__()
+            self._checkpoint_wrapped_module = inner
+
+    nested = mlp(3)
+    nested[0].bias.requires_grad_(False)
+    nested[0], nested[2] = Compiled(nested[0]), Checkpointed(nested[2])  # 0._orig_mod.weight, ...
+    assert manifest_of(torch.nn.DataParallel(nested)) == m  # every wrapper's segment left out, at any depth
+
 
 @pytest.mark.parametrize("doc, problem", [
     (b"\xff", "not JSON"),

@@ -210,7 +210,7 @@ def estimate(spec: Any, *, parameters: int | None = None, parameters_from: str |
     est.first_round = exchange(n, lanes, numel, d["transport"], density, part_mb=float(d["part_mb"]),
                                first=True, bulk_delete=bulk)
     if rounds:
-        ckpts = rounds // int(d["checkpoint_every"])
+        ckpts = -(-rounds // int(d["checkpoint_every"]))  # every checkpoint_every rounds, and the last round
         summary = OBJECT_OVERHEAD + n * ROW_NBYTES
         est.bookkeeping = Traffic(
             bytes_up=rounds * (n * ROW_NBYTES + summary) + ckpts * (8 * parameters + (n + lanes - 1) * OBJECT_OVERHEAD),

@@ -33,12 +33,15 @@ def export_model(run_id: str, out: str | Path, *, round_: int | None = None, sto
     if find_spec("diloco_replica") is None:
         raise UserError("diloco export reads the replicas' checkpoint format with diloco-replica, which is not "
                         "installed here: pip install diloco-replica")
-    cmd = [sys.executable, "-m", "diloco_replica.export", store, run_id, str(out)]
+    cmd = [sys.executable, "-m", "diloco_replica.export"]
     if round_ is not None:
         cmd += ["--round", str(round_)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    proc = subprocess.run([*cmd, "--", store, run_id, str(out)], capture_output=True, text=True)
+    if proc.returncode < 0:  # killed: most often the out-of-memory killer (it holds θ and the momentum)
+        raise UserError(f"export was killed by signal {-proc.returncode} (out of memory? it needs about 3x the "
+                        f"model's fp32 size in host memory)")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    if proc.returncode != 0 or not proc.stdout.strip():
         raise UserError(errors[-1][len("error: "):] if errors else
                         f"export failed (exit {proc.returncode}): {proc.stderr.strip()[-400:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

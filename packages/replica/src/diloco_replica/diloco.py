@@ -137,8 +137,12 @@ class DiLoCo:
         self.transfers = Transfers(self.view, self.sync.theta, self.sync.snapshot)
         self.transfers.initial()  # θ_0 from this replica's model, used only if the run is new
         self._round, left = self.sync.join(initial=True)  # the store is verified by now
-        if self.lanes.leader:  # names what the checkpoints hold (`manifest`); another model's stops here
-            publish_manifest(self.store, RunKeys(self.ctx.run_id), manifest_of(model))
+        try:  # names what the checkpoints hold (`manifest`); another model's replica stops here, every lane
+            self.lanes.on_leader(lambda: publish_manifest(self.store, RunKeys(self.ctx.run_id), manifest_of(model),
+                                                          total=self.view.total))
+        except BaseException:
+            self.sync.close()
+            raise
         self.view.write(self.sync.theta)
         self._inflight: BackgroundRound | None = None
         self.left = left  # the run was scaled down without this replica: its loop ends (`roster`)
@@ -213,12 +217,13 @@ class DiLoCo:
             yield self.global_step
         self.finish()
         # the last round's record (it shares the lanes' group with the write below) and, when the
-        # run's training is done (not when this replica was scaled away), that round checkpointed:
-        # the store holds the final model (`diloco export`)
-        if self.left:
-            self.sync.settle()
-        else:
+        # run's training is done (a replica scaled away in its last round included: it may own
+        # shards of it; not one scaled away before), that round checkpointed: the store holds the
+        # final model (`diloco export`)
+        if self.global_step >= total_steps:
             self.sync.checkpoint_last()
+        else:
+            self.sync.settle()
         self.view.write(self.sync.theta)
 
     def step(self, loss: float | None = None, tokens: int = 0) -> RoundMetrics | None:

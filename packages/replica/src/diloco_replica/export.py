@@ -70,6 +70,10 @@ def export(store: Any, run_id: str, out: str | Path, *, round_: int | None = Non
     target = Path(out) / FILE
     if target.exists():
         raise UserError(f"{target} already exists; export to another --out directory, or remove it first")
+    try:  # before the download: an --out that cannot be written fails at once
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create the --out directory {out}: {exc.strerror or exc}") from None
     with ThreadPoolExecutor(4, thread_name_prefix="diloco-export") as pool:
         io = RoundIO(CountingStore(store), keys, Lanes(), pool, run_id, rank=0, n=1, round_timeout=READ_TIMEOUT,
                      poll_interval=1.0, poll_max=1.0, log=log or (lambda msg: None))
@@ -91,16 +95,21 @@ def export(store: Any, run_id: str, out: str | Path, *, round_: int | None = Non
     digest = f"{blocks_digest(theta, 0):016x}"
     flat = theta.numpy()
     tensors = {name: flat[a:b].reshape(shape) for name, shape, a, b in manifest.slices()}
-    Path(out).mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out, prefix=".model-", suffix=".safetensors")
     os.close(fd)
     try:  # whole or not at all: an interrupted export leaves no half a model under the real name
         save_file(tensors, tmp, metadata={"diloco_run": run_id, "diloco_round": str(r), "theta_digest": digest,
                                           "format": "pt"})
-        os.replace(tmp, target)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as a file the user created (mkstemp's is 0600)
+        os.link(tmp, target)  # create-only: a file that appeared meanwhile is kept, not replaced
+    except FileExistsError:
+        raise UserError(f"{target} appeared while exporting; export to another --out directory") from None
+    except OSError as exc:
+        raise UserError(f"writing {target} failed: {exc.strerror or exc}") from None
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        os.unlink(tmp)
     return Exported(run_id, r, complete, str(target), len(tensors), manifest.numel, digest)
 
 

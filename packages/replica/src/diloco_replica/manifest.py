@@ -10,8 +10,10 @@ A replica that finds a manifest of another model (names or shapes differ) stops 
 the store already holds a run of that id for another model, which the checkpoints' element count
 alone would not catch when two models have the same number of parameters.
 
-Names are the user's model's own: a DistributedDataParallel wrapper's ``module.`` and
-torch.compile's ``_orig_mod.`` are not part of them, so the export loads into the unwrapped model.
+Names are the user's model's own: a (Distributed)DataParallel wrapper's ``module.`` and the
+segments torch.compile (``_orig_mod``) and activation checkpointing
+(``_checkpoint_wrapped_module``) insert, at the root or around a submodule, are not part of them,
+so the export loads into the plain model, and replicas wrapped differently agree.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from diloco.store import ObjectExists
 FORMAT = 1
 MAX_DIMS = 16
 MAX_NAME = 1024
+WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})  # torch.compile's, checkpoint_wrapper's
 
 
 class BadManifest(Exception):
@@ -89,24 +92,32 @@ class Manifest:
 
 
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's model inside DistributedDataParallel and torch.compile wrappers."""
+    """The user's model inside (Distributed)DataParallel and torch.compile wrappers."""
     while True:
         inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
-        if inner is None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        if inner is None and isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
             inner = model.module
         if not isinstance(inner, torch.nn.Module):
             return model
         model = inner
 
 
+def plain_name(name: str) -> str:
+    """A parameter's name without the segments wrappers insert inside the model."""
+    return ".".join(s for s in name.split(".") if s not in WRAPPER_SEGMENTS)
+
+
 def manifest_of(model: torch.nn.Module) -> Manifest:
     """The manifest of the parameters `modelview.model_view` syncs (trainable ones, same order)."""
-    return Manifest(tuple((name, tuple(p.shape)) for name, p in unwrapped(model).named_parameters()
+    return Manifest(tuple((plain_name(name), tuple(p.shape)) for name, p in unwrapped(model).named_parameters()
                           if p.requires_grad))
 
 
-def publish(store: Any, keys: RunKeys, manifest: Manifest) -> None:
-    """Write the run's manifest, or check that the one there is this model's (UserError if not)."""
+def publish(store: Any, keys: RunKeys, manifest: Manifest, *, total: int | None = None) -> None:
+    """Write the run's manifest, or check that the one there is this model's (UserError if not).
+    `total`: the values the replica syncs, which the manifest must account for."""
+    if total is not None and manifest.numel != total:
+        raise ValueError(f"the manifest holds {manifest.numel} values, the replica syncs {total}")  # a bug of ours
     try:
         store.put(keys.model(), manifest.to_json(), create_only=True)
         return
@@ -122,7 +133,8 @@ def publish(store: Any, keys: RunKeys, manifest: Manifest) -> None:
                         f"something else under run {keys.run!r}: use a new run id or another rendezvous") from None
     if theirs != manifest:
         raise UserError(f"the rendezvous store already holds run {keys.run!r} of another model "
-                        f"({_difference(theirs, manifest)}); use a new run or another rendezvous")
+                        f"({_difference(theirs, manifest)}); use a new run or another rendezvous (or, if the "
+                        f"model only renamed parameters, delete {keys.model()} to resume under the new names)")
 
 
 def read(store: Any, keys: RunKeys) -> Manifest | None:
