@@ -123,15 +123,12 @@ def publish(store: Any, keys: RunKeys, manifest: Manifest, *, total: int | None 
         return
     except ObjectExists:
         pass
-    raw = store.get(keys.model())
-    if raw is None:  # deleted between the two requests: nothing to disagree with
-        return
     try:
-        theirs = Manifest.from_json(bytes(raw))
+        theirs = read(store, keys)
     except BadManifest as exc:
         raise UserError(f"{keys.model()} in the run's store is not a model manifest ({exc}); the rendezvous holds "
                         f"something else under run {keys.run!r}: use a new run id or another rendezvous") from None
-    if theirs != manifest:
+    if theirs is not None and theirs != manifest:  # None: deleted between the two requests
         raise UserError(f"the rendezvous store already holds run {keys.run!r} of another model "
                         f"({_difference(theirs, manifest)}); use a new run or another rendezvous (or, if the "
                         f"model only renamed parameters, delete {keys.model()} to resume under the new names)")
