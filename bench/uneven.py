@@ -157,10 +157,13 @@ def main() -> None:
         # a time-based round lasts what a fast replica's H steps took; as many rounds as fit in
         # the fixed-H run's training time, so both rows train for the same wall-clock time. What
         # a time-based round costs in all (its sync, start-up) is measured by a short run first.
+        # (In quick mode the probe is skipped: as many rounds as the fixed-H row had, a smoke run.)
         seconds = round(max(0.05, fixed["fast_compute_s_per_round"] or 1.0), 3)
-        probe = run_row("probe", {"round_seconds": seconds, "total_steps": 4 * H}, Path(tmp))
-        per_round = probe["train_s"] / probe["rounds"]
-        rounds = max(2, round(fixed["train_s"] / per_round))
+        if QUICK:
+            rounds = fixed["rounds"]
+        else:
+            probe = run_row("probe", {"round_seconds": seconds, "total_steps": 4 * H}, Path(tmp))
+            rounds = max(2, round(fixed["train_s"] / (probe["train_s"] / probe["rounds"])))
         timed = run_row("round_seconds", {"round_seconds": seconds, "total_steps": rounds * H}, Path(tmp))
         uniform = run_row("uniform-3x1", {"total_steps": STEPS}, Path(tmp), slow=[], replicas=3)
         mixed = run_row("mixed-2+1+1", {"total_steps": STEPS}, Path(tmp), slow=[], replicas=3, groups=MIXED_GROUPS)

@@ -92,7 +92,7 @@ def test_a_run_on_eks_grows_by_a_pod_while_it_trains(tmp_path, cluster, s3):
     from test_elastic import check_rounds, wait_for
 
     state = tmp_path / "state"
-    spec = eks_spec(tmp_path, cluster, s3, steps=600, sync_every=10, replicas=2)  # room for a pod to start
+    spec = eks_spec(tmp_path, cluster, s3, steps=600, sync_every=20, replicas=2)  # room for a pod to start
     proc = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "DILOCO_STATE_DIR": str(state)})
     run_id = proc.stdout.readline().split()[1].rstrip(":")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sysconfig
 import time
 import zlib
@@ -30,13 +31,21 @@ import torch
 from diloco.context import ReplicaContext
 
 
+def stdlib_sources(root: Path) -> list[Path]:
+    """The stdlib's .py files, sorted, without site-packages/ and the test suites, pruned from the
+    walk rather than filtered after it (site-packages alone is many times the stdlib)."""
+    found = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in ("site-packages", "test", "tests")]
+        found += [Path(folder, name) for name in names if name.endswith(".py")]
+    return sorted(found)
+
+
 def byte_corpus(max_bytes: int, eval_fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
     """Train and eval token tensors (bytes 0-255) from the stdlib's .py files, split by file."""
     root = Path(sysconfig.get_paths()["stdlib"])
     train, held_out, total = [], [], 0
-    for path in sorted(root.rglob("*.py")):
-        if {"site-packages", "test", "tests"} & set(path.parts):
-            continue
+    for path in stdlib_sources(root):
         data = path.read_bytes()
         split = held_out if zlib.crc32(str(path.relative_to(root)).encode()) % 100 < eval_fraction * 100 else train
         split.append(data)
