@@ -147,7 +147,8 @@ def test_killed_replica_is_failed_with_reason(tmp_path):
                                       "    time.sleep(600)\n")
     ex = LocalProcessExecutor()
     (h,) = launch(ex, 1, "slow:main", run_id="t-kill", workdir=str(tmp_path))
-    assert _wait(lambda: ex.poll(h) == "running")
+    # kill it only once it has said something: under load "running" comes well before its first line
+    assert _wait(lambda: ex.poll(h) == "running" and "working" in ex.stream_logs(h))
     os.kill(h.metadata["pid"], signal.SIGKILL)
     (res,) = ex.collect([h], timeout=10)
     assert res.status == "failed" and "killed by SIGKILL" in res.error and "working" in res.error
