@@ -16,9 +16,10 @@ import torch
 
 from diloco.store import open_store
 from diloco_replica.allreduce import StoreAllReduce
+from diloco_replica import checkpoints as checkpoints_module
 from diloco_replica.checkpoints import Checkpoints
 from diloco_replica.lanes import Lanes
-from diloco_replica.layout import BLOCK, Cut, cover, lane_fragment, lane_range
+from diloco_replica.layout import BLOCK, Cut, cover, lane_fragment, lane_range, piece_cuts
 from diloco_replica.outer import digest_of, state_digest
 
 
@@ -202,4 +203,50 @@ def test_a_checkpoint_written_by_three_lanes_loads_into_two():
         assert got[2] == [0, 1]  # the next round's roster travels with the checkpoint
     store.delete(next(m["path"] for m in store.list(f"{run}/ckpt/r00000004/")))
     assert Checkpoints(ar.io, total).complete() == []  # a piece gone: a gap, not a checkpoint
+    ar.close()
+
+
+@pytest.mark.parametrize("a, b, values, want", [
+    (0, 10, 4, [(0, 4), (4, 8), (8, 10)]),
+    (3, 10, 4, [(3, 4), (4, 8), (8, 10)]),   # cut at the model's multiples, not every 4 from a
+    (4, 8, 4, [(4, 8)]),
+    (5, 6, 4, [(5, 6)]),
+    (7, 7, 4, []),
+    (0, 3, 1, [(0, 1), (1, 2), (2, 3)]),
+])
+def test_checkpoint_pieces_are_cut_at_the_models_multiples_of_the_cap(a, b, values, want):
+    assert piece_cuts(a, b, values) == want
+
+
+def test_a_checkpoint_over_the_piece_cap_is_written_in_capped_pieces_and_loads_whole(monkeypatch):
+    """A shard of a 1B model is 4–8 GB of [θ ; momentum]: over a single PUT's limit on S3 and Azure.
+    Here the cap is 3·BLOCK + 7 values: every object holds at most that many, two writers of other
+    lane counts cut the same pieces where their ranges agree, and any lane count loads it whole."""
+    cap = 3 * BLOCK + 7
+    monkeypatch.setattr(checkpoints_module, "CHECKPOINT_PIECE_VALUES", cap)
+    total = 11 * BLOCK + 5
+    store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-ckpt-cap"
+    theta, buf = torch.randn(total), torch.randn(total)
+    for k in range(3):  # replica 0 of 3 lanes writes both shards of N = 2, as above
+        ar = StoreAllReduce(store, run, 0, 2, lanes=ThreadLanes(k, 3, Hub(3)))
+        a, b = lane_range(total, 3, k)
+        for lo, hi in ((0, total // 2), (total // 2, total)):
+            x, y = max(a, lo), min(b, hi)
+            if x < y:
+                Checkpoints(ar.io, total).put_piece(4, (x, y), a, theta[a:b], buf[a:b], [0, 1])
+        ar.close()
+    names = [m["path"].rsplit("/", 1)[1] for m in store.list(f"{run}/ckpt/r00000004/")]
+    pieces = sorted(tuple(map(int, name.split("-"))) for name in names)
+    assert len(pieces) > 5 and all(b - a <= cap for a, b in pieces), pieces
+    sizes = [len(store.get(f"{run}/ckpt/r00000004/{a}-{b}")) for a, b in pieces]
+    assert max(sizes) < 8 * cap + 1024  # [θ ; momentum] in fp32 and a header
+    ar = StoreAllReduce(store, run, 1, 2)  # a replica of 1 lane writes its own shard again: nothing new
+    Checkpoints(ar.io, total).put_piece(4, (0, total // 2), 0, theta, buf, [0, 1])
+    agreed = [p for p in piece_cuts(0, total // 2, cap) if p in pieces]
+    assert agreed and len(list(store.list(f"{run}/ckpt/r00000004/"))) == len(pieces) + len(piece_cuts(0, total // 2, cap)) - len(agreed)
+    for lanes in (1, 2):
+        for k in range(lanes):
+            a, b = lane_range(total, lanes, k)
+            got = Checkpoints(ar.io, total).load(4, a, b)
+            assert got is not None and torch.equal(got[0], theta[a:b]) and torch.equal(got[1], buf[a:b])
     ar.close()

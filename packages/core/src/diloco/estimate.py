@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
+from .runkeys import CHECKPOINT_PIECE_VALUES
 from .wiresize import MARKER_NBYTES, MEMBERS_NBYTES, OBJECT_OVERHEAD, Traffic, expected_payload_nbytes, parts_per_shard
 
 ENV_PRICES = "DILOCO_PRICES"
@@ -212,10 +213,12 @@ def estimate(spec: Any, *, parameters: int | None = None, parameters_from: str |
     if rounds:
         ckpts = -(-rounds // int(d["checkpoint_every"]))  # every checkpoint_every rounds, and the last round
         summary = OBJECT_OVERHEAD + n * ROW_NBYTES
+        # a checkpoint: N shards, cut where lanes are and at every CHECKPOINT_PIECE_VALUES values
+        pieces = n + lanes - 1 + parameters // CHECKPOINT_PIECE_VALUES
         est.bookkeeping = Traffic(
-            bytes_up=rounds * (n * ROW_NBYTES + summary) + ckpts * (8 * parameters + (n + lanes - 1) * OBJECT_OVERHEAD),
+            bytes_up=rounds * (n * ROW_NBYTES + summary) + ckpts * (8 * parameters + pieces * OBJECT_OVERHEAD),
             bytes_down=rounds * (n * ROW_NBYTES + n * summary),     # the recorder reads rows; everyone the summary
-            puts=rounds * (n + 1) + ckpts * (n + lanes - 1),  # a checkpoint: N shards, cut where lanes are
+            puts=rounds * (n + 1) + ckpts * pieces,
             gets=rounds * (n + n),
             lists=rounds * (1 + n))
         exchanges = est.first_round.plus(est.round.times(rounds - 1)).times(n) if rounds else Traffic()

@@ -18,6 +18,13 @@ from .presence import away_name, join_name
 
 SCALE_PREFIX, SCALE_SUFFIX = "scale-", ".json"
 
+# The largest object a run writes. A checkpoint piece holds [θ ; momentum] of its values in fp32 (8
+# bytes a value), so a shard of a 1B model of 2 replicas would be one 4 GB object and of 1 replica
+# 8 GB: over S3's 5 GiB and Azure's 5,000 MiB limits of a single PUT, which a create-only write
+# must be. Pieces are cut at multiples of this many of the model's values (512 MiB objects), the
+# same cuts whoever writes them, and a loader holds one piece beside the state it fills.
+CHECKPOINT_PIECE_VALUES = 1 << 26
+
 
 def scale_seq(name: str) -> int | None:
     """The sequence number of a scale target from its name in ``roster/`` (``scale-<seq>.json``),
@@ -71,7 +78,8 @@ class RunKeys:
     # -- checkpoints and the history kept ----------------------------------------------------
 
     def checkpoint(self, r: int, piece: tuple[int, int] | str | None = None) -> str:
-        """Checkpoint r's piece [a, b) of the model (`<a>-<b>`), or its `void` marker."""
+        """Checkpoint r's piece [a, b) of the model (`<a>-<b>`; at most `CHECKPOINT_PIECE_VALUES`
+        values, cut at its multiples), or its `void` marker."""
         name = "" if piece is None else piece if isinstance(piece, str) else f"{piece[0]}-{piece[1]}"
         return f"{self.run}/ckpt/r{r:08d}/{name}"
 

@@ -4,7 +4,9 @@
   ends (`GlobalState.checkpoint_last`), at ``ckpt/r<round>/<a>-<b>``: [θ_global ;
   momentum] of the model's values [a, b) in fp32. Shard j of N (of the whole model) is written
   create-only by shard j's reducer, each of its lanes writing its piece of it (`layout`); round
-  0 is the initial state. Pieces are named by their ranges, so a checkpoint written by replicas
+  0 is the initial state. A piece holds at most `CHECKPOINT_PIECE_VALUES` values (512 MiB: one
+  PUT of any store takes it; `layout.piece_cuts`), so a lane's share of a shard may be several
+  pieces. Pieces are named by their ranges, so a checkpoint written by replicas
   of one lane count loads into replicas of another; it is complete once its pieces cover the
   model (`layout.cover`). A rejoining replica loads the newest *complete* checkpoint and
   replays the reduced shards of the rounds after it.
@@ -24,11 +26,12 @@ import json
 
 import torch
 
+from diloco.runkeys import CHECKPOINT_PIECE_VALUES
 from diloco.scaling import ranks_ok
 
 from .finite import all_finite
 from .roundio import RoundIO
-from .layout import clip, cover
+from .layout import clip, cover, piece_cuts
 from .wire import CorruptObject, Identity, check_layout, encode_tensor, pack, unpack
 
 VOID = "void"
@@ -57,15 +60,17 @@ class Checkpoints:
     def put_piece(self, r: int, piece: tuple[int, int], start: int, theta: torch.Tensor,
                   buf: torch.Tensor | None, roster: list[int]) -> None:
         """[θ ; momentum] of the model's values `piece` = [a, b), from a lane whose `theta` and
-        `buf` begin at the model's value `start` (momentum None: zeros, as at round 0); `roster`:
-        round r + 1's ranks (`roster`), which a replica rejoining from here needs."""
-        io, (a, b) = self.io, piece
-        x, y = a - start, b - start
-        parts = encode_tensor(theta[x:y], "fp32") + encode_tensor(buf[x:y] if buf is not None else torch.zeros(b - a),
-                                                                  "fp32")  # written as two buffers, never joined
-        blob = pack(Identity(io.run_id, r, "ckpt", a, b), parts, codec="fp32", numel=2 * (b - a),
-                    meta={"numel": self.total, "next": roster})
-        io.put(io.keys.checkpoint(r, piece), blob, create_only=True)  # a piece already there is the same
+        `buf` begin at the model's value `start` (momentum None: zeros, as at round 0), as objects
+        of at most `CHECKPOINT_PIECE_VALUES` values each (`layout.piece_cuts`); `roster`: round
+        r + 1's ranks (`roster`), which a replica rejoining from here needs."""
+        io = self.io
+        for a, b in piece_cuts(*piece, CHECKPOINT_PIECE_VALUES):
+            x, y = a - start, b - start
+            momentum = buf[x:y] if buf is not None else torch.zeros(b - a)  # one piece's worth at a time
+            parts = encode_tensor(theta[x:y], "fp32") + encode_tensor(momentum, "fp32")  # two buffers, never joined
+            blob = pack(Identity(io.run_id, r, "ckpt", a, b), parts, codec="fp32", numel=2 * (b - a),
+                        meta={"numel": self.total, "next": roster})
+            io.put(io.keys.checkpoint(r, (a, b)), blob, create_only=True)  # a piece already there is the same
 
     def complete(self) -> list[int]:
         """Rounds whose pieces cover the whole model and that are not void, oldest first."""

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from diloco.runkeys import CHECKPOINT_PIECE_VALUES
+
 MAX_LANES = 4096  # processes in one replica: what a ready marker or a membership record may claim
 BLOCK = 4096      # values: lanes start on a multiple of it, so a block is always one lane's (`outer.state_digest`)
 
@@ -115,6 +117,21 @@ class Cut:
     def overlapping(self, a: int, b: int) -> list[int]:
         """The shards that overlap [a, b), in order."""
         return [j for j, (x, y) in enumerate(self.bounds) if x < b and a < y and x < y]
+
+
+def piece_cuts(a: int, b: int, values: int = CHECKPOINT_PIECE_VALUES) -> list[tuple[int, int]]:
+    """[a, b) cut at the model's multiples of `values`: the checkpoint pieces a writer of [a, b)
+    puts, each within a store's single-PUT limit (`diloco.runkeys.CHECKPOINT_PIECE_VALUES`).
+    Cutting at absolute multiples, not every `values` from a, gives two writers of overlapping
+    ranges (replicas of other lane counts) the same pieces where their ranges agree."""
+    if values < 1:
+        raise ValueError(f"pieces of {values} values")
+    cuts, pos = [], a
+    while pos < b:
+        end = min(b, (pos // values + 1) * values)
+        cuts.append((pos, end))
+        pos = end
+    return cuts
 
 
 def cover(pieces: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]] | None:
