@@ -53,17 +53,19 @@ def toml_text(spec: dict[str, Any]) -> str:
 # job's model is a sixth of its size (dim 64, 1 layer) and trains on less text.
 QUICK_MODEL = {"batch_size": 8, "context": 32, "dim": 64, "layers": 1, "max_bytes": 500_000}
 QUICK_PARAMETERS = 84928  # that TinyLM's parameter count
+QUICK_REPLICAS = 2  # a smoke run's replicas: every path of a run (a round, its members, the report) with half the processes
 
 
 def tiny_lm_spec(*, args: dict[str, Any] | None = None, diloco: dict[str, Any] | None = None,
                  env: dict[str, str] | None = None) -> dict[str, Any]:
     """The main job's spec (examples/tiny-lm/diloco.toml) with these keys changed (in quick mode
-    its model shrunk first, `QUICK_MODEL`)."""
+    its model shrunk first, `QUICK_MODEL`, and its replicas, `QUICK_REPLICAS`)."""
     spec = tomllib.loads((TINY_LM / "diloco.toml").read_text())
     spec["workdir"] = str(TINY_LM)
     if QUICK:
         spec["args"].update(QUICK_MODEL)
         spec["diloco"]["parameters"] = QUICK_PARAMETERS
+        spec["replicas"] = QUICK_REPLICAS
     spec.setdefault("args", {}).update(args or {})
     spec.setdefault("diloco", {}).update(diloco or {})
     if env:

@@ -228,9 +228,12 @@ def run_mode(name: str, H: int, device: str, tmp: Path) -> dict:
             "max_bytes": 20_000_000 if not QUICK else 2_000_000,
             "settings": None if settings is None else {"sync_every": H, "total_steps": STEPS, "round_timeout": 300,
                                                        "checkpoint_every": 1000, **settings}}
+    from diloco.replicaenv import REPLICA_ENV_DEFAULTS
+
     procs = []
     for rank in range(N):
-        env = {**os.environ, "REPLICA_RANK": str(rank), "DILOCO_REPLICAS": str(N), "DILOCO_RUN_ID": run_id,
+        # what a launcher gives every replica (its malloc settings: glibc reads them at exec), then the run's
+        env = {**REPLICA_ENV_DEFAULTS, **os.environ, "REPLICA_RANK": str(rank), "DILOCO_REPLICAS": str(N), "DILOCO_RUN_ID": run_id,
                "DILOCO_RENDEZVOUS": f"file://{tmp / 'store'}", "DILOCO_SETTINGS": json.dumps(spec["settings"] or {}),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "bench"), os.environ.get("PYTHONPATH")]))}
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)], env=env,

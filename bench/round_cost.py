@@ -24,7 +24,7 @@ per (store, N), in the same run:
 65536 sends every shard as one object (P = 1), 32 cuts a shard over 32 MiB into parts whose
 fold, upload and download pipeline. `BENCH_COMPARE=<git rev>` also runs every row on that revision's code (a `git worktree` of it,
 workers import its packages), alternating with the current code, so "before" and "after" come
-from the same run on the same machine. `BENCH_QUICK=1`: 4 MB, N = 2 and 4 (a smoke run).
+from the same run on the same machine. `BENCH_QUICK=1`: 4 MB, N = 2 (a smoke run).
 
     .venv/bin/python bench/round_cost.py
     BENCH_COMPARE=HEAD~3 BENCH_MB=100 .venv/bin/python bench/round_cost.py
@@ -47,7 +47,7 @@ from pathlib import Path
 from _common import baseline_sources, knob, peak_rss_kb, reset_peak_rss, rss_kb  # noqa: E402 - bench/ is the script's directory
 
 MB = float(knob("BENCH_MB", "100", "4"))
-REPLICAS = [int(x) for x in knob("BENCH_REPLICAS", "2,4,8", "2,4").split(",")]
+REPLICAS = [int(x) for x in knob("BENCH_REPLICAS", "2,4,8", "2").split(",")]
 STORES = os.environ.get("BENCH_STORES", "file,s3").split(",")
 COMPARE = os.environ.get("BENCH_COMPARE", "")
 # `[diloco] part_mb` per row: 65536 sends each shard as one object (P = 1, the layout before

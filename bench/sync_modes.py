@@ -61,7 +61,7 @@ def run_row(name: str, settings: dict, tmp: Path) -> dict:
     return {
         "row": name, "settings": settings, "eval_loss": round(summary["eval_loss"], 4),
         "tokens_per_s": round(summary["tokens"] / train_s), "sync_share": round(summary["sync_share"], 4),
-        "bytes_per_replica_per_round": round(summary["bytes_communicated"] / 4 / summary["rounds"]),
+        "bytes_per_replica_per_round": round(summary["bytes_communicated"] / len(results) / summary["rounds"]),
         "rounds": summary["rounds"], "train_s": round(train_s, 1), "wall_s": round(wall, 1),
         "parameters": summary["parameters"],
     }
@@ -79,7 +79,7 @@ def main() -> None:
         r["bytes_vs_fp32"] = round(per_model / fp32_round_bytes, 4)
         r["tokens_per_s_vs_sync_fp32"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
     print(json.dumps({
-        "bench": "sync_modes", "replicas": 4, "steps_per_replica": STEPS, "sync_every": H,
+        "bench": "sync_modes", "replicas": tiny_lm_spec()["replicas"], "steps_per_replica": STEPS, "sync_every": H,
         "parameters": base["parameters"], "store_bytes_per_s_per_replica": RATE, "rows": rows,
         "targets": {"overlap sync_share": "<= 0.03", "overlap eval_loss_vs_sync_fp32": "abs <= 0.01",
                     "int4 bytes_vs_fp32": "<= 0.125", "int4 eval_loss_vs_sync_fp32": "abs <= 0.01",

@@ -74,10 +74,10 @@ def data_parallel(world: int) -> dict:
 def main() -> None:
     with tempfile.TemporaryDirectory() as state:
         runs = [diloco_run(t, Path(state)) for t in TRANSPORTS]
-    dp = data_parallel(4)
+    dp = data_parallel(tiny_lm_spec()["replicas"])  # as many workers as DiLoCo's replicas
     base = next((r for r in runs if r["transport"] == "fp32"), runs[0])
     out = {
-        "bench": "tiny_lm", "steps_per_replica": STEPS, "replicas": 4, "sync_every": base.get("sync_every"),
+        "bench": "tiny_lm", "steps_per_replica": STEPS, "replicas": tiny_lm_spec()["replicas"], "sync_every": base.get("sync_every"),
         "data_parallel": dp, "diloco": runs,
         "diloco_vs_dp_eval_loss": round(base["eval_loss"] / dp["eval_loss"] - 1, 4),
         "transport_vs_fp32_eval_loss": {r["transport"]: round(r["eval_loss"] / base["eval_loss"] - 1, 4) for r in runs},

@@ -27,7 +27,7 @@ round_seconds; eval loss at equal wall-clock no worse than fixed H.
 
     .venv/bin/python bench/uneven.py                  # ~6 minutes on 2 CPU cores; prints JSON
     BENCH_PLOTS=docs .venv/bin/python bench/uneven.py # also keep each row's timeline.png there
-    BENCH_QUICK=1 .venv/bin/python bench/uneven.py    # a smoke run: a few rounds each
+    BENCH_QUICK=1 .venv/bin/python bench/uneven.py    # a smoke run: every row at N = 2, two rounds each
 """
 
 from __future__ import annotations
@@ -44,9 +44,11 @@ from pathlib import Path
 
 from _common import QUICK, knob, run_spec, tiny_lm_spec, toml_text  # noqa: E402 - bench/ is the script's directory
 
-STEPS = int(knob("BENCH_STEPS", "500", "60"))
+STEPS = int(knob("BENCH_STEPS", "500", "40"))
 H = int(knob("BENCH_H", "50", "20"))
-SLOW = [2, 3]
+REPLICAS = 2 if QUICK else 4  # the smoke run: one fast replica and one slow, every row of half its size
+SLOW = [1] if QUICK else [2, 3]
+SINGLES = REPLICAS // 2  # the mixed rows' one-process replicas beside the two-process one
 
 
 MIXED_GROUPS = """
@@ -58,7 +60,7 @@ processes_per_replica = 2
 name = "local"
 [[group]]
 name = "singles"
-replicas = 2
+replicas = {singles}
 processes_per_replica = 1
 [group.backend]
 name = "local"
@@ -98,7 +100,7 @@ def run_resized(spec: Path, state: Path, label: str, resize: list[tuple[int, int
     return state / "runs" / run_id, time.monotonic() - t0, log
 
 
-def run_row(name: str, diloco: dict, tmp: Path, *, slow: list[int] = SLOW, replicas: int = 4,
+def run_row(name: str, diloco: dict, tmp: Path, *, slow: list[int] = SLOW, replicas: int = REPLICAS,
             groups: str | None = None, resize: list[tuple[int, int]] | None = None) -> dict:
     spec = tmp / f"{name}.toml"
     state = tmp / f"state-{name}"
@@ -165,8 +167,9 @@ def main() -> None:
             probe = run_row("probe", {"round_seconds": seconds, "total_steps": 4 * H}, Path(tmp))
             rounds = max(2, round(fixed["train_s"] / (probe["train_s"] / probe["rounds"])))
         timed = run_row("round_seconds", {"round_seconds": seconds, "total_steps": rounds * H}, Path(tmp))
-        uniform = run_row("uniform-3x1", {"total_steps": STEPS}, Path(tmp), slow=[], replicas=3)
-        mixed = run_row("mixed-2+1+1", {"total_steps": STEPS}, Path(tmp), slow=[], replicas=3, groups=MIXED_GROUPS)
+        uniform = run_row(f"uniform-{SINGLES + 1}x1", {"total_steps": STEPS}, Path(tmp), slow=[], replicas=SINGLES + 1)
+        mixed = run_row("mixed-2" + "+1" * SINGLES, {"total_steps": STEPS}, Path(tmp), slow=[], replicas=SINGLES + 1,
+                        groups=MIXED_GROUPS.format(singles=SINGLES))
         rounds_in = STEPS // H
         # (not in quick mode: its few short rounds end before a new replica has started, so the
         # row would prove nothing; tests/test_elastic.py resizes runs end to end)
@@ -175,7 +178,7 @@ def main() -> None:
         pair = None if QUICK else run_row("uniform-2x1", {"total_steps": STEPS}, Path(tmp), slow=[], replicas=2)
     two, one = mixed["traffic_per_round_by_rank"].get(0), mixed["traffic_per_round_by_rank"].get(1)
     print(json.dumps({
-        "bench": "uneven", "replicas": 4, "slow_ranks": SLOW, "slowdown": 2, "sync_every": H,
+        "bench": "uneven", "replicas": REPLICAS, "slow_ranks": SLOW, "slowdown": 2, "sync_every": H,
         "rows": [fixed, timed],
         "round_seconds_vs_fixed": {"waiting_share": [fixed["waiting_share"], timed["waiting_share"]],
                                    "train_s": round(timed["train_s"] / fixed["train_s"], 3),

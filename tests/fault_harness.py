@@ -29,8 +29,10 @@ STEPS, H = 300, 25
 RESTART = "max_restarts = 50\nmax_restarts_per_rank = 20\nbackoff = 0.2"
 
 
-def spec_for(tmp_path: Path) -> Path:
-    spec = tiny_spec(tmp_path, steps=STEPS, sync_every=H, restart=RESTART, model="main")  # losses compared
+def spec_for(tmp_path: Path, *, model: str = "main", replicas: int = 4) -> Path:
+    """The fault runs' spec: the main job's model where a test compares losses with `reference`;
+    the small one (`conftest.SMALL_MODEL`) where a test proves a rejoin, the state or incidents."""
+    spec = tiny_spec(tmp_path, steps=STEPS, sync_every=H, restart=RESTART, model=model, replicas=replicas)
     text = spec.read_text().replace("round_timeout = 120", "round_timeout = 8\ncheckpoint_every = 2")
     spec.write_text(text)
     return spec
@@ -47,19 +49,35 @@ def start(spec: Path, state_dir: Path, env: dict | None = None) -> tuple[subproc
     return proc, proc.stdout.readline().split()[1].rstrip(":")
 
 
-def recovered(proc: subprocess.Popen, out: str, state: Path, run_id: str) -> tuple[dict, list[dict], list[dict]]:
-    """What every fault run must end with: success, four survivors holding one finite θ (the same
-    after every round: no `diverged` event), nothing corrupt or non-finite read."""
+def recovered(proc: subprocess.Popen, out: str, state: Path, run_id: str,
+              replicas: int = 4) -> tuple[dict, list[dict], list[dict]]:
+    """What every fault run must end with: success, every replica surviving, holding one finite θ
+    (the same after every round: no `diverged` event), nothing corrupt or non-finite read."""
     assert proc.returncode == 0, out
     record, events = record_of(state, run_id), events_of(state, run_id)
     results = final_results(record)
-    assert len(results) == 4
+    assert len(results) == replicas
     assert len({r["theta_digest"] for r in results}) == 1, "survivors disagree on the global model"
     assert all(math.isfinite(r["eval_loss"]) for r in results), "a final model is not finite"
     assert not any(e["event"] == "diverged" for e in events), "replicas disagreed after some round"
     for error in (e.get("error") or "" for e in events):
         assert "CorruptObject" not in error and "RuntimeError" not in error, f"an untrusted object was used: {error}"
     return record, events, results
+
+
+def wait_for_phase_round(phase_dir: Path, r: int, timeout: float = 300) -> None:
+    """Wait until some replica's phase marker shows round `r` or later: a kill aimed after it
+    lands in the rounds, however long the replicas took to start (under load, tens of seconds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for marker in phase_dir.glob("phase-*"):
+            try:
+                if int(marker.read_text().split()[1]) >= r:
+                    return
+            except (OSError, IndexError, ValueError):
+                pass
+        time.sleep(0.05)
+    raise AssertionError(f"no replica reached round {r} within {timeout} s")
 
 
 def kill_in_phase(state: Path, run_id: str, phase_dir: Path, rng: random.Random, phase: str) -> dict[str, Any] | None:

@@ -26,7 +26,7 @@ import pytest
 
 from diloco.testing.scenarios import events_of, record_of
 from fault_harness import (H, PHASES, STEPS, final_results, kill_in_phase, recovered, spec_for,
-                           start)
+                           start, wait_for_phase_round)
 
 FAULT_RUNS = int(os.environ.get("DILOCO_FAULT_RUNS", "0"))
 KILLS_PER_RUN = int(os.environ.get("DILOCO_FAULT_KILLS", "3"))
@@ -64,25 +64,35 @@ def test_random_sigkills_never_break_the_run(tmp_path, reference, run_index):
 
 # Every sync-hiding mode, with a SIGKILL aimed at the gather: with overlap that is the background
 # round, while the training loop goes on with inner steps (in the first, in a sync process: the
-# kill lands on the training process, and its sync process dies with it). Each runs long enough
-# for the kill (about round 2) and several rounds after the rejoin: with 5 fragments a round
-# closes every 5 steps, so 60 steps are 12 rounds.
+# kill lands on the training process, and its sync process dies with it). No loss is compared, so
+# three replicas of the small model. The kill is aimed once round 2 is under way, and the run lasts
+# long enough for several rounds after the rejoin: 300 steps are 12 rounds, and with 5 fragments
+# a round closes every 5 steps, so 80 steps are 16.
+SYNC_MODE_REPLICAS = 3
 SYNC_MODES = {
     "overlap+fragments+int4, sync process": ('overlap = true\nfragments = 5\ntransport = "int4"\nexchange = "process"',
-                                             60),
-    "overlap+topk, merged at a fixed step": ('overlap = true\noverlap_delay = 2\ntransport = "topk"', STEPS // 2),
-    "fragments+topk": ('fragments = 5\ntransport = "topk"', 60),
-    "round_seconds+int8": ('round_seconds = 0.15\ntransport = "int8"', STEPS // 2),  # a round is 0.15 s, not H steps
-    # each replica's shard sent as 4 parts (470k parameters, 4 replicas); killed while it reduces
-    # them, so the others take over all four
-    "parts, killed reducing": ('part_mb = 0.125\ntransport = "fp32"', STEPS // 2),
+                                             80),
+    "overlap+topk, merged at a fixed step": ('overlap = true\noverlap_delay = 2\ntransport = "topk"', STEPS),
+    "fragments+topk": ('fragments = 5\ntransport = "topk"', 80),
+    "round_seconds+int8": ('round_seconds = 0.15\ntransport = "int8"', STEPS),  # a round is 0.15 s, not H steps
+    # each replica's shard sent as 4 parts (checked below); killed while it reduces them, so the
+    # others take over all four
+    "parts, killed reducing": ('part_mb = 0.03\ntransport = "fp32"', STEPS),
 }
 KILL_PHASE = {"parts, killed reducing": "reduce"}  # the rest: "gather"
 
 
+def test_the_parts_mode_sends_each_shard_as_four_parts():
+    from conftest import SMALL_MODEL
+    from diloco.wiresize import parts_per_shard
+
+    parameters = int(SMALL_MODEL["parameters = 470528"].split("=")[1])
+    assert parts_per_shard(parameters, SYNC_MODE_REPLICAS, 0.03) == 4
+
+
 @pytest.mark.parametrize("mode", SYNC_MODES)
 def test_a_replica_killed_mid_round_rejoins_in_every_sync_mode(tmp_path, mode):
-    spec = spec_for(tmp_path)
+    spec = spec_for(tmp_path, model="small", replicas=SYNC_MODE_REPLICAS)
     settings, steps = SYNC_MODES[mode]
     text = spec.read_text().replace('transport = "fp32"', settings)
     spec.write_text(text.replace(f"total_steps = {STEPS}", f"total_steps = {steps}"))
@@ -91,13 +101,13 @@ def test_a_replica_killed_mid_round_rejoins_in_every_sync_mode(tmp_path, mode):
     env = {"DILOCO_FAULT_PHASE_FILE": str(phase_dir / "phase-{rank}"), "DILOCO_FAULT_PHASE_DELAY": "0.15"}
     proc, run_id = start(spec, state, env)
     try:
-        time.sleep(4.0)
+        wait_for_phase_round(phase_dir, 2)
         hit = kill_in_phase(state, run_id, phase_dir, random.Random(7), KILL_PHASE.get(mode, "gather"))
         out, _ = proc.communicate(timeout=900)
     finally:
         proc.kill()
     assert hit is not None and hit["phase"] == KILL_PHASE.get(mode, "gather")
-    record, events, results = recovered(proc, out, state, run_id)
+    record, events, results = recovered(proc, out, state, run_id, replicas=SYNC_MODE_REPLICAS)
     assert any(e["event"] == "failed" for e in events) and sum(e["event"] == "launch" for e in events) >= 2
     assert all(r["rounds"] == results[0]["rounds"] for r in results)  # the relaunched one caught up
 
@@ -121,7 +131,9 @@ def test_launcher_killed_mid_run_then_resumed_reaches_the_same_state(tmp_path, r
 
 
 def short_spec(tmp_path: Path, steps: int) -> Path:
-    spec = spec_for(tmp_path)
+    """The fault spec, `steps` long, on the small model: these runs' faults are keyed to steps and
+    rounds, and no loss is compared with the reference."""
+    spec = spec_for(tmp_path, model="small")
     spec.write_text(spec.read_text().replace(f"total_steps = {STEPS}", f"total_steps = {steps}"))
     return spec
 

@@ -136,7 +136,7 @@ def test_a_gang_restart_reloads_every_replica_and_none_waits_for_a_round_nobody_
     round c with no member of it left running; none may wait for round c + 1 to be decided by
     someone else (nobody trains it): they take it themselves, and all end on one global model,
     each a member again."""
-    spec = spec_with(tmp_path, steps=60 * H, replicas=3, restart='policy = "gang"')
+    spec = spec_with(tmp_path, steps=30 * H, replicas=3, restart='policy = "gang"')  # nobody trains while they restart
     proc, run_id = start(spec)
     wait_for_round(state_dir, run_id, 2)
     kill(state_dir, run_id, [1])

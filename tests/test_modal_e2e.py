@@ -132,7 +132,8 @@ def standin(cloud) -> StandIn:
 
 
 def test_a_killed_launcher_is_resumed_from_another_process(tmp_path, cloud, s3):
-    killed_launcher_is_resumed(standin(cloud), tmp_path / "state", modal_spec(tmp_path, s3, steps=150, sync_every=25))
+    killed_launcher_is_resumed(standin(cloud), tmp_path / "state",
+                               modal_spec(tmp_path, s3, steps=150, sync_every=25, replicas=2))
 
 
 def test_no_modal_token_is_one_line(tmp_path, cloud, s3):

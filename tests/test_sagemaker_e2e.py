@@ -124,24 +124,25 @@ def test_one_rank_reaching_its_max_runtime_fails_alone_and_is_relaunched(tmp_pat
     the end as a time limit (exit 124), relaunched without spending the restart budget while the
     other ranks train on."""
     state = tmp_path / "state"
-    spec = sm_spec(tmp_path, s3, steps=150, sync_every=25, restart="backoff = 0.2\nmax_restarts_per_rank = 2")
+    spec = sm_spec(tmp_path, s3, steps=150, sync_every=25, restart="backoff = 0.2\nmax_restarts_per_rank = 2",
+                   replicas=3)
     launcher, run_id = start(plane, state, "run", str(spec))
     wait_for_round(state, run_id, 1)
     jobs = {r["rank"]: r["handle"]["metadata"]["job"] for r in record_of(state, run_id)["ranks"]}
-    assert plane.expire(jobs[3])  # rank 3's job reaches its MaxRuntimeInSeconds now
+    assert plane.expire(jobs[2])  # rank 2's job reaches its MaxRuntimeInSeconds now
     out, _ = launcher.communicate(timeout=600)
     assert launcher.returncode == 0, out
     record = record_of(state, run_id)
     one_global_model(record)
-    rank3 = record["ranks"][3]
-    assert (rank3["restarts"], rank3["time_limits"]) == (0, 1)
-    assert rank3["handle"]["metadata"]["job"] == jobs[3].removesuffix("-a0") + "-a1"
-    assert all(r["restarts"] == 0 and r["time_limits"] == 0 for r in record["ranks"] if r["rank"] != 3)
-    seen = [t["Status"] for t in plane.job(jobs[3])["SecondaryStatusTransitions"]]
+    rank2 = record["ranks"][2]
+    assert (rank2["restarts"], rank2["time_limits"]) == (0, 1)
+    assert rank2["handle"]["metadata"]["job"] == jobs[2].removesuffix("-a0") + "-a1"
+    assert all(r["restarts"] == 0 and r["time_limits"] == 0 for r in record["ranks"] if r["rank"] != 2)
+    seen = [t["Status"] for t in plane.job(jobs[2])["SecondaryStatusTransitions"]]
     assert seen[-2:] == ["Stopping", "MaxRuntimeExceeded"], seen
     events = events_of(state, run_id)
     timed_out = [e for e in events if e["event"] == "time_limit"]
-    assert [e["rank"] for e in timed_out] == [3] and "ran past the spec's timeout" in timed_out[0]["error"], timed_out
+    assert [e["rank"] for e in timed_out] == [2] and "ran past the spec's timeout" in timed_out[0]["error"], timed_out
     assert not [e for e in events if e["event"] in ("failed", "cancelled", "cancelled_outside", "run_cancelled")], events
 
 
@@ -156,7 +157,8 @@ def test_a_killed_launcher_is_reattached_from_another_process(tmp_path, plane, s
         follow = cloud.cli(state, "logs", run_id, "--rank", "0", "--follow")
         assert follow.returncode == 0 and "diloco: replica result:" in follow.stdout
 
-    killed_launcher_is_resumed(cloud, state, sm_spec(tmp_path, s3, steps=150, sync_every=25), follow_a_log)
+    killed_launcher_is_resumed(cloud, state, sm_spec(tmp_path, s3, steps=150, sync_every=25, replicas=2),
+                               follow_a_log)
 
 
 def test_a_file_rendezvous_is_refused_in_one_line(tmp_path, plane, s3):

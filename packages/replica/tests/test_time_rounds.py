@@ -116,9 +116,11 @@ def test_replicas_of_different_speeds_meet_on_the_clock_and_end_bit_identical(re
     by_rank = {r["rank"]: r for r in results}
     for rnd in ("1", "2", "3"):
         assert len({r["hashes"][rnd] for r in results}) == 1, f"replicas diverge after round {rnd}"
-    fast = [x["tokens"] for x in by_rank[0]["rounds"][1:-1]]
-    slow = [x["tokens"] for x in by_rank[2]["rounds"][1:-1]]
-    assert fast and slow and max(slow) < min(fast), (fast, slow)  # the slow ones ran fewer steps per round
+    # the slow ones ran fewer steps per round: summed over the middle rounds of both ranks of each
+    # speed (round by round, a loaded machine can hold a fast rank back as long as a sleep)
+    fast = [x["tokens"] for rank in (0, 1) for x in by_rank[rank]["rounds"][1:-1]]
+    slow = [x["tokens"] for rank in (2, 3) for x in by_rank[rank]["rounds"][1:-1]]
+    assert fast and slow and sum(slow) < sum(fast), (fast, slow)
     assert all(x["members"] == [0, 1, 2, 3] for r in results for x in r["rounds"])
 
 
