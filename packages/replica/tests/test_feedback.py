@@ -10,7 +10,7 @@ import torch
 from test_streaming import at_once
 
 from diloco.store import open_store
-from diloco_replica import allreduce as allreduce_module
+from diloco_replica import upload as upload_module
 from diloco_replica.allreduce import StoreAllReduce
 from diloco_replica.codecs import encode
 from diloco_replica.feedback import quantise_with_feedback
@@ -41,13 +41,13 @@ def test_the_all_reduce_uploads_the_kept_encodings_as_they_are():
     for reuse in (False, True):
         store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-kept"
         means, encodes = {}, []
-        original = allreduce_module.encode_tensor
+        original = upload_module.encode_tensor
 
         def counting(x, codec):
             encodes.append(x.numel())
             return original(x, codec)
 
-        allreduce_module.encode_tensor = counting
+        upload_module.encode_tensor = counting
         try:
             def go(i: int) -> None:
                 delta, residual = delta_and_residual(numel, seed=10 + i)
@@ -65,7 +65,7 @@ def test_the_all_reduce_uploads_the_kept_encodings_as_they_are():
 
             errors = at_once(n, go)
         finally:
-            allreduce_module.encode_tensor = original
+            upload_module.encode_tensor = original
         assert not errors, errors
         scatter = {k: bytes(store.get(k)) for k in sorted(m["path"] for m in store.list(f"{run}/r00000001/scatter/"))}
         runs[reuse] = means, scatter, encodes

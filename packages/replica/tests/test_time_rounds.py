@@ -18,6 +18,7 @@ from diloco.errors import SpecError
 from diloco.settings import DilocoSettings
 from diloco.store import open_store
 from diloco_replica.allreduce import StoreAllReduce
+from diloco_replica.upload import Uploader
 
 
 def run_rounds(store, run: str, deltas: list[torch.Tensor], steps: list[int], *, cap: int = 10, codec: str = "fp32",
@@ -63,10 +64,10 @@ def test_equal_step_counts_give_the_plain_mean():
         assert torch.allclose(res.mean, plain, atol=0.05)  # int8 on the wire
 
 
-class StatesAnImpossibleStepCount(StoreAllReduce):
-    """A replica whose contributions claim 10⁹ inner steps (a bug, or an attacker with store access)."""
+class StatesAnImpossibleStepCount(Uploader):
+    """Contributions that claim 10⁹ inner steps (a bug, or an attacker with store access)."""
 
-    def _scatter_meta(self, rnd):
+    def meta(self, rnd):
         return {"steps": 10**9}
 
 
@@ -75,7 +76,11 @@ def test_a_contribution_with_an_impossible_step_count_is_left_out_with_an_incide
     deltas = [torch.randn(90, generator=torch.Generator().manual_seed(20 + i)) for i in range(3)]
 
     def mixed(store, run, rank, n, **kwargs):
-        return (StatesAnImpossibleStepCount if rank == 2 else StoreAllReduce)(store, run, rank, n, **kwargs)
+        ar = StoreAllReduce(store, run, rank, n, **kwargs)
+        if rank == 2:
+            ar.uploader = StatesAnImpossibleStepCount(ar.io, codec=ar.codec, topk_density=ar.topk_density,
+                                                      window=ar.window)
+        return ar
 
     results = run_rounds(store, run, deltas, [3, 3, 3], cls=mixed)
     incidents = [i for res in results.values() for i in res.incidents]

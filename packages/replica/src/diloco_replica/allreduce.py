@@ -3,8 +3,9 @@
 The store cannot add, so the replicas do the reduction (LambdaML's reduce-scatter through S3).
 Round r, replica i with pseudo-gradient Δ_i split into N contiguous shards, shard j owned by j:
 
-1. scatter: upload shard j of Δ_i to ``r/scatter/j/i.<lane>`` for every j ≠ i, then a tiny
-   ``r/ready/i.<lanes>.<incarnation>`` marker (so "ready" implies all its shards are in the store);
+1. scatter (`upload.Uploader`): upload shard j of Δ_i to ``r/scatter/j/i.<lane>`` for every
+   j ≠ i, then a tiny ``r/ready/i.<lanes>.<incarnation>`` marker (so "ready" implies all its
+   shards are in the store);
 2. membership (`membership.Membership`): one create-only ``members.json`` fixes who is in;
 3. reduce (`reduce.ShardReducer`): the reducer of shard j (j itself if it is a member, else the
    member at position j mod |members|) averages the members' contributions in rank order in
@@ -33,9 +34,8 @@ step of a round reads and adds to one `roundstate.Round`; this module runs the s
 Per replica and round, with its shard reduced by itself: up S (N−1 shards out, one reduced
 shard), down 2(N−1)/N·S — the ring all-reduce bound; O(N·P) requests.
 
-With the `topk` transport a replica sparsifies each shard of Δ + its error-feedback residual
-(`codecs.sparsify`), keeps what it does not send in the residual, and contributes exactly what the
-others decode; a reducer's mean is the union of its members' supports, encoded sparse as well.
+With the `topk` transport a replica contributes the sparse pieces it sends (`upload`), and a
+reducer's mean is the union of its members' supports, encoded sparse as well.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ from diloco.store import Store
 from diloco.wiresize import parts_per_shard
 
 from .checkpoints import Checkpoints
-from .codecs import sparsify
 from .faults import Faults
 from .gather import Gatherer
 from .lanes import Lanes
@@ -66,8 +65,8 @@ from .rounderrors import FellBehind, RoundFailed
 from .roundio import RoundIO
 from .roundstate import Round, RoundResult
 from .storeaccess import CountingStore
-from .streaming import DeltaSource, RoundSink, WholeDelta, Window, buffer_sink, pool_width, window_for
-from .wire import decode_tensor, encode_tensor, pack
+from .streaming import DeltaSource, RoundSink, WholeDelta, buffer_sink, pool_width, window_for
+from .upload import Uploader
 
 __all__ = ["FellBehind", "RoundFailed", "RoundResult", "StoreAllReduce"]
 
@@ -106,6 +105,7 @@ class StoreAllReduce:
         self.repairs = RepairDesk(self.io, self.membership, incarnation=incarnation)
         self.reducer = ShardReducer(self.io, self.membership, self.repairs, window=self.window, step_cap=step_cap)
         self.gatherer = Gatherer(self.io, self.membership, self.repairs, window=self.window)
+        self.uploader = Uploader(self.io, codec=codec, topk_density=topk_density, window=self.window)
         self._cleanup_due: list[str] | None = None  # the inputs of the last round this lane reduced
         self.rosters: dict[int, list[int]] = {}  # round -> its ranks, as decided with the round before (`roster`)
         self._finished: tuple[int, float] | None = None  # (round, when) this replica last completed one
@@ -189,21 +189,7 @@ class StoreAllReduce:
         decided = self.lanes.on_leader(lambda: self._decided_or_open(r))
         if decided is None:
             self.phase("upload", r)
-            if self.codec == "topk":
-                rnd.sent = self._sparsify(rnd, residual)
-            gate = Window(self.window * rnd.parts)
-
-            def put(j: int) -> None:
-                with gate:  # at most `window` shards' worth of Δ exist at once
-                    self._put_scatter(rnd, j)
-
-            def upload() -> None:
-                for f in [io.pool.submit(put, j) for j in rnd.mine() if not rnd.keeps(j)]:
-                    f.result()
-
-            self.lanes.agree(upload)  # "ready" means every lane's pieces are in the store
-            if self.codec != "topk":  # only topk's own pieces need its encoding (the rest: Δ holds the same values)
-                rnd.sent.clear()
+            self.uploader.upload(rnd, residual)
             rnd.laps.lap("upload")
             self.phase("membership", r)
             with self.repairs.waiting():  # every lane: a reader stuck on last round's shard holds this up
@@ -307,7 +293,6 @@ class StoreAllReduce:
         """Whether every reduced shard of round `r` is in the store (one LIST request)."""
         return set(cut.live) <= self.io.present(self.io.keys.reduced(r))
 
-
     def upload_layout(self, r: int, cut: Cut) -> tuple[dict[int, tuple[int, int]], set[int]]:
         """This lane's pieces of round r, cut as `cut` (shard -> [a, b) in the lane's own
         coordinates) and which of them it uploads (those it does not keep): error feedback
@@ -318,38 +303,6 @@ class StoreAllReduce:
         return pieces, {j for j in pieces if not rnd.keeps(j)}
 
     # -- steps -------------------------------------------------------------------------------
-
-    def _sparsify(self, rnd: Round, residual: torch.Tensor | None) -> dict[int, list[memoryview]]:
-        """topk: each shard of Δ (+ residual) → what is sent, encoded; the residual keeps the rest.
-
-        The encoded shards are small (the density's share of Δ) and are what this replica
-        contributes to every mean, its own shard's and a taken-over one's, as others decode it.
-        """
-        encoded = {}
-        h = rnd.held[0]
-        for j in rnd.mine():
-            a, b = (x - h for x in rnd.piece(j))
-            part = rnd.source.shard(a, b)
-            if residual is not None:
-                part += residual[a:b]
-            parts = encode_tensor(sparsify(part, self.topk_density), "topk")
-            if residual is not None:
-                torch.sub(part, decode_tensor(b"".join(parts), "topk", b - a), out=residual[a:b])
-            encoded[j] = parts
-        return encoded
-
-    def _put_scatter(self, rnd: Round, j: int) -> None:
-        """Upload this lane's piece of shard j: as encoded already (topk's sparsified pieces,
-        error feedback's quantised ones), else encoded now."""
-        io, lane, (a, b) = self.io, rnd.lane, rnd.piece(j)
-        ident = io.scatter_identity(rnd.r, j, self.rank, lane)
-        encoded = rnd.sent[j] if j in rnd.sent else encode_tensor(rnd.own(j), self.codec)
-        blob = pack(ident, encoded, codec=self.codec, numel=b - a, meta=self._scatter_meta(rnd))
-        io.put(io.keys.scatter(rnd.r, j, self.rank, lane), blob, written=("scatter", rnd.r, j, self.rank))
-
-    def _scatter_meta(self, rnd: Round) -> dict[str, Any] | None:
-        """What a contribution states besides its values: its inner steps, in time-based rounds."""
-        return {"steps": rnd.steps} if rnd.steps is not None else None
 
     def _reduce_shard(self, rnd: Round, j: int, *, takeover: bool) -> torch.Tensor:
         """Shard j's mean, reduced here (`reduce.ShardReducer`): the reducer's own shards, and

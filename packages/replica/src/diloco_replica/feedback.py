@@ -14,7 +14,7 @@ handed to it to send as they are (`keep`): for int4 and int8 that saves encoding
 second time, on the host cores beside the training loop, for a tenth to a quarter of Δ's fp32
 bytes held through the upload. bf16 and fp16 are a cast to encode and half of Δ to hold, so
 they are encoded again. topk keeps its own residual inside the all-reduce
-(`allreduce.StoreAllReduce._sparsify`).
+(`upload.Uploader.sparsify`).
 """
 
 from __future__ import annotations
