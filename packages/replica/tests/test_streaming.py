@@ -18,18 +18,7 @@ from diloco.store import open_store
 from diloco_replica.allreduce import StoreAllReduce
 from diloco_replica.outer import outer_step
 from diloco_replica.layout import shard_bounds
-
-
-class LiveDelta:
-    """Δ = θ − θ_local computed per slice (`read_local(a, b)` returns a new tensor); nothing kept."""
-
-    def __init__(self, theta: torch.Tensor, read_local):
-        self.theta, self.read_local = theta, read_local
-        self.numel = theta.numel()
-
-    def shard(self, a: int, b: int) -> torch.Tensor:
-        out = self.read_local(a, b)
-        return torch.sub(self.theta[a:b], out, out=out)
+from diloco_replica.streaming import LiveDelta
 
 
 def at_once(n: int, go) -> dict[int, BaseException]:
@@ -61,9 +50,9 @@ def rounds(n: int, deltas: list[torch.Tensor], *, streamed: bool, codec: str = "
                 theta = torch.zeros_like(deltas[i])
                 local = -deltas[i]  # Δ = θ − local
 
-                def read_local(a: int, b: int) -> torch.Tensor:
+                def read_local(a: int, b: int, out: torch.Tensor) -> None:  # as a thread-mode round reads it
                     sizes[i].append(b - a)
-                    return local[a:b].clone()
+                    out.copy_(local[a:b])
 
                 got = torch.full_like(deltas[i], float("nan"))
 
@@ -94,6 +83,30 @@ def test_a_streamed_round_gives_the_bits_of_a_whole_one_and_never_reads_delta_wh
             assert torch.equal(streamed[i], streamed[0])  # every replica holds the same mean
         shard = -(-numel // n)
         assert all(s <= shard for i in range(n) for s in sizes[i]), "Δ was read in pieces larger than a shard"
+
+
+def test_a_replica_on_the_thread_reads_its_model_in_slices_and_holds_no_snapshot():
+    """A round on the training process's thread reads θ_local where it is (`LiveDelta`): no host
+    copy of the lane beside θ_global (an FSDP2 lane, whose values other processes hold, still
+    snapshots them); its Δ is the same subtraction, slice by slice."""
+    from diloco.context import ReplicaContext
+    from diloco_replica import DiLoCo
+    from diloco_replica.modelview import ReplicatedView, ShardedView
+
+    model = torch.nn.Linear(8, 8)
+    diloco = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), ReplicaContext(0, 1, "run-live"),
+                    store=open_store(f"memory://{uuid.uuid4().hex}"), sync_every=2, total_steps=4)
+    try:
+        assert diloco.sync.snapshot is None and diloco.transfers.snapshot_buf is None
+    finally:
+        diloco.close()
+    assert ReplicatedView.reads_live and not ShardedView.reads_live
+    theta = torch.randn(1_001, generator=torch.Generator().manual_seed(5))
+    local = torch.randn(1_001, generator=torch.Generator().manual_seed(6))
+    live = LiveDelta(theta, lambda a, b, out: out.copy_(local[a:b]))
+    whole = theta - local
+    assert torch.equal(live.whole(), whole)
+    assert all(torch.equal(live.shard(a, b), whole[a:b]) for a, b in [(0, 7), (7, 500), (500, 1_001)])
 
 
 def test_the_outer_step_applied_shard_by_shard_is_bit_identical_to_the_whole_step():

@@ -30,9 +30,10 @@ Time-based rounds (`round_seconds = T`, for uneven GPUs): a round closes T secon
 here, or at H steps if sooner; each contribution carries its step count and the mean is FedNova's
 normalised average (docs/sync-modes.md). A round counts as H steps of the run's progress.
 
-Where a round runs (docs/sync-modes.md): the training loop only snapshots the round's fragment on
-the model's device into a host buffer (`transfers`) and, when the round is done, copies θ_global's
-fragment back and merges it on the device. Everything else — store I/O, checksums, decoding,
+Where a round runs (docs/sync-modes.md): the training loop only hands the round its fragment of
+the model (`transfers`: a reader of the parameters or of a device copy, or a snapshot in a host
+buffer for a sync process) and, when the round is done, copies θ_global's fragment back and
+merges it on the device. Everything else — store I/O, checksums, decoding,
 folding, the outer step, checkpoints and the round's record — is the `exchanger`'s, on a thread
 of this process (`exchange = "thread"`, the default) or in a sync process beside it (`exchange =
 "process"`, `syncclient`, `syncproc`), which measured slower on an H100 host (bench/gpu_sync.py).
@@ -133,7 +134,7 @@ class DiLoCo:
                                                             threads=int(threads) if threads else None)
         else:
             self.sync = InThread(self.ctx, s, store if store is not None else self.ctx.store, self.view.total,
-                                 self.lanes, self._log)
+                                 self.lanes, self._log, snapshot=not self.view.reads_live)
         self.transfers = Transfers(self.view, self.sync.theta, self.sync.snapshot)
         self.transfers.initial()  # θ_0 from this replica's model, used only if the run is new
         self._round, left = self.sync.join(initial=True)  # the store is verified by now
@@ -281,8 +282,8 @@ class DiLoCo:
         work = Work(steps=self.local_steps, tokens=self._tokens, loss_sum=sum(self._losses),
                     loss_n=len(self._losses), evals=self._evals, compute_s=compute_s, total_steps=self.total_steps,
                     started=t0)
-        local = self.transfers.snapshot(part, self.fragments, keep=self.overlap)
-        self.sync.start(r, work)
+        local, reader = self.transfers.snapshot(part, self.fragments, keep=self.overlap)
+        self.sync.start(r, work, reader)
         if self.overlap:  # training goes on during the exchange; `local` is kept for the merge
             self._inflight = BackgroundRound(r, part, local, time.monotonic() - t0)
             self._next_phase()

@@ -2,14 +2,16 @@
 
 `Exchanger` owns the store all-reduce, θ_global with the outer momentum (`globalstate`), the
 checkpoints, the round's record and topk's residual. It never sees the model: the training process
-hands it the lane's local parameters of the round's fragment as a flat fp32 host vector, and it
+hands it the lane's local parameters of the round's fragment, as a flat fp32 host vector (a
+snapshot: the sync process's shared buffer, an FSDP2 lane's) or as a reader it calls for a slice at
+a time (`streaming.LiveDelta`: on a thread of the training process, which holds no snapshot), and it
 answers with an `Outcome` that says what the training process must copy from θ_global into the
 model. That is what lets it run in a process of its own (`syncproc`): store I/O, checksums,
 decoding, folding and the outer step never compete with the training loop for its interpreter.
 
 A round here: wait until the previous round's record is written (its digest is of the state
 before this outer step); reload if the run's summaries say this replica's state diverged; Δ =
-θ_global − θ_local, written over the snapshot; the all-reduce, whose means go to the outer step
+θ_global − θ_local (over the snapshot, or computed per slice as the all-reduce reads it); the all-reduce, whose means go to the outer step
 shard by shard as they arrive (`streaming`), checkpointed when due. The row is finished with the
 training loop's own timings (`applied`) and written in the background, overlapping the next
 inner steps.
@@ -39,6 +41,7 @@ from .lanes import Lanes
 from .outer import digest_of
 from .recorder import Recorder
 from .rounderrors import FellBehind
+from .streaming import LiveDelta, LocalReader
 
 
 @dataclass
@@ -196,9 +199,9 @@ class Exchanger:
 
     # -- a round -----------------------------------------------------------------------------
 
-    def run(self, r: int, snapshot: torch.Tensor, work: Work) -> Outcome:
-        """Round r from `snapshot` (the lane's local parameters; the round's fragment of it is
-        read, then overwritten with Δ and the mean)."""
+    def run(self, r: int, local: torch.Tensor | LocalReader, work: Work) -> Outcome:
+        """Round r from `local`: a snapshot of the lane's local parameters (the round's fragment of
+        it is read, then overwritten with Δ), or a reader of the round's fragment of them."""
         t0 = time.monotonic()
         laps = Laps(work.started)  # settling, the divergence check and Δ are the upload's preparation
         self.settle()
@@ -217,18 +220,24 @@ class Exchanger:
             return self._adopted(work, t0)
         a, b = self.state.bounds(r)
         cut = self.state.cut(r)
-        local = snapshot[a:b]
-        torch.sub(self.state.theta[a:b], local, out=local)  # Δ = θ_global − θ_local
+        delta: torch.Tensor | LiveDelta
+        if isinstance(local, torch.Tensor):
+            delta = local[a:b]
+            torch.sub(self.state.theta[a:b], delta, out=delta)  # Δ = θ_global − θ_local
+        else:
+            delta = LiveDelta(self.state.theta[a:b], local)
         residual = self.residual[a:b] if self.residual is not None else None
         encoded = {}
         if self.feedback:  # quantised here, piece by piece as the all-reduce cuts the round
+            if isinstance(delta, LiveDelta):
+                delta = delta.whole()  # quantised in place: held through the round's upload
             pieces, uploaded = self.allreduce.upload_layout(r, cut)
-            encoded = quantise_with_feedback(local, residual, self.settings.transport, pieces, keep=uploaded)
+            encoded = quantise_with_feedback(delta, residual, self.settings.transport, pieces, keep=uploaded)
             residual = None
         self.state.begin(r)
         try:
             result = self.lanes.agree(lambda: self.allreduce.run_round(
-                r, local, cut=cut, in_place=True, residual=residual, sink=self.state.sink(r), encoded=encoded,
+                r, delta, cut=cut, in_place=True, residual=residual, sink=self.state.sink(r), encoded=encoded,
                 steps=work.steps if self.settings.round_seconds is not None else None, laps=laps))
         except FellBehind as exc:
             self.log(f"{exc}; rejoining from the latest checkpoint")

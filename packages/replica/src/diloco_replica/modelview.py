@@ -35,6 +35,8 @@ CHUNK = 1 << 22  # elements per broadcast piece (16 MB in fp32)
 class ModelView:
     """The lane's parameters as a flat range: `gather_part` into a device vector, `write` back."""
 
+    reads_live = True  # `read` gives any range of the lane from the parameters this process holds
+
     def __init__(self, params: list[torch.Tensor], lanes: Lanes, total: int):
         self.params, self.lanes, self.total = params, lanes, total
         self.start, self.stop = lane_range(total, lanes.count, lanes.index)
@@ -66,6 +68,15 @@ class ModelView:
         with no flat copy in between: for a model on the host, where `gather_part`'s vector
         would be one more copy of the fragment in host memory. The same values, exactly."""
         a, b = self.fragment(part, parts)
+        base = self.start + a
+        with torch.no_grad():
+            for t, x, y, off in self._pieces(base, self.start + b):
+                out[off - base:off - base + (y - x)].copy_(t.detach().reshape(-1)[x:y])
+
+    def read(self, a: int, b: int, out: torch.Tensor) -> None:
+        """Values [a, b) of this lane (its own coordinates) into `out` (fp32 on the host, b − a
+        long), tensor by tensor: a round's Δ read a piece at a time while the training loop waits
+        for the round, instead of a snapshot of the whole lane. The values `copy_part_into` gives."""
         base = self.start + a
         with torch.no_grad():
             for t, x, y, off in self._pieces(base, self.start + b):
@@ -138,6 +149,8 @@ class ShardedView(ModelView):
     """FSDP2 parameters (sharded on dim 0 over the replica's processes): lane k syncs its slice
     of the model like any other lane, its values moved from and to the processes holding their
     rows by one all-to-all each way (`_moves`)."""
+
+    reads_live = False  # the lane's values live on other processes: a round snapshots them (`gather_part`)
 
     def __init__(self, params: list[torch.Tensor], lanes: Lanes):
         super().__init__(params, lanes, sum(p.numel() for p in params))

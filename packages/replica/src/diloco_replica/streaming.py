@@ -28,6 +28,9 @@ from .wire import CorruptObject
 
 # A sink receives shard j's mean: (shard index, start, stop within the round's vector, values).
 RoundSink = Callable[[int, int, int, torch.Tensor], None]
+# Where a round reads θ_local from when no snapshot is taken: (start, stop within the round's
+# fragment of the lane, an fp32 host vector of that length to fill).
+LocalReader = Callable[[int, int, torch.Tensor], None]
 
 
 class DeltaSource(Protocol):
@@ -37,6 +40,29 @@ class DeltaSource(Protocol):
 
     def shard(self, a: int, b: int) -> torch.Tensor:
         """Δ[a:b] as fp32 on the host. May be a view (`WholeDelta`) the caller may modify."""
+
+
+class LiveDelta:
+    """Δ = θ_global − θ_local computed a slice at a time when asked, θ_local read where it is (the
+    model's parameters while the training loop waits for the round, or the device copy an
+    overlapped round keeps for its merge): the host holds no snapshot of the lane, only the slices
+    in flight. Each slice is the same one fp32 subtraction as over the whole vector, so the bits
+    are the same. A slice must be read before its mean reaches θ_global, which a round's order
+    gives: a piece is uploaded before the round's members are known, and a reducer folds its own
+    piece (or a taken-over shard's) before it hands the mean on."""
+
+    def __init__(self, theta: torch.Tensor, read_local: LocalReader):
+        self.theta, self.read_local = theta, read_local
+        self.numel = theta.numel()
+
+    def shard(self, a: int, b: int) -> torch.Tensor:
+        out = torch.empty(b - a)
+        self.read_local(a, b, out)
+        return torch.sub(self.theta[a:b], out, out=out)
+
+    def whole(self) -> torch.Tensor:
+        """Δ as one vector (error feedback quantises it in place before the round: see `feedback`)."""
+        return self.shard(0, self.numel)
 
 
 class WholeDelta:

@@ -46,6 +46,7 @@ from .finite import NonFinite
 from .lanes import Lanes, PeerLost
 from .layout import lane_range
 from .rounderrors import FellBehind, RoundFailed
+from .streaming import LocalReader
 from .syncwire import receive, send
 
 # What the sync process's error kinds (`syncproc.crossing_kind`) are raised as here.
@@ -63,22 +64,31 @@ def sync_threads(lanes: int) -> int:
 
 
 class InThread:
-    """The rounds on one thread of this process (stores only this process can reach)."""
+    """The rounds on one thread of this process (stores only this process can reach).
+
+    `snapshot`: whether a round needs a host copy of the lane (an FSDP2 lane, whose values other
+    processes hold); without one a round reads θ_local a slice at a time where it is
+    (`streaming.LiveDelta`), and θ_0 is read into θ_global's buffer, which the join fills anyway."""
 
     def __init__(self, ctx: ReplicaContext, settings: DilocoSettings, store: Any, total: int, lanes: Lanes,
-                 log: Callable[[str], None]):
+                 log: Callable[[str], None], *, snapshot: bool):
         numel = lane_numel(total, lanes)
         self.theta = torch.zeros(numel)
-        self.snapshot = torch.zeros(numel)
+        self.snapshot = torch.zeros(numel) if snapshot else None
         self.exchanger = Exchanger(ctx, settings, store, total, lanes, log=log, theta_out=self.theta)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="diloco-round")
         self._future: Future | None = None
 
     def join(self, initial: bool) -> tuple[int, bool]:
-        return self.exchanger.join((lambda: self.snapshot) if initial else None)  # the loop waits: no copy
+        initial_buf = self.snapshot if self.snapshot is not None else self.theta
+        return self.exchanger.join((lambda: initial_buf) if initial else None)  # the loop waits: no copy
 
-    def start(self, r: int, work: Work) -> None:
-        self._future = self._pool.submit(self.exchanger.run, r, self.snapshot, work)
+    def start(self, r: int, work: Work, local: LocalReader | None = None) -> None:
+        """Round r, from the snapshot, or from `local` where no snapshot is taken."""
+        source = self.snapshot if local is None else local
+        if source is None:
+            raise ValueError("a round without a snapshot buffer reads θ_local through `local`")
+        self._future = self._pool.submit(self.exchanger.run, r, source, work)
 
     def arrived(self) -> bool:
         return self._future is not None and self._future.done()
@@ -149,7 +159,8 @@ class SyncProcess:
         joined = self._expect("joined")
         return int(joined["round"]), bool(joined["left"])
 
-    def start(self, r: int, work: Work) -> None:
+    def start(self, r: int, work: Work, local: LocalReader | None = None) -> None:
+        """Round r, from the shared snapshot (`local`: never given; the sync process reads the snapshot)."""
         self._send("round", round=r, work=asdict(work))
         self._in_flight = True
 
