@@ -175,3 +175,29 @@ def test_an_error_applying_the_own_shard_fails_the_round():
 
     errors = {i: repr(exc) for i, exc in at_once(n, go).items()}
     assert errors == {i: repr(RuntimeError(f"outer step of shard {i} failed")) for i in range(n)}
+
+
+def test_an_overlapped_rounds_merge_in_the_parameters_gives_the_bits_of_the_flat_merge():
+    """θ_now + θ_global_new − θ_at_sync added into fp32 parameters in place (`ModelView.merge_part`)
+    rounds as the flat copy did; bf16 parameters keep the flat merge (one rounding at the end)."""
+    from diloco_replica.lanes import Lanes
+    from diloco_replica.modelview import model_view
+
+    def model(dtype):
+        torch.manual_seed(3)
+        return torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3)).to(dtype)
+
+    inplace, flat = model(torch.float32), model(torch.float32)
+    view, reference = model_view(inplace, Lanes()), model_view(flat, Lanes())
+    assert view.merges_in_place and not model_view(model(torch.bfloat16), Lanes()).merges_in_place
+    for parts in (1, 3):
+        for part in range(parts):
+            a, b = view.fragment(part, parts)
+            at_sync = view.gather_part(part, parts) - 0.25
+            theta = torch.randn(view.numel, generator=torch.Generator().manual_seed(part)) * 1e-3
+            view.merge_part(theta[a:b], at_sync, part, parts)
+            now = reference.gather_part(part, parts)
+            now += theta[a:b]
+            now -= at_sync
+            reference.write_part(now, part, parts)
+            assert all(torch.equal(p, q) for p, q in zip(inplace.parameters(), flat.parameters()))

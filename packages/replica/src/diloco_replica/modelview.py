@@ -82,6 +82,27 @@ class ModelView:
             for t, x, y, off in self._pieces(base, self.start + b):
                 out[off - base:off - base + (y - x)].copy_(t.detach().reshape(-1)[x:y])
 
+    @property
+    def merges_in_place(self) -> bool:
+        """Whether an overlapped round's merge can run in the parameters themselves (`merge_part`):
+        one process holding fp32 parameters, so adding in place rounds exactly as the flat copy did."""
+        return self.reads_live and self.lanes.count == 1 and all(t.dtype == torch.float32 for t in self.tensors)
+
+    def merge_part(self, theta_part: torch.Tensor, local_at_sync: torch.Tensor, part: int, parts: int, *,
+                   non_blocking: bool = False) -> None:
+        """θ_local_now + θ_global_new − θ_local_at_sync into fragment `part` of `parts`, in the
+        parameters, tensor by tensor (`merges_in_place`): the same two separately rounded fp32
+        operations as on a flat copy, so the same bits, without the copy of the fragment and of
+        θ_global's part that the flat merge holds on the model's device beside the kept one."""
+        a, b = self.fragment(part, parts)
+        base = self.start + a
+        with torch.no_grad():
+            for t, x, y, off in self._pieces(base, self.start + b):
+                lo, hi = off - base, off - base + (y - x)
+                values = t.view(-1)[x:y]
+                values += theta_part[lo:hi].to(t.device, non_blocking=non_blocking)
+                values -= local_at_sync[lo:hi]
+
     def write(self, theta: torch.Tensor) -> None:
         """Put this lane's θ into the model (and, where replicated, every other lane's too)."""
         self.write_part(theta, 0, 1)

@@ -69,6 +69,9 @@ class Transfers:
         """Fragment `part` of θ_global into the model (with overlap: on top of the progress since
         `local_at_sync`)."""
         a, b = self.view.fragment(part, parts)
+        if local_at_sync is not None and self.view.merges_in_place:
+            self.view.merge_part(self.theta[a:b], local_at_sync, part, parts, non_blocking=self.pinned)
+            return
         new = self.theta[a:b].to(self.view.device, non_blocking=self.pinned)
         if local_at_sync is not None:
             now = self.view.gather_part(part, parts)
