@@ -12,9 +12,10 @@ from test_streaming import at_once
 from diloco.store import open_store
 from diloco_replica import upload as upload_module
 from diloco_replica.allreduce import StoreAllReduce
-from diloco_replica.codecs import encode
-from diloco_replica.feedback import quantise_with_feedback
+from diloco_replica.codecs import decode, encode
+from diloco_replica.feedback import quantise_pieces_with_feedback, quantise_with_feedback
 from diloco_replica.layout import shard_bounds
+from diloco_replica.streaming import LiveDelta
 
 
 def delta_and_residual(numel: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,6 +34,24 @@ def test_the_kept_encodings_are_what_encoding_the_quantised_shard_again_gives(co
     for j, parts in got.items():
         a, b = shards[j]
         assert b"".join(parts) == b"".join(encode(delta[a:b], codec)), j
+
+
+@pytest.mark.parametrize("codec", ["int4", "int8", "bf16", "fp16"])
+def test_quantising_a_delta_read_per_piece_gives_the_bytes_of_quantising_it_whole(codec):
+    """A round on the thread reads Δ a piece at a time (`LiveDelta`): its encodings, the values its
+    folds decode and the residual it keeps are those of the whole-vector form."""
+    theta = torch.randn(10_007, generator=torch.Generator().manual_seed(7)) * 1e-2
+    local, residual = delta_and_residual(10_007, seed=2)
+    shards = dict(enumerate(shard_bounds(theta.numel(), 5)))
+    whole, whole_residual = theta - local, residual.clone()
+    quantise_with_feedback(whole, whole_residual, codec, shards, keep=set(shards))
+    live_residual = residual.clone()
+    got = quantise_pieces_with_feedback(LiveDelta(theta, lambda a, b, out: out.copy_(local[a:b])), live_residual,
+                                        codec, shards)
+    assert sorted(got) == sorted(shards) and torch.equal(live_residual, whole_residual)
+    for j, (a, b) in shards.items():
+        assert b"".join(got[j]) == b"".join(encode(whole[a:b], codec)), j  # what the whole form sends
+        assert torch.equal(decode(b"".join(got[j]), codec, b - a), whole[a:b])  # what its folds read
 
 
 def test_the_all_reduce_uploads_the_kept_encodings_as_they_are():

@@ -58,12 +58,16 @@ def test_a_cuda_replica_and_a_cpu_replica_hold_the_same_bytes_every_round(replic
     assert_identical_every_round(replicas.results(handles), 5)
 
 
-def test_the_rounds_on_a_thread_give_the_bytes_of_the_sync_process(replicas, store_uri):
-    """`exchange = "thread"` (stores only the training process reaches) runs the same Exchanger."""
+@pytest.mark.parametrize("transport", ["fp32", "int4"])
+def test_the_rounds_on_a_thread_give_the_bytes_of_the_sync_process(replicas, store_uri, transport):
+    """`exchange = "thread"` (stores only the training process reaches) runs the same Exchanger, from
+    Δ read a piece at a time (int4: quantised with error feedback per piece) where the sync process
+    reads its snapshot whole."""
     runs = []
     for exchange in ("process", "thread"):
         replicas.run_id = f"{replicas.run_id}-{exchange}"
-        handles = replicas.launch("mlp_rounds", 2, rendezvous=store_uri, settings={**SETTINGS, "exchange": exchange},
+        handles = replicas.launch("mlp_rounds", 2, rendezvous=store_uri,
+                                  settings={**SETTINGS, "exchange": exchange, "transport": transport},
                                   args={"steps": 8, "dim": 32})
         runs.append(replicas.results(handles))
     assert {r["final"] for r in runs[0]} == {r["final"] for r in runs[1]}

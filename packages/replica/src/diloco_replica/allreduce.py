@@ -161,8 +161,10 @@ class StoreAllReduce:
         threads, for distinct shards at once); no mean buffer is made and `RoundResult.mean` is None.
         `steps`: the inner steps behind `delta` (time-based rounds, `step_cap` set: required).
         `encoded`: pieces already encoded in the run's codec from exactly these values (error
-        feedback's quantising, `feedback`), uploaded as they are instead of encoded again; the
-        dict is emptied once they are up, so the bytes are not held through the round.
+        feedback's quantising, `feedback`), uploaded as they are instead of encoded again; with a
+        `WholeDelta` (which holds the same values) the dict is emptied once they are up, so the
+        bytes are not held through the round; with a source read per piece they are the only
+        copy of what was sent, kept for the folds that read this lane's pieces.
         `laps`: the round's clock, if the caller started it earlier (what it did before this call
         is the upload's preparation); the phases are read from `RoundResult.phases`.
         """

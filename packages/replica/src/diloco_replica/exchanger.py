@@ -34,7 +34,7 @@ from diloco.settings import DilocoSettings
 from diloco.store import poll_defaults, verify_store
 
 from .allreduce import RoundResult, StoreAllReduce
-from .feedback import LOSSY, quantise_with_feedback
+from .feedback import LOSSY, quantise_pieces_with_feedback, quantise_with_feedback
 from .globalstate import GlobalState
 from .laps import Laps
 from .lanes import Lanes
@@ -229,10 +229,11 @@ class Exchanger:
         residual = self.residual[a:b] if self.residual is not None else None
         encoded = {}
         if self.feedback:  # quantised here, piece by piece as the all-reduce cuts the round
-            if isinstance(delta, LiveDelta):
-                delta = delta.whole()  # quantised in place: held through the round's upload
             pieces, uploaded = self.allreduce.upload_layout(r, cut)
-            encoded = quantise_with_feedback(delta, residual, self.settings.transport, pieces, keep=uploaded)
+            if isinstance(delta, LiveDelta):
+                encoded = quantise_pieces_with_feedback(delta, residual, self.settings.transport, pieces)
+            else:
+                encoded = quantise_with_feedback(delta, residual, self.settings.transport, pieces, keep=uploaded)
             residual = None
         self.state.begin(r)
         try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .codecs import decode, encode
+from .streaming import DeltaSource
 
 LOSSY = ("bf16", "fp16", "int8", "int4")  # the codecs error feedback applies to
 KEPT = ("int8", "int4")  # their encodings are kept for the upload (a quarter of fp32 or less)
@@ -44,4 +45,23 @@ def quantise_with_feedback(delta: torch.Tensor, residual: torch.Tensor, codec: s
         delta[a:b] = carried
         if j in keep and codec in KEPT:
             kept[j] = encoded
+    return kept
+
+
+def quantise_pieces_with_feedback(source: DeltaSource, residual: torch.Tensor, codec: str,
+                                  pieces: dict[int, tuple[int, int]]) -> dict[int, list[memoryview]]:
+    """`quantise_with_feedback` for a Δ read a piece at a time (`streaming.LiveDelta`, which holds
+    no Δ to quantise in place): each piece of Δ + residual → its encoding in `codec`, residual ←
+    what it dropped, and every piece's encoding returned — they are the only copy of what this lane
+    contributes (uploaded as they are; its own shard's and a taken-over shard's folds decode them).
+    The same elementwise operations as the whole-vector form, so the same bytes; a piece of Δ at a
+    time and the encodings (a quarter of Δ's bytes or less for int8 and int4, half for bf16 and
+    fp16) are held instead of Δ."""
+    kept = {}
+    for j, (a, b) in pieces.items():
+        part = source.shard(a, b)
+        part += residual[a:b]
+        encoded = encode(part, codec)
+        torch.sub(part, decode(b"".join(encoded), codec, b - a), out=residual[a:b])
+        kept[j] = encoded
     return kept

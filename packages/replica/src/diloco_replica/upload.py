@@ -21,7 +21,7 @@ import torch
 from .codecs import sparsify
 from .roundio import RoundIO
 from .roundstate import Round
-from .streaming import Window
+from .streaming import WholeDelta, Window
 from .wire import decode_tensor, encode_tensor, pack
 
 
@@ -47,8 +47,8 @@ class Uploader:
                 f.result()
 
         self.io.lanes.agree(upload_all)  # "ready" means every lane's pieces are in the store
-        if self.codec != "topk":  # only topk's own pieces need its encoding (the rest: Δ holds the same values)
-            rnd.sent.clear()
+        if self.codec != "topk" and isinstance(rnd.source, WholeDelta):
+            rnd.sent.clear()  # Δ holds the same values (quantised in place); a source read per piece does not
 
     def sparsify(self, rnd: Round, residual: torch.Tensor | None) -> dict[int, list[memoryview]]:
         """topk: each piece of Δ (+ residual) → what is sent, encoded; the residual keeps the rest.
