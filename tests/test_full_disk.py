@@ -102,6 +102,7 @@ def test_a_store_whose_disk_fills_is_waited_for_and_the_run_goes_on_once_space_r
         deadline = time.monotonic() + 90  # the launcher proves writes every 30 s
         while time.monotonic() < deadline and not any(e["event"] == "store_unreachable"
                                                       for e in events_of(state, run_id)):
+            small_disk.fill()  # what the run's GC deletes meanwhile is taken again: the disk stays full
             time.sleep(0.5)
         said = " ".join(diloco(state, "status", run_id).stdout.split())
         stalled = max(e["round"] for e in events_of(state, run_id) if e["event"] == "round")
