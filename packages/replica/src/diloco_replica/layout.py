@@ -25,8 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diloco.runkeys import CHECKPOINT_PIECE_VALUES
-
 MAX_LANES = 4096  # processes in one replica: what a ready marker or a membership record may claim
 BLOCK = 4096      # values: lanes start on a multiple of it, so a block is always one lane's (`outer.state_digest`)
 
@@ -119,7 +117,7 @@ class Cut:
         return [j for j, (x, y) in enumerate(self.bounds) if x < b and a < y and x < y]
 
 
-def piece_cuts(a: int, b: int, values: int = CHECKPOINT_PIECE_VALUES) -> list[tuple[int, int]]:
+def piece_cuts(a: int, b: int, values: int) -> list[tuple[int, int]]:
     """[a, b) cut at the model's multiples of `values`: the checkpoint pieces a writer of [a, b)
     puts, each within a store's single-PUT limit (`diloco.runkeys.CHECKPOINT_PIECE_VALUES`).
     Cutting at absolute multiples, not every `values` from a, gives two writers of overlapping

@@ -67,16 +67,12 @@ class ModelView:
         """Fragment `part` of `parts` of this lane into `out` (fp32, its length) tensor by tensor,
         with no flat copy in between: for a model on the host, where `gather_part`'s vector
         would be one more copy of the fragment in host memory. The same values, exactly."""
-        a, b = self.fragment(part, parts)
-        base = self.start + a
-        with torch.no_grad():
-            for t, x, y, off in self._pieces(base, self.start + b):
-                out[off - base:off - base + (y - x)].copy_(t.detach().reshape(-1)[x:y])
+        self.read(*self.fragment(part, parts), out)
 
     def read(self, a: int, b: int, out: torch.Tensor) -> None:
         """Values [a, b) of this lane (its own coordinates) into `out` (fp32 on the host, b − a
         long), tensor by tensor: a round's Δ read a piece at a time while the training loop waits
-        for the round, instead of a snapshot of the whole lane. The values `copy_part_into` gives."""
+        for the round, instead of a snapshot of the whole lane (`copy_part_into`: a fragment's)."""
         base = self.start + a
         with torch.no_grad():
             for t, x, y, off in self._pieces(base, self.start + b):

@@ -60,10 +60,6 @@ class LiveDelta:
         self.read_local(a, b, out)
         return torch.sub(self.theta[a:b], out, out=out)
 
-    def whole(self) -> torch.Tensor:
-        """Δ as one vector (error feedback quantises it in place before the round: see `feedback`)."""
-        return self.shard(0, self.numel)
-
 
 class WholeDelta:
     """Δ held whole: slices are views into it."""
