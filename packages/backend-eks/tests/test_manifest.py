@@ -40,7 +40,8 @@ def test_one_indexed_job_for_the_whole_cohort():
     assert spec["ttlSecondsAfterFinished"] == 3600 and spec["activeDeadlineSeconds"] == 7200
     env = env_of(job)
     assert env["REPLICA_RANK"] == {"name": "REPLICA_RANK", "valueFrom": {"fieldRef": {"fieldPath": FIELD}}}
-    assert env["WORLD_SIZE"]["value"] == "4" and env["DILOCO_RENDEZVOUS"]["value"] == "s3://bucket/runs"
+    assert env["DILOCO_REPLICAS"]["value"] == "4" and env["DILOCO_RENDEZVOUS"]["value"] == "s3://bucket/runs"
+    assert "WORLD_SIZE" not in env  # torch's: accelerate and Lightning would wait for a group that never forms
     assert env["LR"]["value"] == "0.5" and env["NAME"]["value"] == "x" and "NESTED" not in env
     assert env["DILOCO_ENTRYPOINT"]["value"] == "train:main"
     container = pod["containers"][0]
@@ -200,7 +201,7 @@ def test_a_replica_of_several_processes_runs_torchrun_on_its_gpus():
     env = env_of(job)
     assert env["DILOCO_REPLICAS"]["value"] == "2" and "WORLD_SIZE" not in env  # torchrun sets torch's own
     (single,) = plan_for(ex, 2, "train:main", {}, run_id="r-1", rendezvous="s3://b/runs", gpu="H100:8").body
-    assert env_of(single)["WORLD_SIZE"]["value"] == "2" and "volumes" not in single["spec"]["template"]["spec"]
+    assert env_of(single)["DILOCO_REPLICAS"]["value"] == "2" and "volumes" not in single["spec"]["template"]["spec"]
 
 
 def test_more_processes_than_gpus_or_a_custom_command_is_a_clear_error():

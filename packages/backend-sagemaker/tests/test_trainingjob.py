@@ -91,7 +91,7 @@ def test_warm_pools_and_single_process_replicas(monkeypatch):
     job = plan(monkeypatch, n=1, gpu="A10G", keep_alive=1800)["jobs"][0]
     assert job["ResourceConfig"]["KeepAlivePeriodInSeconds"] == 1800
     assert job["AlgorithmSpecification"]["ContainerArguments"] == ["python", "-m", "diloco.runner"]
-    assert job["Environment"]["WORLD_SIZE"] == "1" and job["EnableManagedSpotTraining"] is False
+    assert job["Environment"]["DILOCO_REPLICAS"] == "1" and job["EnableManagedSpotTraining"] is False
     assert "MaxWaitTimeInSeconds" not in job["StoppingCondition"]
 
 

@@ -129,7 +129,7 @@ def test_timeout_is_enforced_and_kills_the_tree(tmp_path):
 
 def test_command_entrypoint_and_env_contract(tmp_path):
     script = tmp_path / "show.py"
-    script.write_text("import os\nprint(os.environ['MY_RANK'], os.environ['WORLD_SIZE'], os.environ['LR'],"
+    script.write_text("import os\nprint(os.environ['MY_RANK'], os.environ['DILOCO_REPLICAS'], os.environ['LR'],"
                       " os.environ['DILOCO_RENDEZVOUS'])\n")
     ex = LocalProcessExecutor()
     handles = launch(ex, 2, ["python", str(script)], {"rank_env": "MY_RANK", "lr": 0.5},
@@ -166,7 +166,7 @@ def test_dryrun_redacts_declared_and_conventional_secrets(cli, project, monkeypa
         assert secret not in proc.stdout
     plan = json.loads(proc.stdout)
     env = plan["processes"][1]["env"]
-    assert env["VISIBLE"] == "yes-visible" and env["REPLICA_RANK"] == "1" and env["WORLD_SIZE"] == "2"
+    assert env["VISIBLE"] == "yes-visible" and env["REPLICA_RANK"] == "1" and env["DILOCO_REPLICAS"] == "2"
     assert env["TOKENIZERS_PARALLELISM"] == "false"  # not every name with TOKEN in it is a secret
     assert env["MY_PLAIN_NAMED"] == env["WANDB_API_KEY"] == "REDACTED"
 

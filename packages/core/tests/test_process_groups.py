@@ -63,7 +63,8 @@ def test_the_rank_contract_for_one_and_for_several_processes():
     common = dict(rank=1, n_replicas=4, run_id="r", attempt=0, entrypoint=parse_entrypoint("job:main"),
                   entrypoint_args={}, rendezvous="s3://b/p", timeout=None)
     one = replica_env(**common)
-    assert one["REPLICA_RANK"] == "1" and one["WORLD_SIZE"] == "4" and one["DILOCO_REPLICAS"] == "4"
+    # WORLD_SIZE is torch's: a one-process replica has none (accelerate would wait for a group of 4)
+    assert one["REPLICA_RANK"] == "1" and one["DILOCO_REPLICAS"] == "4" and "WORLD_SIZE" not in one
     many = replica_env(**common, processes=8)
     assert many["REPLICA_RANK"] == "1" and many["DILOCO_REPLICAS"] == "4" and "WORLD_SIZE" not in many
     assert many["MALLOC_MMAP_THRESHOLD_"] == one["MALLOC_MMAP_THRESHOLD_"] == str(8 << 20)  # every replica
@@ -71,8 +72,8 @@ def test_the_rank_contract_for_one_and_for_several_processes():
     # inside: torchrun's variables describe the replica's group; diloco's say which replica it is
     ctx = ReplicaContext.from_env({**many, "WORLD_SIZE": "8", "RANK": "3", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8"})
     assert (ctx.rank, ctx.world_size, ctx.lane, ctx.lanes) == (1, 4, 3, 8)
-    old = ReplicaContext.from_env({"REPLICA_RANK": "2", "WORLD_SIZE": "3"})  # the original contract still reads
-    assert (old.rank, old.world_size, old.lane, old.lanes) == (2, 3, 0, 1)
+    alone = ReplicaContext.from_env({"REPLICA_RANK": "2", "WORLD_SIZE": "3"})  # torch's WORLD_SIZE is not the replicas
+    assert (alone.rank, alone.world_size, alone.lane, alone.lanes) == (2, 1, 0, 1)
 
 
 @pytest.mark.parametrize("env, expected", [
@@ -82,7 +83,7 @@ def test_the_rank_contract_for_one_and_for_several_processes():
     ({"DILOCO_RERUN": ""}, incarnation(0)),
 ])
 def test_a_replica_knows_its_incarnation(env, expected):
-    ctx = ReplicaContext.from_env({"REPLICA_RANK": "1", "WORLD_SIZE": "2", **env})
+    ctx = ReplicaContext.from_env({"REPLICA_RANK": "1", "DILOCO_REPLICAS": "2", **env})
     assert ctx.incarnation == expected
 
 

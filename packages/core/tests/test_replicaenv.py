@@ -26,7 +26,7 @@ def test_redaction_and_env_contract():
     env = replica_env(rank=2, n_replicas=4, run_id="r", attempt=1, entrypoint=ep,
                       entrypoint_args={"lr": 0.1, "fast": True, "rank_env": "LOCAL_RANK", "deep": {"a": 1}},
                       rendezvous="file:///x", timeout=60, env={"HF_TOKEN": "t"})
-    assert env["LOCAL_RANK"] == env["REPLICA_RANK"] == "2" and env["WORLD_SIZE"] == "4"
+    assert env["LOCAL_RANK"] == env["REPLICA_RANK"] == "2" and env["DILOCO_REPLICAS"] == "4" and "WORLD_SIZE" not in env
     assert env["LR"] == "0.1" and env["FAST"] == "true" and "DEEP" not in env
     assert env["DILOCO_ENTRYPOINT"] == "pkg.mod:fn" and env["DILOCO_ATTEMPT"] == "1"
     request = LaunchRequest(run_id="r", n_replicas=4, entrypoint=ep, env={"HF_TOKEN": "t", "LR_SCHEDULE": "cos"})

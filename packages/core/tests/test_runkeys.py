@@ -27,6 +27,7 @@ LAYOUT = [
     (K.checkpoint(4, (0, 1024)), "run-7/ckpt/r00000004/0-1024"),
     (K.checkpoint(4, "void"), "run-7/ckpt/r00000004/void"),
     (K.model(), "run-7/model.json"),
+    (K.model_config(), "run-7/model-config.json"),
     (K.low_water(), "run-7/history/"),
     (K.low_water(12), "run-7/history/gc-through-r00000012"),
     (K.roster(), "run-7/roster/"),
@@ -54,7 +55,7 @@ def test_every_method_of_the_layout_is_in_the_table():
     """A family added to RunKeys without its line above would be a key no test pins."""
     families = {name for name in vars(RunKeys) if not name.startswith("_") and callable(vars(RunKeys)[name])}
     named = {"round", "scatter", "ready", "members", "reduced", "repair", "repaired", "claim", "checkpoints",
-             "checkpoint", "model", "low_water", "roster", "scale", "join", "away", "metrics", "summary", "artifact", "probe"}
+             "checkpoint", "model", "model_config", "low_water", "roster", "scale", "join", "away", "metrics", "summary", "artifact", "probe"}
     assert families == named
 
 

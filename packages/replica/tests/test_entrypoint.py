@@ -9,7 +9,7 @@ import sys
 
 
 def run(args, env, tmp_path):
-    full = {**os.environ, "REPLICA_RANK": "1", "WORLD_SIZE": "2", "DILOCO_RUN_ID": "entry-test",
+    full = {**os.environ, "REPLICA_RANK": "1", "DILOCO_REPLICAS": "2", "DILOCO_RUN_ID": "entry-test",
             "DILOCO_ATTEMPT": "3", "DILOCO_RESULT_PATH": str(tmp_path / "result.json"), **env}
     full.pop("DILOCO_ENTRYPOINT", None)
     return subprocess.run([sys.executable, "-m", "diloco_replica", *args], capture_output=True, text=True,

@@ -291,6 +291,8 @@ def export(run_id: str, out_dir: str, round_: int | None, store: str | None) -> 
         api.attach(run_id).export(out_dir, round_=round_)
     click.echo(f"run {out['run']}: round {out['round']} written to {out['path']} ({out['tensors']} tensors, "
                f"{out['parameters']:,} parameters, theta digest {out['theta_digest']})")
+    if out.get("config"):  # the run's trainer integration stored the model's configuration
+        click.echo(f"with the model's configuration, {out['config']}: the directory loads with from_pretrained")
 
 
 @main.command(name="list")

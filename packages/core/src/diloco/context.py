@@ -61,7 +61,7 @@ class ReplicaContext:
         env = os.environ if environ is None else environ
         ctx = cls(
             rank=int(env.get(v.ENV_RANK, "0")),
-            world_size=int(env.get(v.ENV_REPLICAS) or env.get(v.ENV_WORLD_SIZE) or "1"),
+            world_size=int(env.get(v.ENV_REPLICAS) or "1"),
             run_id=env.get(v.ENV_RUN_ID, "local"),
             attempt=int(env.get(v.ENV_ATTEMPT, "0")),
             rendezvous=env.get(v.ENV_RENDEZVOUS) or None,

@@ -5,8 +5,7 @@ every millisecond here is paid once per replica start.
 """
 
 ENV_RANK = "REPLICA_RANK"
-ENV_WORLD_SIZE = "WORLD_SIZE"  # the number of replicas, only where a replica is one process
-ENV_REPLICAS = "DILOCO_REPLICAS"  # the number of replicas, always (torchrun sets WORLD_SIZE to its own group's)
+ENV_REPLICAS = "DILOCO_REPLICAS"  # the number of replicas (WORLD_SIZE is torch's: torchrun's group, or unset)
 ENV_LANE = "LOCAL_RANK"  # set by torchrun: this process's index within its replica
 ENV_LANES = "LOCAL_WORLD_SIZE"  # set by torchrun: processes per replica
 ENV_RENDEZVOUS = "DILOCO_RENDEZVOUS"

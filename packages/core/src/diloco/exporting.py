@@ -4,6 +4,7 @@ The store's checkpoints are in the replicas' own format, which only diloco-repli
 needs torch, which core never imports): this finds the run's store — from the run's record, or
 the `store` URI given, for a shell that never launched the run — and runs
 ``python -m diloco_replica.export`` in this Python, which writes ``<out>/model.safetensors``
+(and, where the run's trainer integration stored the model's configuration, ``config.json``)
 (`diloco_replica.export`). The store's credentials are this shell's, as for `diloco status`.
 """
 

@@ -117,10 +117,11 @@ def replica_env(*, rank: int, n_replicas: int, run_id: str, attempt: int,
     command-line entrypoints can read them; the whole mapping travels as JSON for functions.
 
     The rank contract (docs/design.md#environment): REPLICA_RANK (or `rank_env`) is the replica's
-    index and DILOCO_REPLICAS the number of replicas, always. With one process per replica
-    WORLD_SIZE is also the number of replicas (the original contract); with `processes` > 1,
-    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT for
-    the replica's own process group, so user code calls `init_process_group()` as usual.
+    index and DILOCO_REPLICAS the number of replicas. WORLD_SIZE is torch's, never diloco's: with
+    `processes` > 1, torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT for the replica's own process group, so user code calls `init_process_group()` as
+    usual; a one-process replica has none of them, so `TrainingArguments`, accelerate and Lightning
+    see one process (WORLD_SIZE = replicas made them wait for a multi-node group that never forms).
     """
     args = dict(entrypoint_args or {})
     check_entrypoint_args(args)
@@ -142,8 +143,6 @@ def replica_env(*, rank: int, n_replicas: int, run_id: str, attempt: int,
         p.ENV_ENTRYPOINT_ARGS: json.dumps(args, sort_keys=True),
         "PYTHONUNBUFFERED": "1",
     })
-    if processes <= 1:
-        out[p.ENV_WORLD_SIZE] = str(n_replicas)
     if rendezvous:
         out[p.ENV_RENDEZVOUS] = rendezvous
     if timeout:

@@ -91,6 +91,12 @@ class RunKeys:
         (`diloco_replica.manifest`), so `diloco export` can name the tensors it writes."""
         return f"{self.run}/model.json"
 
+    def model_config(self) -> str:
+        """The model's own configuration where its trainer integration knows one (a transformers
+        ``config.json``: `diloco_replica.modelconfig`), so an export is a directory the model's
+        library loads (``from_pretrained``)."""
+        return f"{self.run}/model-config.json"
+
     def low_water(self, r: int | None = None) -> str:
         return f"{self.run}/history/" + ("" if r is None else f"gc-through-r{r:08d}")
 

@@ -36,7 +36,7 @@ PLUMBING_NAMES = frozenset({
 # The rank contract (docs/design.md#environment) and torchrun's: `rank_env` may name one of
 # these (a script that reads its rank from LOCAL_RANK), nothing else may set them.
 RANK_NAMES = frozenset({
-    envvars.ENV_RANK, envvars.ENV_WORLD_SIZE, envvars.ENV_LANE, envvars.ENV_LANES, "RANK", "GROUP_RANK",
+    envvars.ENV_RANK, "WORLD_SIZE", envvars.ENV_LANE, envvars.ENV_LANES, "RANK", "GROUP_RANK",
     "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
 })
 # What `rank_env` may name among them: variables that hold a rank. Never a size, an address or

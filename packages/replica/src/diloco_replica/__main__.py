@@ -2,7 +2,7 @@
 
 Runs the training function named on the command line (or in DILOCO_ENTRYPOINT) through the same
 bootstrap every backend uses (`diloco.runner`): it gets a ReplicaContext built from the
-environment (REPLICA_RANK, WORLD_SIZE, DILOCO_RENDEZVOUS, DILOCO_RUN_ID, DILOCO_ATTEMPT), its
+environment (REPLICA_RANK, DILOCO_REPLICAS, DILOCO_RENDEZVOUS, DILOCO_RUN_ID, DILOCO_ATTEMPT), its
 timeout is enforced, and its result or traceback is recorded.
 """
 

@@ -197,13 +197,18 @@ class DiLoCo:
         """Global step indices still to do; a rejoining replica starts where the run is.
 
         `total_steps` defaults to the spec's [diloco] total_steps; the rows carry it, so the
-        launcher's progress shows step / total and an ETA.
-
-        When the loop ends the round still in flight (overlap) is merged and the model is set to
-        θ_global, the state every replica agrees on, so what training code evaluates or saves
-        after the loop is the global model on every replica. (Inner steps after the last round,
-        and with fragments the other fragments' steps since their last round, are not in it.)
+        launcher's progress shows step / total and an ETA. The loop is `begin`, one `step()` per
+        inner step while the run has steps left for this replica, then `end` (a loop diloco does
+        not drive, such as a Trainer's, calls the three itself: `integrations`).
         """
+        total = self.begin(total_steps)
+        while self.global_step < total and not self.left:
+            yield self.global_step
+        self.end()
+
+    def begin(self, total_steps: int | None = None) -> int:
+        """Fix the run's length (default: [diloco] total_steps) before the first inner step; the
+        length, checked against the settings."""
         if total_steps is None:
             total_steps = self.total_steps
         if total_steps is None:
@@ -214,14 +219,20 @@ class DiLoCo:
             raise UserError(f"with round_seconds, the run's length ({self.total_steps} steps) must be a multiple of "
                             f"sync_every ({self.H}): a round counts as sync_every steps, and a run that ends inside "
                             f"a round leaves its replicas on different models")
-        while self.global_step < total_steps and not self.left:
-            yield self.global_step
+        return self.total_steps
+
+    def end(self) -> None:
+        """After the last inner step: the round still in flight (overlap) is merged and the model
+        is set to θ_global, the state every replica agrees on, so what training code evaluates
+        or saves afterwards is the global model on every replica. (Inner steps after the last
+        round, and with fragments the other fragments' steps since their last round, are not in
+        it.)"""
         self.finish()
         # the last round's record (it shares the lanes' group with the write below) and, when the
         # run's training is done (a replica scaled away in its last round included: it may own
         # shards of it; not one scaled away before), that round checkpointed: the store holds the
         # final model (`diloco export`)
-        if self.global_step >= total_steps:
+        if self.total_steps is not None and self.global_step >= self.total_steps:
             self.sync.checkpoint_last()
         else:
             self.sync.settle()

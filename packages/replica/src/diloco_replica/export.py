@@ -8,7 +8,9 @@ parameter as its own fp32 tensor under its name to ``<out>/model.safetensors``, 
 ``model.load_state_dict(safetensors.torch.load_file(path), strict=False)`` restores the trained
 weights into a fresh model of the same code (buffers and frozen parameters are not part of
 θ_global: they stay the model's own). The file's metadata names the run, the round and θ's
-digest (`DiLoCo.theta_digest`, the one every replica reports).
+digest (`DiLoCo.theta_digest`, the one every replica reports). Where a trainer integration
+stored the model's own configuration (`modelconfig`: a transformers ``config.json``), it is
+written beside the weights, and the directory loads with the library's ``from_pretrained``.
 
 It only reads: a corrupt piece fails the export with one line naming it (a replica that met it
 would void the checkpoint; this reader changes nothing in the run's store).
@@ -39,6 +41,8 @@ from .checkpoints import Checkpoints
 from .lanes import Lanes
 from .manifest import BadManifest, Manifest
 from .manifest import read as read_manifest
+from .modelconfig import CONFIG_FILE, BadConfig
+from .modelconfig import read as read_config
 from .outer import blocks_digest
 from .roundio import RoundIO
 from .storeaccess import CountingStore
@@ -55,6 +59,7 @@ class Exported:
     round: int
     rounds: list[int]        # every complete checkpoint the store holds (the one taken among them)
     path: str
+    config: str | None       # the model's configuration written beside it, if the run stored one
     tensors: int
     parameters: int          # values in θ_global
     theta_digest: str        # `DiLoCo.theta_digest` of what was written
@@ -67,9 +72,14 @@ def export(store: Any, run_id: str, out: str | Path, *, round_: int | None = Non
 
     keys = RunKeys(run_id)
     manifest = _manifest(store, keys)
-    target = Path(out) / FILE
-    if target.exists():
-        raise UserError(f"{target} already exists; export to another --out directory, or remove it first")
+    try:
+        config = read_config(store, keys)
+    except BadConfig as exc:
+        raise UserError(f"{keys.model_config()} in {store.uri} is not a model configuration ({exc})") from None
+    targets = [Path(out) / FILE] + ([Path(out) / CONFIG_FILE] if config is not None else [])
+    for target in targets:
+        if target.exists():
+            raise UserError(f"{target} already exists; export to another --out directory, or remove it first")
     try:  # before the download: an --out that cannot be written fails at once
         Path(out).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -95,22 +105,32 @@ def export(store: Any, run_id: str, out: str | Path, *, round_: int | None = Non
     digest = f"{blocks_digest(theta, 0):016x}"
     flat = theta.numpy()
     tensors = {name: flat[a:b].reshape(shape) for name, shape, a, b in manifest.slices()}
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=".model-", suffix=".safetensors")
+    _write_new(targets[0], lambda tmp: save_file(tensors, tmp, metadata={
+        "diloco_run": run_id, "diloco_round": str(r), "theta_digest": digest, "format": "pt"}))
+    if config is not None:
+        _write_new(targets[1], lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"))
+    return Exported(run_id, r, complete, str(targets[0]), str(targets[1]) if config is not None else None,
+                    len(tensors), manifest.numel, digest)
+
+
+def _write_new(target: Path, write) -> None:
+    """`write(tmp)` a file, then give it `target`'s name, create-only: whole or not at all (an
+    interrupted export leaves no half a model under the real name), a file that appeared
+    meanwhile kept, not replaced, and the permissions of a file the user created."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}-", suffix=target.suffix)
     os.close(fd)
-    try:  # whole or not at all: an interrupted export leaves no half a model under the real name
-        save_file(tensors, tmp, metadata={"diloco_run": run_id, "diloco_round": str(r), "theta_digest": digest,
-                                          "format": "pt"})
+    try:
+        write(tmp)
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as a file the user created (mkstemp's is 0600)
-        os.link(tmp, target)  # create-only: a file that appeared meanwhile is kept, not replaced
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's is 0600
+        os.link(tmp, target)
     except FileExistsError:
         raise UserError(f"{target} appeared while exporting; export to another --out directory") from None
     except OSError as exc:
         raise UserError(f"writing {target} failed: {exc.strerror or exc}") from None
     finally:
         os.unlink(tmp)
-    return Exported(run_id, r, complete, str(target), len(tensors), manifest.numel, digest)
 
 
 def _manifest(store: Any, keys: RunKeys) -> Manifest:
@@ -132,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m diloco_replica.export", description=__doc__.split("\n")[0])
     parser.add_argument("store", help="the run's rendezvous URI")
     parser.add_argument("run", help="the run's id")
-    parser.add_argument("out", help="the directory to write model.safetensors into")
+    parser.add_argument("out", help="the directory to write model.safetensors (and config.json) into")
     parser.add_argument("--round", dest="round_", type=int, default=None)
     args = parser.parse_args(argv)
     from diloco.store import open_store

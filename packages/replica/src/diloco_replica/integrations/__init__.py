@@ -1,0 +1,8 @@
+"""DiLoCo inside trainers people already use, each behind its own extra.
+
+- `integrations.transformers`: `DiLoCoCallback` for ``transformers.Trainer``
+  (``pip install "diloco-replica[transformers]"``).
+
+Each module imports its trainer library at import time and, without it, fails with one line
+naming the extra to install; diloco-replica alone pulls none of them.
+"""
