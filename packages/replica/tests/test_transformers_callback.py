@@ -5,9 +5,11 @@ replicas read different data, the final model comes out loadable, and misuse sto
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,18 +48,26 @@ class CrashAt:
         return control
 
 
-def test_the_callback_does_what_the_hand_written_loop_does(tmp_path):
-    """Two rounds through the Trainer, then the same model, optimizer, schedule, clipping and
-    batches through `DiLoCo.step()` by hand: the same round losses and tokens, the same θ_global."""
-    data, probe = windows(), Probe()
-    callback = DiLoCoCallback(ReplicaContext(0, 1, "hf-trainer"), store=memory_store(), sync_every=H, save_final=False)
+MODES = {"rounds": {}, "overlap": {"overlap": True, "overlap_delay": 2}, "fragments": {"fragments": 5},
+         "int4": {"transport": "int4"}, "round_seconds": {"round_seconds": 3600.0}}  # (closing at H steps: repeatable)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_callback_does_what_the_hand_written_loop_does(tmp_path, mode):
+    """Two rounds' steps through the Trainer, then the same model, optimizer, schedule, clipping
+    and batches through `DiLoCo.step()` by hand, in each sync mode (overlap merged at a fixed
+    delay, so both runs merge at the same step): the same round losses and tokens, the same
+    θ_global."""
+    data, probe, settings = windows(), Probe(), MODES[mode]
+    callback = DiLoCoCallback(ReplicaContext(0, 1, "hf-trainer"), store=memory_store(), sync_every=H, save_final=False,
+                              **settings)
     trainer(tiny_llama(), arguments(str(tmp_path / "t"), 2 * H), data, callback, probe).train()
 
     args = arguments(str(tmp_path / "h"), 2 * H)
     by_hand = trainer(tiny_llama(), args, data)  # only to build the optimizer and schedule the Trainer builds
     by_hand.create_optimizer_and_scheduler(num_training_steps=2 * H)
     model, opt, schedule = by_hand.model, by_hand.optimizer, by_hand.lr_scheduler
-    diloco = DiLoCo(model, opt, ReplicaContext(0, 1, "hand"), store=memory_store(), sync_every=H)
+    diloco = DiLoCo(model, opt, ReplicaContext(0, 1, "hand"), store=memory_store(), sync_every=H, **settings)
     for _, ids in zip(diloco.steps(2 * H), probe.batches, strict=True):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -71,8 +81,26 @@ def test_the_callback_does_what_the_hand_written_loop_does(tmp_path):
 
     rows = lambda metrics: [(m.round, m.loss, m.tokens) for m in metrics]  # noqa: E731
     assert rows(callback.diloco.metrics) == rows(diloco.metrics)
-    assert [m.round for m in diloco.metrics] == [1, 2] and diloco.metrics[0].tokens == H * 4 * 16
+    rounds = 2 * H // (H // diloco.fragments)
+    assert [m.round for m in diloco.metrics] == list(range(1, rounds + 1))
+    assert sum(m.tokens for m in diloco.metrics) == 2 * H * 4 * 16
     assert callback.theta_digest == hand_digest
+
+
+def test_accumulation_mixed_precision_and_evaluation_go_through(tmp_path):
+    """A round every H optimizer steps (not micro-batches), under bf16 autocast with two
+    micro-batches a step; each round's tokens are its micro-batches'; the Trainer's evaluations
+    land in the rounds' rows. (In a process of its own: accelerate keeps a Trainer's mixed
+    precision for the process's later Accelerators.)"""
+    code = f"import json, trainer_jobs; print(json.dumps(trainer_jobs.accumulated_bf16_rows({str(tmp_path)!r}, {H})))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["round"] for r in rows] == [1, 2] and all(r["tokens"] == H * 2 * 4 * 16 for r in rows)
+    assert all(r["loss"] is not None and 0 < r["loss"] < 10 for r in rows)
+    evals = [e for r in rows for e in r["evals"]]
+    assert [step for step, _ in evals] == [H] and evals[0][1] > 0  # the eval at step 2H comes after its round
 
 
 def test_a_relaunched_replica_resumes_at_the_runs_step_with_its_lr_and_data(tmp_path):
@@ -116,7 +144,9 @@ def test_a_relaunched_replica_resumes_at_the_runs_step_with_its_lr_and_data(tmp_
     from transformers import LlamaForCausalLM
 
     ids = data[0]["input_ids"][None]
-    trained = t.model.eval()(input_ids=ids, labels=ids).loss
+    reference = tiny_llama()  # the trained weights in a plain model (a Trainer's may forward under autocast)
+    reference.load_state_dict(t.model.state_dict())
+    trained = reference.eval()(input_ids=ids, labels=ids).loss
     for folder in (tmp_path / "export", tmp_path / "o" / "diloco-final"):
         loaded = LlamaForCausalLM.from_pretrained(folder).eval()
         assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), t.model.parameters(), strict=True))
@@ -151,3 +181,31 @@ def test_without_the_extra_the_import_says_what_to_install():
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == ('ImportError: diloco_replica.integrations.transformers needs '
                                                     'transformers and accelerate: pip install "diloco-replica[transformers]"')
+
+
+def test_an_accelerate_loop_with_the_wrapper_is_the_plain_loop():
+    """README's Accelerate paragraph: the loop keeps accelerator.prepare and accelerator.backward,
+    DiLoCo wraps the prepared model and optimizer; two rounds give the plain loop's θ_global."""
+    from accelerate import Accelerator
+
+    loader = lambda: torch.utils.data.DataLoader(windows(2 * H * 4), batch_size=4)  # noqa: E731
+    digests = []
+    for accelerated in (False, True):
+        model = tiny_llama()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        batches = loader()
+        if accelerated:
+            accelerator = Accelerator(cpu=True)
+            model, opt, batches = accelerator.prepare(model, opt, batches)
+        diloco = DiLoCo(model, opt, ReplicaContext(0, 1, f"accelerate-{accelerated}"), store=memory_store(),
+                        sync_every=H)
+        for _, batch in zip(diloco.steps(2 * H), batches, strict=True):
+            loss = model(**batch).loss
+            accelerator.backward(loss) if accelerated else loss.backward()
+            opt.step()
+            opt.zero_grad()
+            diloco.step(loss=loss.item())
+        digests.append(diloco.theta_digest())
+        assert diloco.round == 2
+        diloco.close()
+    assert digests[0] == digests[1]

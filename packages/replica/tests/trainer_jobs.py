@@ -61,3 +61,22 @@ class Probe(TrainerCallback):
 
 def trainer(model, args, data, *callbacks) -> Trainer:
     return Trainer(model=model, args=args, train_dataset=data, callbacks=list(callbacks))
+
+
+def accumulated_bf16_rows(out: str, sync_every: int) -> list[dict]:
+    """Two rounds of the callback under bf16 autocast, two micro-batches a step, evaluated every
+    round: the rounds' rows."""
+    import uuid
+    from dataclasses import asdict
+
+    from diloco.context import ReplicaContext
+    from diloco.store import open_store
+    from diloco_replica.integrations.transformers import DiLoCoCallback
+
+    callback = DiLoCoCallback(ReplicaContext(0, 1, "hf-accumulate"), store=open_store(f"memory://{uuid.uuid4().hex}"),
+                              sync_every=sync_every, save_final=False)
+    args = arguments(out, 2 * sync_every, gradient_accumulation_steps=2, bf16=True, eval_strategy="steps",
+                     eval_steps=sync_every)
+    Trainer(model=tiny_llama(), args=args, train_dataset=windows(), eval_dataset=windows(8, seed=2),
+            callbacks=[callback]).train()
+    return [asdict(row) for row in callback.diloco.metrics]

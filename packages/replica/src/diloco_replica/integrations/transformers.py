@@ -82,6 +82,7 @@ class DiLoCoCallback(TrainerCallback):
         self._hook: Any = None
         self._losses: list[torch.Tensor] = []
         self._tokens = 0
+        self._closed = False
 
     # -- the Trainer's events ----------------------------------------------------------------
 
@@ -96,6 +97,14 @@ class DiLoCoCallback(TrainerCallback):
         return control
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        try:
+            self._begin(state, model, optimizer, lr_scheduler)
+        except BaseException:
+            self.close()  # the Trainer calls no on_train_end after this: leave the run here
+            raise
+        return control
+
+    def _begin(self, state, model, optimizer, lr_scheduler) -> None:
         joined_late = self.diloco is None
         if joined_late:  # added with trainer.add_callback: a new run can still start here
             self._join(model)
@@ -117,7 +126,6 @@ class DiLoCoCallback(TrainerCallback):
         self.started_at = d.global_step
         self.ctx.log.info("DiLoCo in transformers.Trainer: starting at global step %d of %d (round %d), H = %d",
                           d.global_step, total, d.round, d.H)
-        return control
 
     def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
         d = self.diloco
@@ -153,7 +161,8 @@ class DiLoCoCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if self.diloco is not None:
+        if self.diloco is not None and not self._closed:
+            self._closed = True
             self.diloco.close()
         if self.resume is not None:
             shutil.rmtree(self.resume, ignore_errors=True)
