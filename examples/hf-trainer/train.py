@@ -63,6 +63,10 @@ def llama(seed: int, hidden: int, layers: int, heads: int, seq_len: int):
 def train(ctx: ReplicaContext, batch_size: int = 8, seq_len: int = 128, hidden: int = 256, layers: int = 4,
           heads: int = 4, lr: float = 1e-3, warmup: int = 30, seed: int = 0, threads: int = 1,
           max_bytes: int = 3_000_000, eval_steps: int = 0, logging_steps: int = 50, output_dir: str = "") -> dict:
+    """Train for the spec's [diloco] total_steps (the Trainer's max_steps). Returns the global
+    model's digest and eval loss (the same on every replica), and where this replica's training
+    began with the first learning rate it logged: a relaunched replica's are the run's step and
+    the schedule's value there, not 0."""
     from transformers import Trainer, TrainingArguments
 
     from diloco_replica.integrations.transformers import DiLoCoCallback  # DiLoCo
