@@ -35,7 +35,10 @@ parts; "sync fp32" cuts shards over 32 MiB into parts that pipeline (the default
 (`exchange = "process"`); the others on a thread of the training process (the default). Rows
 named "… fragments5" sync the model in 5 fragments (`fragments = 5`, a round every H/5 steps;
 their blocked share is of those shorter rounds). "… delay5" rows merge 5 inner steps after the
-snapshot (`overlap_delay = 5`), waiting for the round there if it has not arrived.
+snapshot (`overlap_delay = 5`), waiting for the round there if it has not arrived. Rows named "…
+device-codec" run a quantised transport's arithmetic (error feedback, decoding, the fold, the
+mean's encoding) on the GPU (`codec_device = "model"`); the others on the host's cores (the
+default). row_wall_s: the row's wall time, start-up and raw transfer included.
 
 Without CUDA the bench runs a proxy of what the GPU sees (`device: "cpu-proxy"`): an inner step is
 BENCH_PROXY_STEP_S of sleep (the GPU's compute: it holds no interpreter) after BENCH_PROXY_LAUNCHES
@@ -81,6 +84,9 @@ MODES: dict[str, dict | None] = {
     "overlap fp32": {"overlap": True},
     "overlap int4": {"overlap": True, "transport": "int4"},
     "overlap int4 (process)": {"overlap": True, "transport": "int4", "exchange": "process"},
+    "overlap int4 device-codec": {"overlap": True, "transport": "int4", "codec_device": "model"},
+    "sync int4": {"transport": "int4"},
+    "sync int4 device-codec": {"transport": "int4", "codec_device": "model"},
     "overlap int4 no-feedback": {"overlap": True, "transport": "int4", "error_feedback": False},
     "overlap int4 delay5": {"overlap": True, "transport": "int4", "overlap_delay": 5},
     "overlap int4 delay25": {"overlap": True, "transport": "int4", "overlap_delay": 25},
@@ -224,6 +230,7 @@ def run_mode(name: str, H: int, device: str, tmp: Path) -> dict:
     where = tmp / f"{name.replace(' ', '_').replace(',', '')}-{H}"
     where.mkdir()
     run_id = f"gpu-{uuid.uuid4().hex[:8]}"
+    began = time.perf_counter()
     spec = {"device": device, "shape": SHAPE, "steps": STEPS, "replicas": N, "dir": str(where), "proxy": PROXY,
             "max_bytes": 20_000_000 if not QUICK else 2_000_000,
             "settings": None if settings is None else {"sync_every": H, "total_steps": STEPS, "round_timeout": 300,
@@ -248,7 +255,7 @@ def run_mode(name: str, H: int, device: str, tmp: Path) -> dict:
     shutil.rmtree(tmp / "store", ignore_errors=True)  # a 1B row's store holds tens of GB
     if len(outs) < N:
         return {"device": device, "mode": name, "H": H, "error": failed}
-    return summarise(name, H, device, outs)
+    return {**summarise(name, H, device, outs), "row_wall_s": round(time.perf_counter() - began, 1)}
 
 
 def summarise(name: str, H: int, device: str, outs: list[dict]) -> dict:
@@ -260,7 +267,8 @@ def summarise(name: str, H: int, device: str, outs: list[dict]) -> dict:
            "step_bound_tokens_per_s": round(step_bound), "share_of_step_bound": round(tokens / loop / step_bound, 3),
            "parameters": outs[0]["parameters"], "eval_loss": outs[0].get("eval_loss"),
            "host_join_gb": round(max(o["host_join_gb"] for o in outs), 3),
-           "host_train_gb": round(max(o["host_train_gb"] for o in outs), 3)}
+           "host_train_gb": round(max(o["host_train_gb"] for o in outs), 3),
+           "peak_gpu_gb": max((o["peak_gpu_gb"] for o in outs if "peak_gpu_gb" in o), default=None)}
     if name == "compute-only":
         return row
     assert len({o["theta_crc32"] for o in outs}) == 1, f"{name}: replicas disagree on θ_global"
@@ -274,7 +282,6 @@ def summarise(name: str, H: int, device: str, outs: list[dict]) -> dict:
                 "step_inflation": round(statistics.median(busy) / statistics.median(idle) - 1, 4) if busy else None,
                 "raw_transfer_s": round(raw, 4), "blocked_vs_raw": round(blocked / raw, 2) if raw else None,
                 "hidden_s_per_round": round(statistics.mean(r["hidden_s"] for r in rounds), 4) if rounds else 0.0,
-                "peak_gpu_gb": outs[0].get("peak_gpu_gb"),
                 "phases_s_per_round": {k: round(statistics.mean(r["phases"].get(k, 0.0) for r in rounds), 4)
                                        for k in sorted({k for r in rounds for k in r["phases"]})} if rounds else {}})
     return row

@@ -70,6 +70,11 @@ class DilocoSettings:
         None, help="overlap: merge a round's outer step exactly this many inner steps after its snapshot, waiting "
                    "for it if it has not arrived, so runs repeat step for step (default: when it arrives)",
         min=1, max=1_000_000)
+    codec_device: str = option(
+        "host", help="where a quantised transport's arithmetic runs (error feedback, decoding, the fold, the "
+                     "mean's encoding): \"host\" (its cores) or \"model\" (the model's GPU when it has one and the "
+                     "round runs on a thread of its process; not yet measured on a GPU); docs/sync-modes.md",
+        choices=("host", "model"))
     exchange: str = option("thread", help="where a round's store I/O and outer step run: \"thread\" (a thread of the "
                                           "training process) or \"process\" (a sync process beside it); "
                                           "docs/sync-modes.md", choices=("thread", "process"))

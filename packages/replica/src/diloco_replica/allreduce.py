@@ -57,6 +57,7 @@ from .faults import Faults
 from .gather import Gatherer
 from .lanes import Lanes
 from .laps import Laps
+from .codecdevice import CodecDevice
 from .layout import Cut
 from .membership import Decided, Membership
 from .reduce import ShardReducer
@@ -80,7 +81,7 @@ class StoreAllReduce:
                  poll_max: float = 1.0, workers: int | None = None, log: Callable[[str], None] | None = None,
                  lanes: Lanes | None = None, topk_density: float = DilocoSettings.topk_density,
                  step_cap: int | None = None, part_mb: float = DilocoSettings.part_mb,
-                 round_grace: float | None = None, incarnation: int = 0):
+                 round_grace: float | None = None, incarnation: int = 0, codec_device: CodecDevice | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         lanes = lanes or Lanes()
@@ -103,9 +104,11 @@ class StoreAllReduce:
         self.checkpoints = Checkpoints(self.io)
         self.membership = Membership(self.io, self.checkpoints, min_members=min_members, round_grace=round_grace)
         self.repairs = RepairDesk(self.io, self.membership, incarnation=incarnation)
-        self.reducer = ShardReducer(self.io, self.membership, self.repairs, window=self.window, step_cap=step_cap)
+        self.reducer = ShardReducer(self.io, self.membership, self.repairs, window=self.window, step_cap=step_cap,
+                                    codec_device=codec_device)
         self.gatherer = Gatherer(self.io, self.membership, self.repairs, window=self.window)
-        self.uploader = Uploader(self.io, codec=codec, topk_density=topk_density, window=self.window)
+        self.uploader = Uploader(self.io, codec=codec, topk_density=topk_density, window=self.window,
+                                 codec_device=codec_device)
         self._cleanup_due: list[str] | None = None  # the inputs of the last round this lane reduced
         self.rosters: dict[int, list[int]] = {}  # round -> its ranks, as decided with the round before (`roster`)
         self._finished: tuple[int, float] | None = None  # (round, when) this replica last completed one

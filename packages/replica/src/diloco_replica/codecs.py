@@ -20,7 +20,12 @@ largest-magnitude elements of every 4,096-element block of Δ plus its error-fee
 lists each block's count, so the format carries any support: a reducer's mean (the union of its
 members' supports) is encoded the same way, with no re-sparsification.
 
-Every decode is deterministic, so every replica decodes the same bytes to the same floats.
+Every decode is deterministic, so every replica decodes the same bytes to the same floats. The
+same holds on a GPU: `encode` runs where its input lies and `decode` where it is asked to
+(`codec_device`), with only operations that are exactly rounded on either (casts, comparisons,
+rounding to an integer, one multiply or divide at a time, each division by a tensor: CUDA
+divides by a Python number through its reciprocal, which can be one bit off), so a replica that
+quantises on its GPU sends the bytes a host would (tests/test_codec_device.py, run where CUDA is).
 Decoding checks what a codec's layout allows (block scales positive, topk counts and indices
 within their blocks) and raises `BadPayload` otherwise; NaN and Inf survive every encoding, so a
 diverged replica's update still decodes non-finite and is caught (`finite`).
@@ -41,8 +46,9 @@ class BadPayload(ValueError):
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
-    """Zero-copy byte view of a contiguous CPU tensor (bf16 through an int16 view)."""
-    t = t.contiguous()
+    """Byte view of a tensor on the host (bf16 through an int16 view): zero-copy for a contiguous
+    CPU tensor; a device tensor is copied to the host first (waiting for its stream)."""
+    t = t.contiguous() if t.device.type == "cpu" else t.cpu()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
     return memoryview(t.numpy()).cast("B")
@@ -63,17 +69,32 @@ def _absmax_scale(rows: torch.Tensor, levels: int) -> torch.Tensor:
     launder a diverged replica's NaN into finite numbers). The absmax is max(max, −min): two
     reductions, no block-sized |x| made."""
     low, high = torch.aminmax(rows, dim=1)
-    scale = torch.maximum(high, low.neg_()).div_(levels)
+    scale = torch.maximum(high, low.neg_()).div_(exact_divisor(levels, rows))
     return torch.where(scale == 0, torch.ones_like(scale), scale)
 
 
-def _scales(buf: memoryview, dtype: torch.dtype, count: int) -> torch.Tensor:
-    """A payload's block scales as fp32. The encoder writes only positive (or, for a non-finite
-    block, NaN/Inf) scales; zero or negative ones are another writer's bytes."""
-    scale = torch.frombuffer(buf, dtype=dtype, count=count).float()
+def exact_divisor(value: float, like: torch.Tensor) -> torch.Tensor | float:
+    """`value` as a divisor that divides exactly (one correctly rounded division) on `like`'s
+    device: a Python number on the host; on a GPU a one-element tensor there, since CUDA turns a
+    division by a Python number into a multiply by its reciprocal, which can differ in the last bit."""
+    if like.device.type == "cpu":
+        return value
+    return torch.tensor(value, dtype=like.dtype, device=like.device)
+
+
+def _scales(buf: memoryview, dtype: torch.dtype, count: int, device: torch.device | None = None) -> torch.Tensor:
+    """A payload's block scales as fp32 on `device` (checked on the host). The encoder writes only
+    positive (or, for a non-finite block, NaN/Inf) scales; zero or negative ones are another
+    writer's bytes."""
+    scale = torch.frombuffer(buf, dtype=dtype, count=count)
     if bool((scale <= 0).any()):
         raise BadPayload("a block scale is zero or negative (out of range)")
-    return scale
+    return _to(scale, device).float()
+
+
+def _to(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """`t` (read from a payload on the host) on the device the decode runs on."""
+    return t if device is None or device.type == "cpu" else t.to(device)
 
 
 def encoded_nbytes(numel: int, codec: str, payload: memoryview | None = None) -> int:
@@ -88,7 +109,7 @@ def encoded_nbytes(numel: int, codec: str, payload: memoryview | None = None) ->
 
 
 def encode(x: torch.Tensor, codec: str) -> list[memoryview]:
-    """fp32 CPU vector → payload parts (concatenated on the wire)."""
+    """fp32 vector → payload parts on the host (concatenated on the wire), computed on x's device."""
     x = x.detach().reshape(-1)
     if codec == "fp32":
         return [_as_bytes(x.float())]
@@ -108,25 +129,26 @@ def encode(x: torch.Tensor, codec: str) -> list[memoryview]:
     raise ValueError(f"unknown codec {codec!r}; use one of {CODECS}")
 
 
-def decode(payload: memoryview | bytes, codec: str, numel: int) -> torch.Tensor:
-    """Payload → fp32 vector (read-only use: for fp32 it is a view of the payload)."""
+def decode(payload: memoryview | bytes, codec: str, numel: int, device: torch.device | None = None) -> torch.Tensor:
+    """Payload → fp32 vector on `device` (default: the host), for read-only use: on the host an
+    fp32 payload decodes to a view of it. The payload's layout is checked on the host."""
     buf = memoryview(payload)
     if codec == "fp32":  # a view: torch.frombuffer keeps the buffer alive, and callers only read it
-        return torch.frombuffer(buf, dtype=torch.float32, count=numel)
+        return _to(torch.frombuffer(buf, dtype=torch.float32, count=numel), device)
     if codec == "bf16":
-        return torch.frombuffer(buf, dtype=torch.int16, count=numel).view(torch.bfloat16).float()
+        return _to(torch.frombuffer(buf, dtype=torch.int16, count=numel), device).view(torch.bfloat16).float()
     if codec == "fp16":
-        return torch.frombuffer(buf, dtype=torch.float16, count=numel).float()
+        return _to(torch.frombuffer(buf, dtype=torch.float16, count=numel), device).float()
     if codec == "int8":
         n_chunks = _blocks(numel, INT8_CHUNK)
-        scale = _scales(buf, torch.float32, n_chunks)
-        q = torch.frombuffer(buf, dtype=torch.int8, count=numel, offset=4 * n_chunks).float()
+        scale = _scales(buf, torch.float32, n_chunks, device)
+        q = _to(torch.frombuffer(buf, dtype=torch.int8, count=numel, offset=4 * n_chunks), device).float()
         rows = _rows(q, INT8_CHUNK) * scale[:, None]
         return rows.reshape(-1)[:numel].contiguous()
     if codec == "int4":
-        return _decode_int4(buf, numel)
+        return _decode_int4(buf, numel, device)
     if codec == "topk":
-        return _decode_sparse(buf, numel)
+        return _decode_sparse(buf, numel, device)
     raise ValueError(f"unknown codec {codec!r}; use one of {CODECS}")
 
 
@@ -161,11 +183,11 @@ def _encode_int4(x: torch.Tensor) -> list[memoryview]:
     return [_as_bytes(scale), _as_bytes(packed)]
 
 
-def _decode_int4(buf: memoryview, numel: int) -> torch.Tensor:
+def _decode_int4(buf: memoryview, numel: int, device: torch.device | None = None) -> torch.Tensor:
     n_blocks = _blocks(numel, INT4_BLOCK)
-    scale = _scales(buf, torch.float16, n_blocks)
-    packed = torch.frombuffer(buf, dtype=torch.uint8, count=(numel + 1) // 2, offset=2 * n_blocks)
-    out = torch.empty(n_blocks * INT4_BLOCK, dtype=torch.float32)
+    scale = _scales(buf, torch.float16, n_blocks, device)
+    packed = _to(torch.frombuffer(buf, dtype=torch.uint8, count=(numel + 1) // 2, offset=2 * n_blocks), device)
+    out = torch.empty(n_blocks * INT4_BLOCK, dtype=torch.float32, device=packed.device)
     pairs = out[:2 * packed.numel()].view(-1, 2)
     pairs[:, 0].copy_(packed & 0x0F)
     pairs[:, 1].copy_(packed >> 4)
@@ -214,7 +236,7 @@ def _encode_sparse(x: torch.Tensor) -> list[memoryview]:
     return [_as_bytes(scale), _as_bytes(counts), _as_bytes(where[:, 1].to(torch.int16)), _as_bytes(q)]
 
 
-def _decode_sparse(buf: memoryview, numel: int) -> torch.Tensor:
+def _decode_sparse(buf: memoryview, numel: int, device: torch.device | None = None) -> torch.Tensor:
     blocks = _blocks(numel, TOPK_BLOCK)
     if buf.nbytes < 6 * blocks:
         raise BadPayload("shorter than its block table")
@@ -231,4 +253,4 @@ def _decode_sparse(buf: memoryview, numel: int) -> torch.Tensor:
         if (local < 0).any() or (local >= TOPK_BLOCK).any():
             raise BadPayload("an index lies outside its block")
         out[block * TOPK_BLOCK + local] = q * scale[block]
-    return out[:numel].contiguous()
+    return _to(out[:numel].contiguous(), device)  # sparse: decoded on the host, then moved

@@ -134,7 +134,7 @@ class DiLoCo:
                                                             threads=int(threads) if threads else None)
         else:
             self.sync = InThread(self.ctx, s, store if store is not None else self.ctx.store, self.view.total,
-                                 self.lanes, self._log, snapshot=not self.view.reads_live)
+                                 self.lanes, self._log, snapshot=not self.view.reads_live, device=self.view.device)
         self.transfers = Transfers(self.view, self.sync.theta, self.sync.snapshot)
         self.transfers.initial()  # θ_0 from this replica's model, used only if the run is new
         self._round, left = self.sync.join(initial=True)  # the store is verified by now

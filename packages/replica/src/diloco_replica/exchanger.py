@@ -34,6 +34,7 @@ from diloco.settings import DilocoSettings
 from diloco.store import poll_defaults, verify_store
 
 from .allreduce import RoundResult, StoreAllReduce
+from .codecdevice import CodecDevice
 from .feedback import LOSSY, quantise_pieces_with_feedback, quantise_with_feedback
 from .globalstate import GlobalState
 from .laps import Laps
@@ -77,20 +78,24 @@ class Outcome:
 
 class Exchanger:
     def __init__(self, ctx: ReplicaContext, settings: DilocoSettings, store: Any, total: int, lanes: Lanes, *,
-                 log: Callable[[str], None], theta_out: torch.Tensor | None = None):
+                 log: Callable[[str], None], theta_out: torch.Tensor | None = None,
+                 device: torch.device | None = None):
+        """`device`: the model's, where the round runs in its training process (None in a sync
+        process): the quantised transports' arithmetic runs there (`codecdevice`)."""
         s = settings
         self.ctx, self.settings, self.lanes, self.log = ctx, s, lanes, log
         self.H, self.fragments = int(s.sync_every), int(s.fragments)
         self.stride = self.H // self.fragments
         verify_store(store, ctx.run_id, f"rank-{ctx.rank}-{ctx.lane}-attempt-{ctx.attempt}")
         first, cap = poll_defaults(store.uri)
+        self.codec_device = CodecDevice.choose(s.codec_device, device, s.transport)
         self.allreduce = StoreAllReduce(
             store, ctx.run_id, ctx.rank, ctx.world_size, codec=s.transport,
             round_timeout=float(s.round_timeout), min_members=int(s.min_members),
             poll_interval=float(s.poll_interval or first), poll_max=float(s.poll_max or cap), log=log,
             lanes=lanes, topk_density=float(s.topk_density),
             step_cap=self.H if s.round_seconds is not None else None, part_mb=float(s.part_mb),
-            round_grace=s.round_grace, incarnation=ctx.incarnation)
+            round_grace=s.round_grace, incarnation=ctx.incarnation, codec_device=self.codec_device)
         self.state = GlobalState(self.allreduce, total, lr=float(s.outer_lr), momentum=float(s.outer_momentum),
                                  nesterov=bool(s.nesterov), checkpoint_every=int(s.checkpoint_every), log=log,
                                  fragments=self.fragments, theta_out=theta_out)
@@ -100,7 +105,8 @@ class Exchanger:
         # normalised by the wrong τ, as `settings.check_time_based` says of topk)
         self.feedback = s.transport in LOSSY and bool(s.error_feedback) and s.round_seconds is None
         numel = self.state.numel  # this lane's slice of the model (`layout.lane_range`)
-        self.residual = torch.zeros(numel) if s.transport == "topk" or self.feedback else None
+        # (on the model's GPU where the codec's arithmetic runs there: `codecdevice`)
+        self.residual = self.codec_device.zeros(numel) if s.transport == "topk" or self.feedback else None
         self.recorder = Recorder(self.allreduce, log)
         self.numel = numel
         self.total_steps: int | None = s.total_steps
@@ -230,10 +236,11 @@ class Exchanger:
         encoded = {}
         if self.feedback:  # quantised here, piece by piece as the all-reduce cuts the round
             pieces, uploaded = self.allreduce.upload_layout(r, cut)
-            if isinstance(delta, LiveDelta):
-                encoded = quantise_pieces_with_feedback(delta, residual, self.settings.transport, pieces)
-            else:
-                encoded = quantise_with_feedback(delta, residual, self.settings.transport, pieces, keep=uploaded)
+            with self.codec_device.running():
+                if isinstance(delta, LiveDelta):
+                    encoded = quantise_pieces_with_feedback(delta, residual, self.settings.transport, pieces)
+                else:
+                    encoded = quantise_with_feedback(delta, residual, self.settings.transport, pieces, keep=uploaded)
             residual = None
         self.state.begin(r)
         try:
@@ -300,7 +307,8 @@ class Exchanger:
         """Round r left this replica's update out for NaN/Inf values: its residual restarts at zero
         (the training process restarts the model and the inner optimizer). Returns the incident."""
         if self.residual is not None:
-            self.residual.zero_()
+            with self.codec_device.running():
+                self.residual.zero_()
         rank = self.ctx.rank
         action = f"rank {rank} reset its model and inner optimizer state to θ_global of round {r} and carries on"
         self.log(f"round {r}: this replica's update was non-finite and left out; {action}")

@@ -30,18 +30,21 @@ KEPT = ("int8", "int4")  # their encodings are kept for the upload (a quarter of
 
 def quantise_with_feedback(delta: torch.Tensor, residual: torch.Tensor, codec: str,
                            pieces: dict[int, tuple[int, int]], keep: set[int] = frozenset()) -> dict[int, list[memoryview]]:
-    """In place: Δ += residual; Δ ← what `codec` carries of it, piece by piece as the all-reduce
-    sends Δ (`pieces`: shard -> [a, b) of Δ); residual ← what it dropped.
+    """In place, piece by piece as the all-reduce sends Δ (`pieces`: shard -> [a, b) of Δ, which
+    they cover): Δ += residual; Δ ← what `codec` carries of it; residual ← what it dropped. The
+    arithmetic runs where the residual lives (the host, or the model's GPU: `codecdevice`); Δ
+    stays on the host.
 
     Returns the encodings of the pieces in `keep` (shards) if `codec` is one whose encodings are
     worth keeping (`KEPT`), else nothing.
     """
-    delta += residual
     kept = {}
     for j, (a, b) in pieces.items():
-        encoded = encode(delta[a:b], codec)
-        carried = decode(b"".join(encoded), codec, b - a)
-        torch.sub(delta[a:b], carried, out=residual[a:b])
+        part = delta[a:b].to(residual.device)  # a view on the host
+        part += residual[a:b]
+        encoded = encode(part, codec)
+        carried = decode(b"".join(encoded), codec, b - a, residual.device)
+        torch.sub(part, carried, out=residual[a:b])
         delta[a:b] = carried
         if j in keep and codec in KEPT:
             kept[j] = encoded
@@ -59,9 +62,9 @@ def quantise_pieces_with_feedback(source: DeltaSource, residual: torch.Tensor, c
     fp16) are held instead of Δ."""
     kept = {}
     for j, (a, b) in pieces.items():
-        part = source.shard(a, b)
+        part = source.shard(a, b, residual.device).to(residual.device)
         part += residual[a:b]
         encoded = encode(part, codec)
-        torch.sub(part, decode(b"".join(encoded), codec, b - a), out=residual[a:b])
+        torch.sub(part, decode(b"".join(encoded), codec, b - a, residual.device), out=residual[a:b])
         kept[j] = encoded
     return kept

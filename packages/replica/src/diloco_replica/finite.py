@@ -63,14 +63,15 @@ class Sum:
     finite: bool = True                                         # whether the total is finite
 
 
-def accumulate(parts: list[Contribution], numel: int) -> Sum:
-    """Σ of the readable, finite contributions, in the order given; who is in it and who is not.
+def accumulate(parts: list[Contribution], numel: int, device: torch.device | None = None) -> Sum:
+    """Σ of the readable, finite contributions, in the order given, on `device` (default: the
+    host); who is in it and who is not.
 
     The fast path reads each contribution once and checks the total once. If the total is not
     finite, each contribution is checked on its own and the total is summed again without the
     non-finite ones (the same order, so the same rounding as if they had never been there).
     """
-    out = Sum(torch.empty(numel, dtype=torch.float32))
+    out = Sum(torch.empty(numel, dtype=torch.float32, device=device))
     readable = []
     for part in parts:
         try:
@@ -101,9 +102,12 @@ def accumulate(parts: list[Contribution], numel: int) -> Sum:
 
 
 def _add(total: torch.Tensor, values: torch.Tensor, scale: float, *, first: bool) -> None:
-    """total ← values·scale (the first term) or total + values·scale. The first term is copied,
-    not added to zeros: the same sum (0 + x = x; only a zero's sign may differ) with one pass
-    over fresh memory fewer — zeroing a shard-sized buffer costs as much as the fold itself."""
+    """total ← values·scale (the first term) or total + values·scale, on the total's device. The
+    first term is copied, not added to zeros: the same sum (0 + x = x; only a zero's sign may
+    differ) with one pass over fresh memory fewer — zeroing a shard-sized buffer costs as much as
+    the fold itself. A scaled term is a multiply, then an add, each rounded on its own (`add(...,
+    alpha=)` may fuse them, differently on a CPU and a GPU)."""
+    values = values.to(total.device)
     if first:
         if scale == 1.0:
             total.copy_(values)
@@ -112,4 +116,4 @@ def _add(total: torch.Tensor, values: torch.Tensor, scale: float, *, first: bool
     elif scale == 1.0:
         total += values
     else:
-        total.add_(values, alpha=scale)
+        total += values * scale

@@ -4,8 +4,10 @@ The store cannot add, so shard j's reducer downloads the members' parts of it (e
 the pieces its lanes sent, assembled), folds them into
 one shard-sized total in rank order in fp32 as they arrive (at most `window` downloads held at
 once, `streaming.Prefetch`), encodes the mean with the transport codec and create-only puts
-``r/reduced/j``. It returns the mean as every reader decodes it, so the reducer holds the same
-bytes as everyone else.
+``r/reduced/j``. It returns the mean as every reader decodes it (on the host, where the outer
+step reads it), so the reducer holds the same bytes as everyone else. The decoding, the fold, the
+mean and its encoding run where the round's codec arithmetic does (`codecdevice`: the model's GPU
+for a quantised transport, else the host), with the same bits on either.
 
 A contribution that is missing, fails its checksum twice, does not fit the round's layout
 (`wire.check_layout`), holds NaN/Inf (`finite`) or, in time-based rounds, states an impossible
@@ -23,6 +25,8 @@ from collections.abc import Callable
 
 import torch
 
+from .codecdevice import CodecDevice
+from .codecs import exact_divisor
 from .finite import NONFINITE, Contribution, NonFinite, accumulate, all_finite
 from .membership import Membership
 from .repairs import RepairDesk
@@ -37,9 +41,10 @@ class ShardReducer:
     """Reduces the shards this replica is the reducer of, or takes over (one per replica and lane)."""
 
     def __init__(self, io: RoundIO, membership: Membership, repairs: RepairDesk, *, window: int,
-                 step_cap: int | None):
+                 step_cap: int | None, codec_device: CodecDevice | None = None):
         self.io, self.membership, self.repairs = io, membership, repairs
         self.window, self.step_cap = window, step_cap
+        self.codec_device = codec_device or CodecDevice()
 
     def reduce(self, rnd: Round, j: int, *, takeover: bool) -> torch.Tensor:
         """Average shard j of `rnd` over its members, publish it (create-only), return the decoded mean.
@@ -49,7 +54,12 @@ class ShardReducer:
         `takeover`: shard j's reducer died, so its owner's kept piece (never uploaded) is gone too.
         If another replica publishes shard j meanwhile, its mean is returned instead.
         """
+        with self.codec_device.running():
+            return self._reduce(rnd, j, takeover=takeover)
+
+    def _reduce(self, rnd: Round, j: int, *, takeover: bool) -> torch.Tensor:
         io, r, numel = self.io, rnd.r, rnd.size(j)
+        device = self.codec_device.device
         a = rnd.bounds[j][0]
         owner = rnd.owner(j)
         local = io.rank if rnd.member else None  # whose contribution includes this lane's own piece
@@ -89,7 +99,7 @@ class ShardReducer:
                 return readers[0][2]
 
             def read() -> torch.Tensor:
-                out = torch.empty(numel, dtype=torch.float32)
+                out = torch.empty(numel, dtype=torch.float32, device=device)
                 for p, q, piece in readers:
                     out[p - a:q - a] = piece()
                 return out
@@ -105,7 +115,7 @@ class ShardReducer:
                         steps_of[m] = rnd.steps
                     p, q = rnd.piece(j)
                     if p < q:
-                        readers.append((p, q, lambda: rnd.own(j)))
+                        readers.append((p, q, lambda: rnd.own(j, device)))
                 if m in sources:
                     got, problem, where = prefetch.next(m)
                     if got is None:
@@ -127,14 +137,15 @@ class ShardReducer:
                             continue
                         steps_of[m] = steps
                     for k, p, q, obj in got:
-                        reader = ReadOnceThenRefetch(obj, lambda m=m, k=k, p=p, q=q: io.get_scatter(r, j, m, k, q - p))
+                        reader = ReadOnceThenRefetch(obj, lambda m=m, k=k, p=p, q=q: io.get_scatter(r, j, m, k, q - p),
+                                                     device)
                         readers.append((p, q, reader.read))
                     obj = got = None  # this frame must not keep the downloads alive while the next ones come
                 readers.sort(key=lambda x: x[0])
                 yield Contribution(m, key, assemble(readers), 1.0 / steps_of.get(m, 1))
 
         try:
-            summed = accumulate(contributions(), numel)
+            summed = accumulate(contributions(), numel, device)
         except Published as done:
             return done.values
         finally:
@@ -149,7 +160,8 @@ class ShardReducer:
                                 f"{summed.nonfinite}: training diverged on every member, so no finite global state "
                                 f"can follow; lower the learning rate (or check the data) and start a new run")
             raise RoundFailed(f"round {r}: no usable contribution to shard {j}")
-        mean = summed.total.div_(len(summed.used))  # in place: one shard-sized buffer (same rounding as total / n)
+        # in place: one shard-sized buffer (the rounding of total / n, on either device)
+        mean = summed.total.div_(exact_divisor(len(summed.used), summed.total))
         meta = {"members": summed.used, "left_out": left_out, "nonfinite": summed.nonfinite, "reducer": io.rank,
                 "takeover": takeover}
         if self.step_cap is not None:  # FedNova: the mean of Δ_i/τ_i, scaled back by the mean τ

@@ -138,14 +138,15 @@ class Round:
         """The shards this lane holds a piece of."""
         return self.cut.overlapping(*self.held)
 
-    def own(self, j: int) -> torch.Tensor:
-        """This lane's piece of shard j, as the others decode it."""
+    def own(self, j: int, device: torch.device | None = None) -> torch.Tensor:
+        """This lane's piece of shard j, as the others decode it (an encoded piece decoded on
+        `device`; Δ's piece where it is)."""
         p, q = self.piece(j)
         if j in self.sent:
-            return decode_tensor(b"".join(self.sent[j]), self.codec, q - p)
+            return decode_tensor(b"".join(self.sent[j]), self.codec, q - p, device)
         assert self.source is not None, "a replica that contributes nothing has no part of a shard"
         h = self.held[0]
-        return self.source.shard(p - h, q - h)
+        return self.source.shard(p - h, q - h, device)
 
     def deliver(self, sink: RoundSink, j: int, mean: torch.Tensor) -> None:
         """Hand `sink` what this lane holds of shard j's mean, in the lane's own coordinates."""

@@ -29,7 +29,7 @@ from .wire import CorruptObject
 # A sink receives shard j's mean: (shard index, start, stop within the round's vector, values).
 RoundSink = Callable[[int, int, int, torch.Tensor], None]
 # Where a round reads θ_local from when no snapshot is taken: (start, stop within the round's
-# fragment of the lane, an fp32 host vector of that length to fill).
+# fragment of the lane, an fp32 vector of that length to fill, on the host or the model's device).
 LocalReader = Callable[[int, int, torch.Tensor], None]
 
 
@@ -38,8 +38,9 @@ class DeltaSource(Protocol):
 
     numel: int
 
-    def shard(self, a: int, b: int) -> torch.Tensor:
-        """Δ[a:b] as fp32 on the host. May be a view (`WholeDelta`) the caller may modify."""
+    def shard(self, a: int, b: int, device: torch.device | None = None) -> torch.Tensor:
+        """Δ[a:b] as fp32, computed on `device` where the source can (default: the host). May be
+        a view (`WholeDelta`, on the host) the caller may modify."""
 
 
 class LiveDelta:
@@ -55,10 +56,12 @@ class LiveDelta:
         self.theta, self.read_local = theta, read_local
         self.numel = theta.numel()
 
-    def shard(self, a: int, b: int) -> torch.Tensor:
-        out = torch.empty(b - a)
+    def shard(self, a: int, b: int, device: torch.device | None = None) -> torch.Tensor:
+        """On `device` (the round's `codecdevice`, where θ_local is), θ_global's slice goes there and
+        θ_local's never leaves: the same one subtraction, without θ_local's trip to the host."""
+        out = torch.empty(b - a, device=device)
         self.read_local(a, b, out)
-        return torch.sub(self.theta[a:b], out, out=out)
+        return torch.sub(self.theta[a:b].to(out.device), out, out=out)
 
 
 class WholeDelta:
@@ -68,8 +71,8 @@ class WholeDelta:
         self.delta = delta
         self.numel = delta.numel()
 
-    def shard(self, a: int, b: int) -> torch.Tensor:
-        return self.delta[a:b]
+    def shard(self, a: int, b: int, device: torch.device | None = None) -> torch.Tensor:
+        return self.delta[a:b]  # on the host, whatever `device`: the caller moves it
 
 
 def buffer_sink(out: torch.Tensor) -> RoundSink:
@@ -158,10 +161,10 @@ class Published(Exception):
 class ReadOnceThenRefetch:
     """A verified contribution: the first read decodes the downloaded object and lets it go (the
     fold holds one at a time); a second read — only on the slow path, to find which member's
-    values are non-finite — downloads it again."""
+    values are non-finite — downloads it again. Decoded on `device` (the round's `codecdevice`)."""
 
-    def __init__(self, obj, refetch: Callable[[], tuple]):
-        self.obj, self.refetch = obj, refetch
+    def __init__(self, obj, refetch: Callable[[], tuple], device: torch.device | None = None):
+        self.obj, self.refetch, self.device = obj, refetch, device
 
     def read(self) -> torch.Tensor:
         obj, self.obj = self.obj, None
@@ -169,4 +172,4 @@ class ReadOnceThenRefetch:
             obj, problem = self.refetch()
             if obj is None:
                 raise CorruptObject(f"re-read for the non-finite check: {problem}")
-        return obj.tensor()
+        return obj.tensor(self.device)

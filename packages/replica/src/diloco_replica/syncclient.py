@@ -68,14 +68,15 @@ class InThread:
 
     `snapshot`: whether a round needs a host copy of the lane (an FSDP2 lane, whose values other
     processes hold); without one a round reads θ_local a slice at a time where it is
-    (`streaming.LiveDelta`), and θ_0 is read into θ_global's buffer, which the join fills anyway."""
+    (`streaming.LiveDelta`), and θ_0 is read into θ_global's buffer, which the join fills anyway.
+    `device`: the model's, where a quantised transport's codec arithmetic runs (`codecdevice`)."""
 
     def __init__(self, ctx: ReplicaContext, settings: DilocoSettings, store: Any, total: int, lanes: Lanes,
-                 log: Callable[[str], None], *, snapshot: bool):
+                 log: Callable[[str], None], *, snapshot: bool, device: torch.device | None = None):
         numel = lane_numel(total, lanes)
         self.theta = torch.zeros(numel)
         self.snapshot = torch.zeros(numel) if snapshot else None
-        self.exchanger = Exchanger(ctx, settings, store, total, lanes, log=log, theta_out=self.theta)
+        self.exchanger = Exchanger(ctx, settings, store, total, lanes, log=log, theta_out=self.theta, device=device)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="diloco-round")
         self._future: Future | None = None
 

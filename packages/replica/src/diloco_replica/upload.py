@@ -10,6 +10,9 @@ whole replica's contribution is in the store.
 With the `topk` transport a replica sparsifies each piece of Δ + its error-feedback residual
 (`codecs.sparsify`), keeps what it does not send in the residual, and contributes exactly what the
 others decode: the sparse encodings are what it sends and what its own shard's mean folds in.
+
+A piece encoded here (a quantised transport without error feedback) is encoded where the round's
+codec arithmetic runs (`codecdevice`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .codecdevice import CodecDevice
 from .codecs import sparsify
 from .roundio import RoundIO
 from .roundstate import Round
@@ -28,8 +32,10 @@ from .wire import decode_tensor, encode_tensor, pack
 class Uploader:
     """One lane's uploads of its pieces of Δ, round after round."""
 
-    def __init__(self, io: RoundIO, *, codec: str, topk_density: float, window: int):
+    def __init__(self, io: RoundIO, *, codec: str, topk_density: float, window: int,
+                 codec_device: CodecDevice | None = None):
         self.io, self.codec, self.topk_density, self.window = io, codec, topk_density, window
+        self.codec_device = codec_device or CodecDevice()
 
     def upload(self, rnd: Round, residual: torch.Tensor | None) -> None:
         """Every piece this lane sends in round `rnd`, in the store once every lane's are;
@@ -73,7 +79,11 @@ class Uploader:
         """Upload this lane's piece of shard j: as encoded already, else encoded now."""
         io, lane, (a, b) = self.io, rnd.lane, rnd.piece(j)
         ident = io.scatter_identity(rnd.r, j, rnd.rank, lane)
-        encoded = rnd.sent[j] if j in rnd.sent else encode_tensor(rnd.own(j), self.codec)
+        if j in rnd.sent:
+            encoded = rnd.sent[j]
+        else:
+            with self.codec_device.running():
+                encoded = encode_tensor(self.codec_device.to(rnd.own(j, self.codec_device.device)), self.codec)
         blob = pack(ident, encoded, codec=self.codec, numel=b - a, meta=self.meta(rnd))
         io.put(io.keys.scatter(rnd.r, j, rnd.rank, lane), blob, written=("scatter", rnd.r, j, rnd.rank))
 

@@ -102,9 +102,10 @@ class Unpacked:
     def meta(self) -> dict[str, Any]:
         return self.header.get("meta", {})
 
-    def tensor(self) -> torch.Tensor:
+    def tensor(self, device: torch.device | None = None) -> torch.Tensor:
+        """The values, decoded on `device` (default: the host; `codecdevice`)."""
         try:
-            return decode(self.payload, self.header["codec"], self.header["numel"])
+            return decode(self.payload, self.header["codec"], self.header["numel"], device)
         except BadPayload as exc:  # checksummed by its writer, so the writer encoded it wrong: still foreign
             raise CorruptObject(f"{self.key}: {exc}") from None
 
