@@ -1,13 +1,16 @@
-"""What DiLoCo inside `transformers.Trainer` costs per round, against the hand-written loop.
+"""What DiLoCo inside `transformers.Trainer` and `lightning.Trainer` costs per round, against the
+hand-written loop.
 
 One replica (a file:// store, so a round is the whole protocol with no one to wait for) trains
-the same Llama (built from a config) on the same token windows, four ways, each in a process of
+the same Llama (built from a config) on the same token windows, six ways, each in a process of
 its own, alternating `BENCH_REPEATS` times:
 
 - `loop`: the hand-written loop (AdamW, linear warmup schedule, clipping at 1.0) without DiLoCo;
 - `loop+diloco`: the same loop with `DiLoCo(model, opt, ctx)` and `diloco.step()` (the wrapper);
 - `trainer`: `transformers.Trainer` with the same optimizer, schedule and clipping, without DiLoCo;
-- `trainer+callback`: the same Trainer with `DiLoCoCallback` (the integration).
+- `trainer+callback`: the same Trainer with `DiLoCoCallback` (the integration);
+- `lightning`, `lightning+callback`: a LightningModule around the same model, the same optimizer,
+  schedule and clipping, in `lightning.Trainer`, without and with its `DiLoCoCallback`.
 
 A row's `s_per_round` is the wall time of H inner steps and their round (the first round, a
 warm-up, left out; the median of the repeats), and `diloco_s_per_round` what DiLoCo adds to its
@@ -15,7 +18,8 @@ own baseline (`loop+diloco` − `loop`, `trainer+callback` − `trainer`): on a 
 wall times move by more than a round costs, so the integration's overhead is measured where it
 is spent instead: `in_diloco_s_per_round`, the time inside `diloco.step()` (the wrapper) or
 inside the callback's per-step event (the integration: the same call, plus reading the step's
-loss and tokens), per round; `callback_vs_wrapper_s_per_round` is their difference. Every row
+loss and tokens), per round; `callback_vs_wrapper_s_per_round` (transformers) and
+`lightning_callback_vs_wrapper_s_per_round` are the differences. Every row
 reports its process's peak host RSS (`host_peak_gb`) and, for the DiLoCo rows, the peak added
 over its baseline in multiples of the fp32 model.
 
@@ -46,7 +50,7 @@ BATCH = int(knob("BENCH_BATCH", "8", "4"))
 H = int(knob("BENCH_H", "50", "5"))
 ROUNDS = int(knob("BENCH_ROUNDS", "4", "3"))
 REPEATS = int(knob("BENCH_REPEATS", "2", "1"))
-KINDS = ["loop", "loop+diloco", "trainer", "trainer+callback"]
+KINDS = ["loop", "loop+diloco", "trainer", "trainer+callback", "lightning", "lightning+callback"]
 LR, WARMUP = 1e-3, 10
 
 
@@ -68,6 +72,51 @@ def windows(n: int):
     return [{"input_ids": (x := torch.randint(0, 256, (SEQ,), generator=gen)), "labels": x} for _ in range(n)]
 
 
+def linear_warmup(step: int, steps: int) -> float:
+    """transformers' "linear" schedule's factor after `step` steps (what the Trainer rows use)."""
+    return step / WARMUP if step < WARMUP else max(0.0, (steps - step) / max(1, steps - WARMUP))
+
+
+def train_lightning(model, data, steps: int, ends: list[float], inside: list[float], callback) -> None:
+    """`lightning.Trainer` over a LightningModule holding `model`: the loop rows' optimizer,
+    schedule and clipping; `callback` (DiLoCo's, or None) timed in its per-batch event."""
+    import lightning as L
+    import torch
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.0)
+            schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: linear_warmup(s, steps))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    class Clock(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            ends.append(time.perf_counter())
+
+    callbacks = [Clock()]
+    if callback is not None:
+        event = callback.on_train_batch_end
+
+        def timed(*args, **kwargs):  # Lightning calls the instance's attribute
+            t0 = time.perf_counter()
+            event(*args, **kwargs)
+            inside.append(time.perf_counter() - t0)
+
+        callback.on_train_batch_end = timed
+        callbacks.insert(0, callback)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
+                        callbacks=callbacks)
+    trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=BATCH))
+
+
 def one_row(kind: str) -> dict:
     """Train `kind` for ROUNDS × H steps in this process; the wall time of each round's steps."""
     import torch
@@ -87,7 +136,14 @@ def one_row(kind: str) -> dict:
                              learning_rate=LR, lr_scheduler_type="linear", warmup_steps=WARMUP, max_grad_norm=1.0,
                              report_to=[], save_strategy="no", logging_steps=10_000, disable_tqdm=True, use_cpu=True,
                              optim="adamw_torch")
-    if kind.startswith("trainer"):
+    if kind.startswith("lightning"):
+        callback = None
+        if kind == "lightning+callback":
+            from diloco_replica.integrations.lightning import DiLoCoCallback
+
+            callback = DiLoCoCallback(ctx, store=store, sync_every=H, save_final=False, per_replica_data=False)
+        train_lightning(model, data, steps, ends, inside, callback)
+    elif kind.startswith("trainer"):
         class Clock(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
                 ends.append(time.perf_counter())
@@ -158,7 +214,7 @@ def main() -> None:
                      "in_diloco_s_per_round": round(statistics.median(r["in_diloco_s_per_round"] for r in got[kind]), 4),
                      "host_peak_gb": round(max(r["host_peak_gb"] for r in got[kind]), 3)})
     by = {r["kind"]: r for r in rows}
-    for kind, base in (("loop+diloco", "loop"), ("trainer+callback", "trainer")):
+    for kind, base in (("loop+diloco", "loop"), ("trainer+callback", "trainer"), ("lightning+callback", "lightning")):
         by[kind]["diloco_s_per_round"] = round(by[kind]["s_per_round"] - by[base]["s_per_round"], 4)
         by[kind]["host_added_x_model"] = round((by[kind]["host_peak_gb"] - by[base]["host_peak_gb"]) / model_gb, 2)
     print(json.dumps({
@@ -166,7 +222,10 @@ def main() -> None:
                   "batch": BATCH}, "H": H, "rounds_timed": ROUNDS - 1, "repeats": REPEATS, "rows": rows,
         "callback_vs_wrapper_s_per_round": round(by["trainer+callback"]["in_diloco_s_per_round"]
                                                  - by["loop+diloco"]["in_diloco_s_per_round"], 4),
+        "lightning_callback_vs_wrapper_s_per_round": round(by["lightning+callback"]["in_diloco_s_per_round"]
+                                                           - by["loop+diloco"]["in_diloco_s_per_round"], 4),
         "trainer_vs_loop": round(by["trainer"]["s_per_round"] / by["loop"]["s_per_round"], 3),
+        "lightning_vs_loop": round(by["lightning"]["s_per_round"] / by["loop"]["s_per_round"], 3),
     }, indent=1))
 
 
