@@ -77,13 +77,18 @@ def test_a_killed_lightning_replica_resumes_at_the_runs_step_and_lr_and_the_mode
     assert "embed.weight" in weights and sum(w.numel() for w in weights.values()) == results[0]["parameters"]
 
 
-def test_lightning_replicas_of_two_processes_under_torchrun(cli, tmp_path, state_dir):
-    """Lightning's DDP over torchrun's two processes in each replica; DiLoCo syncs a lane per process."""
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_lightning_replicas_of_two_processes_under_torchrun(cli, tmp_path, state_dir, parallel):
+    """Two processes in each replica under torchrun, with Lightning's DDPStrategy or its
+    ModelParallelStrategy sharding the module with FSDP2; DiLoCo syncs a lane per process. The
+    final validation runs through the Trainer's strategy on every replica: the same loss."""
     path = tmp_path / "diloco.toml"
-    path.write_text(open(spec(tmp_path, steps=40)).read().replace("replicas = 2\n", "replicas = 2\nprocesses_per_replica = 2\n"))
+    text = open(spec(tmp_path, steps=40)).read().replace("replicas = 2\n", "replicas = 2\nprocesses_per_replica = 2\n")
+    path.write_text(text.replace("val_every = 0\n", f'val_every = 0\nparallel = "{parallel}"\n'))
     proc = cli("run", str(path), timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "round 4  members [0, 1]" in proc.stdout
     record = record_of(state_dir, proc.stdout.split()[1].rstrip(":"))
     one_global_model(record)
-    assert [r["result"]["started_at"] for r in record["ranks"]] == [0, 0]
+    results = [r["result"] for r in record["ranks"]]
+    assert [r["started_at"] for r in results] == [0, 0] and len({r["eval_loss"] for r in results}) == 1

@@ -55,9 +55,10 @@ def stdlib_text(max_bytes: int, eval_fraction: float = 0.05) -> tuple[bytes, byt
 class ByteLM(L.LightningModule):
     """A causal transformer over bytes: AdamW, linear warmup then cosine decay, stepped per optimizer step."""
 
-    def __init__(self, dim: int, layers: int, heads: int, seq_len: int, lr: float, warmup: int, total: int):
+    def __init__(self, dim: int, layers: int, heads: int, seq_len: int, lr: float, warmup: int, total: int,
+                 sharded: bool = False):
         super().__init__()
-        self.lr, self.warmup, self.total = lr, warmup, total
+        self.lr, self.warmup, self.total, self.sharded = lr, warmup, total, sharded
         self.embed = nn.Embedding(256, dim)
         self.position = nn.Parameter(torch.zeros(seq_len, dim))
         layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
@@ -65,16 +66,29 @@ class ByteLM(L.LightningModule):
         self.head = nn.Linear(dim, 256)
         self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
 
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss (a forward, so FSDP2's hooks gather a sharded module's parameters around it)."""
         n = x.shape[1]
         h = self.blocks(self.embed(x) + self.position[:n], mask=self.mask[:n, :n], is_causal=True)
         return nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
 
+    def configure_model(self):
+        """With Lightning's ModelParallelStrategy: FSDP2, each block and then the whole model sharded
+        over the replica's processes (`fully_shard` on the strategy's data-parallel mesh)."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if not self.sharded or isinstance(self, FSDPModule):  # validate() after fit() asks again
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.blocks.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
     def training_step(self, batch, batch_idx):
-        return self.loss(*batch)
+        return self(*batch)
 
     def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self.loss(*batch))
+        self.log("val_loss", self(*batch))
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -101,32 +115,40 @@ def warmup_cosine(step: int, warmup: int, total: int) -> float:
 
 def train(ctx: ReplicaContext, batch_size: int = 16, seq_len: int = 64, dim: int = 128, layers: int = 2,
           heads: int = 4, lr: float = 2e-3, warmup: int = 30, seed: int = 0, threads: int = 1,
-          max_bytes: int = 2_000_000, val_every: int = 0, default_root_dir: str = "") -> dict:
+          max_bytes: int = 2_000_000, val_every: int = 0, default_root_dir: str = "", parallel: str = "ddp") -> dict:
     """Train for the spec's [diloco] total_steps (the Trainer's max_steps). Returns the global
     model's digest and validation loss (the same on every replica), and where this replica's
     training began with its first learning rate: a relaunched replica's are the run's step and the
-    schedule's value there, not 0."""
+    schedule's value there, not 0. `parallel`: how a replica of several processes (torchrun) trains,
+    "ddp" (Lightning's DDPStrategy) or "fsdp2" (its ModelParallelStrategy, the module sharded by
+    `configure_model`)."""
     torch.set_num_threads(threads)
     L.seed_everything(seed, verbose=False)
     total = int(ctx.settings["total_steps"])
     train_text, val_text = stdlib_text(max_bytes)
-    module = ByteLM(dim, layers, heads, seq_len, lr, warmup, total)
+    sharded = ctx.lanes > 1 and parallel == "fsdp2"
+    module = ByteLM(dim, layers, heads, seq_len, lr, warmup, total, sharded=sharded)
     train_loader = torch.utils.data.DataLoader(ByteWindows(train_text, seq_len), batch_size=batch_size, shuffle=True)
     val_loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ByteWindows(val_text, seq_len), range(64)),
                                              batch_size=batch_size)
     first_lr = FirstLearningRate()
     callback = DiLoCoCallback(ctx)  # DiLoCo
-    # a replica of several processes (processes_per_replica, under torchrun): Lightning's DDP over them
-    ddp = {"devices": ctx.lanes, "strategy": "ddp"} if ctx.lanes > 1 else {"devices": "auto"}
-    trainer = L.Trainer(max_steps=total, accelerator="auto", **ddp, logger=False, enable_checkpointing=False,
+    # a replica of several processes (processes_per_replica, under torchrun): Lightning's DDP or FSDP2 over them
+    if ctx.lanes > 1:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=ctx.lanes, tensor_parallel_size=1) if sharded else "ddp"
+        placement = {"devices": ctx.lanes, "strategy": strategy}
+    else:
+        placement = {"devices": "auto"}
+    trainer = L.Trainer(max_steps=total, accelerator="auto", **placement, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        val_check_interval=val_every or None, limit_val_batches=1.0 if val_every else 0,
+                        val_check_interval=val_every or None,
                         default_root_dir=default_root_dir or tempfile.mkdtemp(prefix="lightning-"),
                         callbacks=[callback, first_lr])  # DiLoCo
     trainer.fit(module, train_loader, val_loader if val_every else None)
-    module.eval()
-    with torch.no_grad():  # the global model: the same on every replica
-        val_loss = sum(module.loss(x.to(module.device), y.to(module.device)).item() for x, y in val_loader) / len(val_loader)
+    # the global model (the same on every replica), through the Trainer's strategy (a sharded one too)
+    val_loss = trainer.validate(module, val_loader, verbose=False)[0]["val_loss"]
     return {"rank": ctx.rank, "lane": ctx.lane, "rounds": callback.diloco.round, "eval_loss": val_loss,
             "theta_digest": callback.theta_digest, "parameters": sum(p.numel() for p in module.parameters()),
             "started_at": callback.started_at, "first_lr": first_lr.value, "global_step": trainer.global_step}

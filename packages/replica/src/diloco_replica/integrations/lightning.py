@@ -3,8 +3,9 @@
     trainer = L.Trainer(max_steps=..., callbacks=[DiLoCoCallback(ctx)])
     trainer.fit(module, datamodule)
 
-A callback, not a Strategy: the Trainer keeps its own strategy (single device, or DDP under
-torchrun with `processes_per_replica > 1`), its optimizer and LR schedulers, gradient
+A callback, not a Strategy: the Trainer keeps its own strategy (single device; under torchrun
+with `processes_per_replica > 1`, DDP or ModelParallelStrategy with FSDP2's ``fully_shard`` in
+``configure_model``), its optimizer and LR schedulers, gradient
 accumulation, precision plugins, clipping, logging and validation, and DiLoCo's outer loop needs
 only to act *after* an optimizer step, which ``on_train_batch_end`` sees (the step counter moved).
 A Strategy would own the optimizer step and the process group too, and stand in the way of the
@@ -34,10 +35,11 @@ that call.
   rank, + 100,003 × G after a relaunch.
 - **At the end** the module holds θ_global (the round in flight merged), the run's last round is
   checkpointed in the store (``diloco export`` from any shell), `theta_digest` is set, and
-  replica 0 saves the module's weights to ``<default_root_dir>/diloco-final/model.safetensors``.
+  replica 0 saves the module's weights to ``<default_root_dir>/diloco-final/model.safetensors``
+  (an FSDP2-sharded module gathered by the replica's processes first).
 
-Not supported: FSDP, DeepSpeed and model-parallel strategies, which shard the module inside the
-strategy (training stops with one line; FSDP2 models train through the wrapper).
+Not supported: Lightning's FSDPStrategy (FSDP1's flat parameters) and DeepSpeedStrategy
+(training stops with one line naming ModelParallelStrategy + ``fully_shard`` instead).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import torch
 
 try:
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 except ImportError:  # one line, naming the fix
     raise ImportError('diloco_replica.integrations.lightning needs lightning: pip install "diloco-replica[lightning]"'
                       ) from None
@@ -63,7 +65,7 @@ from ..diloco import DiLoCo
 
 FINAL_DIR = "diloco-final"  # under the Trainer's default_root_dir: replica 0's final global model
 SEED_STRIDE = 100_003       # a relaunch at global step G draws from seed + SEED_STRIDE · G
-SHARDING = (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)
+UNSUPPORTED = (FSDPStrategy, DeepSpeedStrategy)  # FSDP1's flat parameters, DeepSpeed's engine
 
 
 class DiLoCoCallback(pl.Callback):
@@ -88,10 +90,10 @@ class DiLoCoCallback(pl.Callback):
     # -- the Trainer's events ----------------------------------------------------------------
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if isinstance(trainer.strategy, SHARDING):
-            raise UserError(f"DiLoCoCallback does not support Lightning's {type(trainer.strategy).__name__} (it shards "
-                            f"the model inside the strategy); use a single-device or DDP strategy, or train FSDP2 "
-                            f"models with the DiLoCo wrapper (docs/sync-modes.md)")
+        if isinstance(trainer.strategy, UNSUPPORTED):
+            raise UserError(f"DiLoCoCallback does not support Lightning's {type(trainer.strategy).__name__}; for a "
+                            f"sharded model use ModelParallelStrategy with fully_shard (FSDP2) in configure_model "
+                            f"(docs/trainers.md#lightning)")
         if not pl_module.automatic_optimization or len(trainer.optimizers) != 1:
             raise UserError("DiLoCoCallback needs automatic optimization with one optimizer (configure_optimizers "
                             f"returned {len(trainer.optimizers)}); it wraps the optimizer step Lightning makes")
@@ -140,7 +142,7 @@ class DiLoCoCallback(pl.Callback):
         try:
             self.diloco.end()
             self.theta_digest = self.diloco.theta_digest()
-            if self.save_final and self.ctx.rank == 0 and self.ctx.lane == 0:
+            if self.save_final and self.ctx.rank == 0:  # every process of replica 0: a sharded module's gather
                 self._save(Path(trainer.default_root_dir) / FINAL_DIR, pl_module)
         finally:
             self.close()
@@ -171,10 +173,23 @@ class DiLoCoCallback(pl.Callback):
                 _advance(config.scheduler, after - before)
 
     def _save(self, folder: Path, pl_module: pl.LightningModule) -> None:
-        from safetensors.torch import save_model
+        """The module's weights as safetensors (process 0 of the replica writes; a module sharded
+        with FSDP2 is gathered first, by every process of it)."""
+        from safetensors.torch import save_file, save_model
+        from torch.distributed.tensor import DTensor
 
+        state = pl_module.state_dict()
+        sharded = any(isinstance(v, DTensor) for v in state.values())
+        if sharded:
+            state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().contiguous()
+                     for k, v in state.items()}
+        if self.ctx.lane != 0:
+            return
         folder.mkdir(parents=True, exist_ok=True)
-        save_model(pl_module, str(folder / "model.safetensors"))
+        if sharded:
+            save_file(state, str(folder / "model.safetensors"))
+        else:  # save_model keeps one copy of tied weights
+            save_model(pl_module, str(folder / "model.safetensors"))
         self.ctx.log.info("the final global model (theta digest %s) is in %s", self.theta_digest, folder)
 
 
