@@ -32,7 +32,7 @@ BENCHES = {
     "recovery.py": ["rows"],
     "gpu_sync.py": ["rows", "targets"],
     "peers.py": ["rows", "diloco_vs_torchft", "targets"],
-    "trainers.py": ["rows", "callback_vs_wrapper_s_per_round", "trainer_vs_loop"],
+    "trainers.py": ["rows", "callback_vs_wrapper_s_per_round", "lightning_callback_vs_wrapper_s_per_round", "trainer_vs_loop"],
 }
 # Benches that install a peer project into a venv of their own (torchft, with its own torch: ~40 s
 # and a torch download in CI) run only when their variable is 1; CI's 30 minutes have no room:

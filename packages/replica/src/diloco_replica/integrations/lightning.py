@@ -95,8 +95,10 @@ class DiLoCoCallback(pl.Callback):
                             f"sharded model use ModelParallelStrategy with fully_shard (FSDP2) in configure_model "
                             f"(docs/trainers.md#lightning)")
         if not pl_module.automatic_optimization or len(trainer.optimizers) != 1:
-            raise UserError("DiLoCoCallback needs automatic optimization with one optimizer (configure_optimizers "
-                            f"returned {len(trainer.optimizers)}); it wraps the optimizer step Lightning makes")
+            raise UserError("DiLoCoCallback needs automatic optimization with one optimizer (Lightning's own "
+                            "optimizer step, which it follows); this module "
+                            + ("sets automatic_optimization = False" if not pl_module.automatic_optimization else
+                               f"has {len(trainer.optimizers)} optimizers"))
         self.diloco = DiLoCo(pl_module, trainer.optimizers[0], self.ctx, store=self._store, **self._settings)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
