@@ -127,15 +127,15 @@ def test_a_peers_parts_are_gathered_while_this_replica_still_reduces_its_own():
             return out
 
         ar.reducer.reduce = reduce.__get__(ar.reducer)
-        sink_of = ar._reduce_and_gather
+        gather = ar.gatherer.gather
 
-        def reduce_and_gather(rnd, mine, sink):
+        def recording_gather(rnd, sink, have):  # when each peer's part reaches the sink
             def recording(j, a, b, mean):
                 seen.append((j, time.monotonic()))
                 sink(j, a, b, mean)
-            return sink_of(rnd, mine, recording)
+            return gather(rnd, recording, have)
 
-        ar._reduce_and_gather = reduce_and_gather
+        ar.gatherer.gather = recording_gather
 
     means, _, errors = run(n, ds, part_mb=part_mb, hook=hook)
     assert not errors, errors

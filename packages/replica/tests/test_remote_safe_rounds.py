@@ -151,7 +151,7 @@ def test_a_takeover_after_the_reducer_published_and_cleaned_up_uses_the_publishe
         store.delete(f"{run}/r00000001/scatter/0/{m}.0")
     late = StoreAllReduce(store, run, 1, n, round_timeout=0.5, poll_interval=0.005)
     rnd = Round(1, Cut(10, 0, 10, n), 1, source=WholeDelta(deltas[1]), members=[0, 1])
-    got = late._reduce_shard(rnd, 0, takeover=True)
+    got = late.reducer.reduce(rnd, 0, takeover=True)
     late.close()
     assert torch.equal(got, results[0].mean[:5])
 
@@ -173,14 +173,17 @@ def test_only_one_replica_takes_over_a_slow_reducers_shard():
 
     store.get = counting_get
 
-    class Slow(StoreAllReduce):
-        def _reduce_shard(self, rnd, j, *, takeover):
-            if self.rank == 0 and not takeover:
-                time.sleep(2.5 * timeout)
-            return super()._reduce_shard(rnd, j, takeover=takeover)
-
     def go(i):
-        ar = Slow(store, run, i, n, round_timeout=timeout, poll_interval=0.005, poll_max=0.02)
+        ar = StoreAllReduce(store, run, i, n, round_timeout=timeout, poll_interval=0.005, poll_max=0.02)
+        if i == 0:  # the slow reducer: its own shards only (a takeover of its own would not be slow)
+            reduce = ar.reducer.reduce
+
+            def slow(rnd, j, *, takeover):
+                if not takeover:
+                    time.sleep(2.5 * timeout)
+                return reduce(rnd, j, takeover=takeover)
+
+            ar.reducer.reduce = slow
         ars[i] = ar
         results[i] = ar.run_round(1, deltas[i])
 
@@ -326,23 +329,28 @@ def test_a_reducer_that_moved_on_still_repairs_the_shard_a_slow_reader_found_cor
     results: dict[tuple[int, int], object] = {}
     errors: list[BaseException] = []
 
-    class Scenario(StoreAllReduce):
-        def _reduce_shard(self, rnd, j, *, takeover):
-            mean = super()._reduce_shard(rnd, j, takeover=takeover)
-            if rnd.r == 1 and self.rank == 1:  # damaged at rest after it was published
-                key = self.io.keys.reduced(rnd.r, j)
+    def scenario(ar: StoreAllReduce) -> StoreAllReduce:
+        reduce, gather = ar.reducer.reduce, ar.gatherer.gather
+
+        def damaging(rnd, j, *, takeover):
+            mean = reduce(rnd, j, takeover=takeover)
+            if rnd.r == 1 and ar.rank == 1:  # damaged at rest after it was published
+                key = ar.io.keys.reduced(rnd.r, j)
                 blob = bytearray(store.get(key))
                 blob[-1] ^= 0xFF
                 store.put(key, bytes(blob))
             return mean
 
-        def _gather(self, rnd, sink, have):
-            if rnd.r == 1 and self.rank == 0:
+        def slow(rnd, sink, have):
+            if rnd.r == 1 and ar.rank == 0:
                 time.sleep(1.0)  # the reader is slow: rank 1 is already in round 2 when it looks
-            return super()._gather(rnd, sink, have)
+            return gather(rnd, sink, have)
+
+        ar.reducer.reduce, ar.gatherer.gather = damaging, slow
+        return ar
 
     def go(i):
-        ar = Scenario(store, run, i, n, round_timeout=timeout, poll_interval=0.005, poll_max=0.05)
+        ar = scenario(StoreAllReduce(store, run, i, n, round_timeout=timeout, poll_interval=0.005, poll_max=0.05))
         try:
             for r in (1, 2):
                 results[(i, r)] = ar.run_round(r, deltas[r][i])

@@ -162,7 +162,7 @@ def test_a_takeover_meeting_a_wrong_length_contribution_leaves_it_out():
     plant(store, run, 1, 0, 2, good)
     ar = StoreAllReduce(store, run, 2, 3, round_timeout=0.5, poll_interval=0.005)
     rnd = Round(1, Cut(150, 0, 150, 3), 2, source=WholeDelta(torch.zeros(150)), members=[0, 1, 2])
-    got = ar._reduce_shard(rnd, 0, takeover=True)
+    got = ar.reducer.reduce(rnd, 0, takeover=True)
     ar.close()
     assert torch.equal(got, torch.zeros(50))  # rank 2's own zeros; rank 0 is gone, rank 1's object is out
     assert [i["writer"] for i in rnd.incidents] == [1] and "layout" in rnd.incidents[0]["problem"]

@@ -12,7 +12,9 @@ Round r, replica i with pseudo-gradient Δ_i split into N contiguous shards, sha
    fp32, encodes the mean with the transport codec and create-only puts ``r/reduced/j``; a
    contribution it cannot use is left out, and the reduced object says so;
 4. gather (`gather.Gatherer`): download the other N−1 reduced shards. One that does not appear
-   within the timeout (its reducer died) is taken over by exactly one waiting replica.
+   within the timeout (its reducer died) is taken over by exactly one waiting replica, whose
+   gatherer reduces it with the replica's own `ShardReducer`. The calls go one way: this module
+   calls the uploader, the reducer and the gatherer, and the gatherer the reducer; none calls back.
 
 A shard over `part_mb` MiB of fp32 is cut into P parts, each an object of its own and a shard
 of the round in every step above: N·P shards, replica i owning i·P … i·P + P − 1
@@ -106,7 +108,7 @@ class StoreAllReduce:
         self.repairs = RepairDesk(self.io, self.membership, incarnation=incarnation)
         self.reducer = ShardReducer(self.io, self.membership, self.repairs, window=self.window, step_cap=step_cap,
                                     codec_device=codec_device)
-        self.gatherer = Gatherer(self.io, self.membership, self.repairs, window=self.window)
+        self.gatherer = Gatherer(self.io, self.membership, self.repairs, self.reducer, window=self.window)
         self.uploader = Uploader(self.io, codec=codec, topk_density=topk_density, window=self.window,
                                  codec_device=codec_device)
         self._cleanup_due: list[str] | None = None  # the inputs of the last round this lane reduced
@@ -235,13 +237,13 @@ class StoreAllReduce:
         def reduce_own(j: int) -> None:
             if rnd.stop.is_set():  # an earlier part failed: the round fails, the rest is not worth reducing
                 return
-            mean = self._reduce_shard(rnd, j, takeover=False)
+            mean = self.reducer.reduce(rnd, j, takeover=False)
             self.repairs.watch()  # a reader may find a part published here corrupt while this replica gathers
             applying.append(io.pool.submit(rnd.deliver, sink, j, mean))
 
         def gather() -> None:
             with self.repairs.waiting():
-                self._gather(rnd, sink, set(mine))
+                self.gatherer.gather(rnd, sink, set(mine))
 
         reducing: list[Future] = []
         try:
@@ -291,7 +293,7 @@ class StoreAllReduce:
         if sink is None:
             mean = torch.empty(rnd.held[1] - rnd.held[0], dtype=torch.float32)
             sink = buffer_sink(mean)
-        self._gather(rnd, sink, set())
+        self.gatherer.gather(rnd, sink, set())
         return rnd.result(mean, self.io.store.traffic)
 
     def round_complete(self, r: int, cut: Cut) -> bool:
@@ -306,18 +308,6 @@ class StoreAllReduce:
         h = rnd.held[0]
         pieces = {j: (rnd.piece(j)[0] - h, rnd.piece(j)[1] - h) for j in rnd.mine()}
         return pieces, {j for j in pieces if not rnd.keeps(j)}
-
-    # -- steps -------------------------------------------------------------------------------
-
-    def _reduce_shard(self, rnd: Round, j: int, *, takeover: bool) -> torch.Tensor:
-        """Shard j's mean, reduced here (`reduce.ShardReducer`): the reducer's own shards, and
-        takeovers from `_gather`."""
-        return self.reducer.reduce(rnd, j, takeover=takeover)
-
-    def _gather(self, rnd: Round, sink: RoundSink, have: set[int]) -> None:
-        """Every reduced shard not in `have` to `sink` (`gather.Gatherer`); a shard taken over is
-        reduced by `_reduce_shard`."""
-        self.gatherer.gather(rnd, sink, have, lambda j: self._reduce_shard(rnd, j, takeover=True))
 
     # -- after the round ---------------------------------------------------------------------
 

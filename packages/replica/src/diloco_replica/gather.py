@@ -20,9 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import wait
 
-import torch
-
 from .membership import PRESENCE_EVERY, Membership
+from .reduce import ShardReducer
 from .repairs import RepairDesk
 from .rounderrors import RoundFailed
 from .roundio import RoundIO
@@ -31,10 +30,12 @@ from .streaming import RoundSink, Window
 
 
 class Gatherer:
-    """Brings every reduced shard of a round to its sink (one per replica and lane)."""
+    """Brings every reduced shard of a round to its sink (one per replica and lane), reducing the
+    shards it takes over with `reducer` (the replica's own `ShardReducer`)."""
 
-    def __init__(self, io: RoundIO, membership: Membership, repairs: RepairDesk, *, window: int):
-        self.io, self.membership, self.repairs, self.window = io, membership, repairs, window
+    def __init__(self, io: RoundIO, membership: Membership, repairs: RepairDesk, reducer: ShardReducer, *,
+                 window: int):
+        self.io, self.membership, self.repairs, self.reducer, self.window = io, membership, repairs, reducer, window
 
     def _gone(self, rnd: Round, wanted: list[int], generation: dict[int, int]) -> list[int]:
         """The shards of `wanted` still with their first reducer (generation 0) whose incarnation the
@@ -51,9 +52,10 @@ class Gatherer:
                 out.append(j)
         return out
 
-    def gather(self, rnd: Round, sink: RoundSink, have: set[int], take_over: Callable[[int], torch.Tensor]) -> None:
+    def gather(self, rnd: Round, sink: RoundSink, have: set[int]) -> None:
         """Hand `sink` every reduced shard of `rnd` not in `have`; a shard that never appears and
-        whose claim this replica wins is reduced here by `take_over(j)` (added to `rnd.takeovers`).
+        whose claim this replica wins is reduced here (`ShardReducer.reduce`, a takeover; added to
+        `rnd.takeovers`).
 
         A replay (`rnd.replay`) knows the round complete, so a shard missing now was
         garbage-collected under it: it rejoins at once (`FellBehind`) instead of waiting out the
@@ -76,14 +78,14 @@ class Gatherer:
 
         pending: list = []
         try:
-            self._gather(rnd, wanted, generation, submit, pending, take_over, sink)
+            self._gather(rnd, wanted, generation, submit, pending, sink)
         finally:  # no sink task outlives the round: a rejoin next loads θ and the momentum in place
             wait(pending)
         for f in pending:
             f.result()
 
     def _gather(self, rnd: Round, wanted: list[int], generation: dict[int, int], submit: Callable,
-                pending: list, take_over: Callable[[int], torch.Tensor], sink: RoundSink) -> None:
+                pending: list, sink: RoundSink) -> None:
         """`gather`'s loop: every shard of `wanted` submitted (into `pending`) or taken over."""
         io, r = self.io, rnd.r
         prefix = io.keys.reduced(r)
@@ -114,7 +116,7 @@ class Gatherer:
                     continue
                 io.log(f"round {r}: reduced shard {j} " + ("has no reducer left (its incarnation ended)" if gone else
                        f"did not appear in {io.round_timeout:g}s") + "; reducing it here")
-                rnd.deliver(sink, j, take_over(j))
+                rnd.deliver(sink, j, self.reducer.reduce(rnd, j, takeover=True))
                 rnd.takeovers.append(j)
                 wanted.remove(j)
             if wanted and all(generation[j] > len(rnd.members) for j in wanted):
