@@ -121,7 +121,7 @@ def test_a_peers_parts_are_gathered_while_this_replica_still_reduces_its_own():
 
         def reduce(self, rnd, j, *, takeover):
             out = original(self, rnd, j, takeover=takeover)
-            if j == rnd.parts - 1:  # its last own part: published, then the thread lingers
+            if j == rnd.cut.parts - 1:  # its last own part: published, then the thread lingers
                 time.sleep(1.0)
                 slow_done["at"] = time.monotonic()
             return out
@@ -180,7 +180,7 @@ def test_a_failed_own_reduction_fails_the_round_at_once_not_after_the_timeout():
 
     def hook(i, ar):
         def reduce(self, rnd, j, *, takeover):
-            if j == i * rnd.parts + 1:
+            if j == i * rnd.cut.parts + 1:
                 raise RoundFailed(f"replica {i} could not reduce part {j}")
             return original(self, rnd, j, takeover=takeover)
 

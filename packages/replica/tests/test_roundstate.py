@@ -28,7 +28,7 @@ def a_round(**fields) -> Round:
 ])
 def test_bounds_cut_the_vector_into_n_near_equal_shards(numel, n, bounds):
     rnd = Round(1, Cut(numel, 0, numel, n), 0)
-    assert rnd.bounds == bounds
+    assert rnd.cut.bounds == bounds
     assert [rnd.size(j) for j in range(n)] == [b - a for a, b in bounds]
 
 
@@ -87,7 +87,7 @@ def test_result_carries_the_rounds_record(replay, phases, nonfinite):
 
 def test_a_round_of_parts_has_n_times_p_shards_each_owned_by_the_replica_it_came_from():
     rnd = Round(1, Cut(14, 0, 14, 2, 3), 0, members=[0, 1])
-    assert rnd.count == 6 and rnd.bounds == [(0, 3), (3, 6), (6, 8), (8, 10), (10, 12), (12, 14)]
+    assert rnd.cut.count == 6 and rnd.cut.bounds == [(0, 3), (3, 6), (6, 8), (8, 10), (10, 12), (12, 14)]
     assert [rnd.owner(j) for j in range(6)] == [0, 0, 0, 1, 1, 1]
     assert [rnd.reducer(j) for j in range(6)] == [(0, 0)] * 3 + [(1, 0)] * 3
     rnd.members = [0]  # replica 1 is gone: its parts fall to the members left

@@ -247,7 +247,7 @@ class StoreAllReduce:
 
         reducing: list[Future] = []
         try:
-            if rnd.parts == 1:  # whole shards: nothing of the others' is published before this one's own
+            if rnd.cut.parts == 1:  # whole shards: nothing of the others' is published before this one's own
                 for j in mine:
                     reduce_own(j)
                 rnd.laps.lap("reduce")

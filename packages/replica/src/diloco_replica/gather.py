@@ -64,7 +64,7 @@ class Gatherer:
         io = self.io
         wanted = [j for j in rnd.mine() if j not in have]  # the shards this lane holds a piece of
         generation = {j: 0 for j in wanted}
-        gate = Window(self.window * rnd.parts)  # `window` shards' worth of parts
+        gate = Window(self.window * rnd.cut.parts)  # `window` shards' worth of parts
 
         def read_to_sink(j: int) -> None:
             try:
@@ -100,7 +100,7 @@ class Gatherer:
                 wanted = [j for j in wanted if j not in present]
                 if not wanted:
                     break
-                if found and rnd.parts > 1:  # parts arrive one after another, while the reducers work: look
+                if found and rnd.cut.parts > 1:  # parts arrive one after another, while the reducers work: look
                     poll.renew()  # again soon, not at poll_max, and time out only after a round_timeout without one
                 if rnd.replay:
                     self.membership.check_not_collected(r)

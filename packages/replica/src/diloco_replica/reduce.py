@@ -60,7 +60,7 @@ class ShardReducer:
     def _reduce(self, rnd: Round, j: int, *, takeover: bool) -> torch.Tensor:
         io, r, numel = self.io, rnd.r, rnd.size(j)
         device = self.codec_device.device
-        a = rnd.bounds[j][0]
+        a = rnd.cut.bounds[j][0]
         owner = rnd.owner(j)
         local = io.rank if rnd.member else None  # whose contribution includes this lane's own piece
 

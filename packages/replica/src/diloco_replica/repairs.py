@@ -96,13 +96,13 @@ class RepairDesk:
         here: someone else reduced the shard and its inputs were cleaned up), else None."""
         if not self.io.exists(self.io.keys.reduced(rnd.r, j)):
             return None
-        return self._read(rnd.r, j, rnd.size(j), (rnd.parts, rnd.roster), None, [], rnd.nonfinite)
+        return self._read(rnd.r, j, rnd.size(j), (rnd.cut.parts, rnd.roster), None, [], rnd.nonfinite)
 
     def read_reduced(self, rnd: Round, j: int) -> torch.Tensor:
         """Shard j's published mean, verified; a corrupt one is replaced by its reducer's
         re-publication (an incident of `rnd`). `rnd.nonfinite` gathers whom the reducer left out
         for NaN/Inf."""
-        return self._read(rnd.r, j, rnd.size(j), (rnd.parts, rnd.roster), rnd.members, rnd.incidents, rnd.nonfinite)
+        return self._read(rnd.r, j, rnd.size(j), (rnd.cut.parts, rnd.roster), rnd.members, rnd.incidents, rnd.nonfinite)
 
     def _read(self, r: int, j: int, numel: int, cut: tuple[int, list[int]], members: list[int] | None,
               incidents: list[dict[str, Any]], nonfinite: set[int]) -> torch.Tensor:

@@ -75,20 +75,6 @@ class Round:
     started: float = field(default_factory=lambda: time.monotonic())  # looked up per call: benches swap `time`
 
     @property
-    def bounds(self) -> list[tuple[int, int]]:
-        """Shard j is [a, b) of the round's vector (the fragment)."""
-        return self.cut.bounds
-
-    @property
-    def count(self) -> int:
-        """Shards in the round: N·P."""
-        return self.cut.count
-
-    @property
-    def parts(self) -> int:
-        return self.cut.parts
-
-    @property
     def held(self) -> tuple[int, int]:
         """What this lane holds of the round's vector."""
         return self.cut.held(self.lanes, self.lane)
@@ -126,12 +112,12 @@ class Round:
 
     def size(self, j: int) -> int:
         """Values in shard j."""
-        a, b = self.bounds[j]
+        a, b = self.cut.bounds[j]
         return b - a
 
     def piece(self, j: int) -> tuple[int, int]:
         """This lane's piece of shard j, in the round's coordinates (maybe empty)."""
-        a, b = self.bounds[j]
+        a, b = self.cut.bounds[j]
         return clip(a, b, *self.held)
 
     def mine(self) -> list[int]:
@@ -150,7 +136,7 @@ class Round:
 
     def deliver(self, sink: RoundSink, j: int, mean: torch.Tensor) -> None:
         """Hand `sink` what this lane holds of shard j's mean, in the lane's own coordinates."""
-        a, _ = self.bounds[j]
+        a, _ = self.cut.bounds[j]
         p, q = self.piece(j)
         if p < q:
             h = self.held[0]

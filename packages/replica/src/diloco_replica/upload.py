@@ -42,7 +42,7 @@ class Uploader:
         `residual`: topk's error feedback, as long as the lane's Δ."""
         if self.codec == "topk":
             rnd.sent = self.sparsify(rnd, residual)
-        gate = Window(self.window * rnd.parts)
+        gate = Window(self.window * rnd.cut.parts)
 
         def put(j: int) -> None:
             with gate:  # at most `window` shards' worth of Δ exist at once
