@@ -6,12 +6,11 @@ torchrun (the Trainer's own DDP)."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
 from conftest import ROOT, one_global_model, record_of
-from fault_harness import kill_in_phase, recovered, start, wait_for_phase_round
+from fault_harness import killed_and_relaunched
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -54,21 +53,8 @@ def lr_after(steps: int) -> float:
 
 
 def test_a_killed_trainer_replica_resumes_at_the_runs_step_and_lr_and_the_model_exports(cli, tmp_path, state_dir):
-    phase_dir = tmp_path / "phases"
-    phase_dir.mkdir()
-    # each phase of a round stretched, so the run outlasts a relaunch (a replica process starting,
-    # transformers imported) with rounds to spare, however loaded the machine
-    env = {"DILOCO_FAULT_PHASE_FILE": str(phase_dir / "phase-{rank}"), "DILOCO_FAULT_PHASE_DELAY": "0.45"}
-    proc, run_id = start(spec(tmp_path), state_dir, env)
-    try:
-        wait_for_phase_round(phase_dir, 2)
-        hit = kill_in_phase(state_dir, run_id, phase_dir, random.Random(3), "compute")
-        out, _ = proc.communicate(timeout=900)
-    finally:
-        proc.kill()
-    assert hit is not None
-    _, events, results = recovered(proc, out, state_dir, run_id, replicas=2)  # one model after every round
-    assert sum(e["event"] == "launch" for e in events) >= 2
+    hit, _, results = killed_and_relaunched(spec(tmp_path), state_dir, tmp_path, seed=3)
+    run_id = hit["run_id"]
     relaunched = next(r for r in results if r["rank"] == hit["rank"])
     start_step = relaunched["started_at"]
     assert 0 < start_step < STEPS and start_step % H == 0, relaunched  # at a round of the run, not at 0
