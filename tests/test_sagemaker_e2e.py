@@ -99,6 +99,7 @@ def test_tiny_lm_on_sagemaker_survives_a_failed_job_and_a_spot_interruption(tmp_
     events = events_of(state, run_id)
     kinds = [(e["event"], e.get("rank")) for e in events]
     assert ("failed", 2) in kinds and ("failed", 1) not in kinds
+    assert ("store_unreachable", None) not in kinds  # the launcher's policy covers its write proof
     pending = [e for e in events if e["event"] == "pending" and e["rank"] == 1]
     assert pending and "spot interruptions so far: 1" in pending[0]["reason"], pending
     for rank, attempt in ((1, 0), (2, 1)):  # both came back from the store, not from scratch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 from diloco.metrics import RoundMetrics, RoundReader, RoundSummary, divergence, read_rounds
@@ -133,3 +134,64 @@ def test_supervisor_turns_summaries_into_events(state_dir, tmp_path):
     assert sup.rounds.poll(final=True)
     got = [(e["round"], e.get("late")) for e in record.events() if e["event"] == "incident"]
     assert got == [(2, None), (4, True)]
+
+
+class LauncherPolicyStore:
+    """A store as the SageMaker launcher's documented policy sees it: GET, LIST and PUT allowed,
+    DELETE refused (AccessDenied), and PUTs that fail while `writes_fail` is set (a full disk)."""
+
+    def __init__(self, store):
+        self.store, self.writes_fail, self.puts = store, False, []
+
+    def get(self, key):
+        return self.store.get(key)
+
+    def list(self, prefix, offset=None):
+        return self.store.list(prefix, offset=offset)
+
+    def put(self, key, data, **kw):
+        if self.writes_fail:
+            raise OSError("No space left on device")
+        self.puts.append(key)
+        return self.store.put(key, data, **kw)
+
+    def delete(self, key):
+        raise PermissionError("AccessDenied: not authorized to perform s3:DeleteObject")
+
+
+def test_the_launchers_write_proof_needs_only_a_put_and_never_loses_the_rounds_it_read(tmp_path, monkeypatch):
+    """The launcher proves every 30 s that the store takes writes. It once did it with a PUT and a
+    DELETE, which the SageMaker launcher's policy does not grant: 30 s into a run the store read
+    as unreachable, and the rounds read in the same look were dropped, never to become events."""
+    import diloco.store
+    from diloco.roundwatch import WRITE_EVERY, RoundWatcher
+    from diloco.state import RunRecord
+
+    uri, run = f"memory://{uuid.uuid4().hex}", "run-w"
+    store = LauncherPolicyStore(open_store(uri))
+    monkeypatch.setattr(diloco.store, "open_store", lambda *a, **k: store)
+    now = [0.0]
+    record = RunRecord(run, {}, root=tmp_path)
+    record.dir.mkdir(parents=True)
+    watch = RoundWatcher(record, rendezvous=uri, run_id=run, n_replicas=2, clock=lambda: now[0])
+
+    def events():
+        return [(e["event"], e.get("round")) for e in map(json.loads, record.events_path.read_text().splitlines())]
+
+    for r in (1, 2, 3, 4):
+        write_round(store.store, run, r, [row(r, k, [0, 1]) for k in range(2)])
+        now[0] += WRITE_EVERY / 2  # a look, and every other look proves writes
+        assert watch.poll()
+    assert events() == [("round", 1), ("round", 2), ("round", 3), ("round", 4)]  # no store_unreachable
+    assert store.puts == [RunKeys(run).probe("launcher")] * 2
+
+    store.writes_fail = True  # a full disk: reads go on, writes fail
+    write_round(store.store, run, 5, [row(5, k, [0, 1]) for k in range(2)])
+    now[0] += WRITE_EVERY
+    assert watch.poll() and watch.store_gone_for() == 0.0
+    assert events()[-2:] == [("round", 5), ("store_unreachable", None)]  # round 5 recorded all the same
+    now[0] += 5
+    assert watch.store_gone_for() == 5
+    store.writes_fail = False
+    now[0] += 1  # while away, every look proves writes again
+    assert watch.poll() and events()[-1] == ("store_back", None) and watch.store_gone_for() == 0.0

@@ -116,25 +116,31 @@ def test_the_last_round_is_exported_and_loads_into_a_fresh_model(replicas, store
     assert zlib.crc32(flat(load_file(older.path), model).numpy().tobytes()) == results[0]["hashes"]["3"]
 
 
-def test_export_refuses_in_one_line_and_changes_nothing(replicas, store_uri, tmp_path):
+def test_export_refuses_in_one_line_and_changes_nothing(replicas, store_uri, tmp_path, capsys):
     handles = replicas.launch("mlp_rounds", 1, rendezvous=store_uri, settings={"sync_every": 2, "checkpoint_every": 2},
                               args={"steps": 8, "dim": 4})
     replicas.results(handles)
     keys, store = RunKeys(replicas.run_id), open_store(store_uri)
 
-    def run(*args: str) -> subprocess.CompletedProcess:
+    def run(*args: str) -> subprocess.CompletedProcess:  # the command as users run it, its own process
         return subprocess.run([sys.executable, "-m", "diloco_replica.export", store_uri, *args],
                               capture_output=True, text=True, timeout=120)
 
+    def refused(*args: str) -> str:  # the same command's main(), in this process: its exit code, its stderr
+        from diloco_replica.export import main
+
+        capsys.readouterr()
+        assert main([store_uri, *args]) == 2
+        out, err = capsys.readouterr()
+        assert not out and len(err.strip().splitlines()) == 1, err
+        return err
+
     ok = run(replicas.run_id, str(tmp_path / "a"))
     assert ok.returncode == 0 and json.loads(ok.stdout)["round"] == 4
-    again = run(replicas.run_id, str(tmp_path / "a"))
-    assert again.returncode == 2 and again.stderr.strip().endswith("already exists; export to another --out "
-                                                                   "directory, or remove it first")
-    missing = run(replicas.run_id, str(tmp_path / "b"), "--round", "1")
-    assert missing.returncode == 2 and "has no complete checkpoint of round 1" in missing.stderr
-    other = run("no-such-run", str(tmp_path / "c"))
-    assert other.returncode == 2 and "has no model manifest" in other.stderr
+    assert refused(replicas.run_id, str(tmp_path / "a")).strip().endswith(
+        "already exists; export to another --out directory, or remove it first")
+    assert "has no complete checkpoint of round 1" in refused(replicas.run_id, str(tmp_path / "b"), "--round", "1")
+    assert "has no model manifest" in refused("no-such-run", str(tmp_path / "c"))
     # a corrupt piece of the newest checkpoint: named, an older one suggested, nothing voided
     piece = next(k for k in (m["path"] for m in store.list(keys.checkpoint(4))) if not k.endswith("/void"))
     blob = bytearray(store.get(piece))

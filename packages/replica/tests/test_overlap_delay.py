@@ -42,27 +42,35 @@ def test_the_round_is_merged_at_the_delay_and_not_before():
     assert diloco.round == 3
 
 
-def final_digests(store_uri: str, settings: dict, latency_s: float) -> set[str]:
-    """Two replicas, every store request `latency_s` late; each replica's θ digest at the end."""
-    replicas = Replicas(run_id=f"t-delay-{uuid.uuid4().hex[:8]}")
+def final_digests(runs: list[tuple[str, dict, float]]) -> list[set[str]]:
+    """Each run (a store URI, settings, every store request `latency_s` late): two replicas; each
+    run's θ digests at the end. The runs go side by side: they mostly wait (steps sleep, the slow
+    store sleeps), so together they take little more than one."""
+    launched = []
     try:
-        handles = replicas.launch("mlp_rounds", 2, rendezvous=store_uri, env={"DILOCO_STORE_LATENCY_S": str(latency_s)},
-                                  settings={"sync_every": 12, "checkpoint_every": 100, "overlap": True, **settings},
-                                  args={"steps": 24, "dim": 32, "step_sleep": 0.05, "slow_ranks": [0, 1]})
-        return {r["final"] for r in replicas.results(handles)}
+        for store_uri, settings, latency_s in runs:
+            replicas = Replicas(run_id=f"t-delay-{uuid.uuid4().hex[:8]}")
+            launched.append((replicas, replicas.launch(
+                "mlp_rounds", 2, rendezvous=store_uri, env={"DILOCO_STORE_LATENCY_S": str(latency_s)},
+                settings={"sync_every": 12, "checkpoint_every": 100, "overlap": True, **settings},
+                args={"steps": 24, "dim": 32, "step_sleep": 0.05, "slow_ranks": [0, 1]})))
+        return [{r["final"] for r in replicas.results(handles)} for replicas, handles in launched]
     finally:
-        replicas.cancel_all()
+        for replicas, _ in launched:
+            replicas.cancel_all()
 
 
 def test_a_delayed_merge_repeats_step_for_step_whatever_the_stores_speed(tmp_path):
     """Rounds every 12 steps of 50 ms. A round through the slow store (every request 0.1 s late)
     takes over a second: merged on arrival, round 1 lands at the next round; through the plain
     store it takes well under the 0.6 s to that round, and lands steps earlier."""
-    fast = final_digests(f"file://{tmp_path / 'a'}", {"overlap_delay": 4}, 0.0)
-    slow = final_digests(f"file://{tmp_path / 'b'}", {"overlap_delay": 4}, 0.1)
+    delayed = {"overlap_delay": 4}
+    fast, slow, fast_on_arrival, slow_on_arrival = final_digests([
+        (f"file://{tmp_path / 'a'}", delayed, 0.0), (f"file://{tmp_path / 'b'}", delayed, 0.1),
+        (f"file://{tmp_path / 'c'}", {}, 0.0), (f"file://{tmp_path / 'd'}", {}, 0.1)])
     assert len(fast) == 1 and fast == slow
     # merged on arrival, the merge's step follows the store's speed, and so does the model
-    assert final_digests(f"file://{tmp_path / 'c'}", {}, 0.0) != final_digests(f"file://{tmp_path / 'd'}", {}, 0.1)
+    assert fast_on_arrival != slow_on_arrival
 
 
 @pytest.mark.parametrize("table,words", [

@@ -7,10 +7,13 @@ several replicas gets ``training_alone`` (the replicas are not meeting). Each ne
 goes to the spec's metric sinks (`diloco.sinks`; TensorBoard by default).
 
 Being the launcher's one regular reader of the store, it also says when the store stops
-answering or taking writes (a small write every `WRITE_EVERY` seconds; `store_unreachable`, and `store_back` when it answers again; `health` holds the
-outage while it lasts, which the live bar and `diloco status` show), and for how long
-(`store_gone_for`: the supervisor fails the run past `[diloco] store_outage_limit`). A store this
-shell has never reached is not an outage: some runs meet in a store only their replicas can reach.
+answering or taking writes (`store_unreachable`, and `store_back` when it answers again; `health`
+holds the outage while it lasts, which the live bar and `diloco status` show), and for how long
+(`store_gone_for`: the supervisor fails the run past `[diloco] store_outage_limit`). Writes are
+proven by overwriting one small object every `WRITE_EVERY` seconds: a PUT is all the launcher's
+documented permissions grant on the store (no delete), and rounds already read are recorded
+whether or not the proof succeeds. A store this shell has never reached is not an outage: some
+runs meet in a store only their replicas can reach.
 
 Kept apart from the supervisor's restart logic: it only reads the store and writes the record's
 events, `last_round` and `health`, which the supervisor saves with the rest.
@@ -29,8 +32,8 @@ from .state import RunRecord
 from .storeoutage import first_line
 
 
-# Seconds between the launcher's proofs that the store takes writes (a PUT and a DELETE of one
-# small object): reading summaries would not notice a full disk, which refuses writes only.
+# Seconds between the launcher's proofs that the store takes writes (a PUT overwriting one small
+# object): reading summaries would not notice a full disk, which refuses writes only.
 WRITE_EVERY = 30.0
 
 
@@ -71,21 +74,32 @@ class RoundWatcher:
         if (now < self._next_check and not final) or not self.rendezvous:
             return False
         self._next_check = now + self.every
-        from .metrics import RoundCache, RoundReader
+        from .metrics import RoundReader
         from .store import open_store
 
         try:
             if self._reader is None:
                 self._reader = RoundReader(open_store(self.rendezvous), self.run_id, after=self.last_round)
             new = self._reader.read_new(final=final)
-            # reads alone would not see a full disk; while the store is away, every look proves writes too
-            if not final and (now >= self._next_write or self._away_since is not None):
-                self._next_write = now + WRITE_EVERY
-                self._reader.store.put(self._probe, b"launcher")
-                self._reader.store.delete(self._probe)
         except Exception as exc:  # no round events meanwhile; supervision goes on
             return self._unanswered(exc, now)
+        self._record_rounds(new)
+        self._answered = True  # it answered a read: from here a failed look is an outage
+        # reads alone would not see a full disk; while the store is away, every look proves writes too
+        if not final and (now >= self._next_write or self._away_since is not None):
+            self._next_write = now + WRITE_EVERY
+            try:
+                self._reader.store.put(self._probe, b"launcher")
+            except Exception as exc:
+                return self._unanswered(exc, now) or bool(new)
         answered = self._answer(now)
+        late = self._late_incidents()
+        return bool(new) or answered or late
+
+    def _record_rounds(self, new: list[Any]) -> None:
+        """Rounds read from the store become events, cached rows and sink points, in order."""
+        from .metrics import RoundCache
+
         RoundCache(self.record.dir).append(new)
         self._write_sinks(new)
         for rnd in new:
@@ -100,8 +114,6 @@ class RoundWatcher:
                 self.record.event("incident", **{k: v for k, v in inc.items() if k != "round"}, round=rnd.round)
             self._check_alone(rnd.round, rnd.members)
             self.last_round = rnd.round
-        late = self._late_incidents()
-        return bool(new) or answered or late
 
     def _late_incidents(self) -> bool:
         """Incidents in rows that came after their round (a paused replica's): events all the same."""
@@ -131,7 +143,6 @@ class RoundWatcher:
 
     def _answer(self, now: float) -> bool:
         """A look at the store succeeded; True if that ends an outage (the record changed)."""
-        self._answered = True
         if self._away_since is None:
             return False
         away, self._away_since = now - self._away_since, None

@@ -41,10 +41,14 @@ def events_of(state: Path, run_id: str) -> list[dict[str, Any]]:
 
 
 def wait_for_round(state: Path, run_id: str, n: int, timeout: float = 300) -> None:
+    """Until the launcher has recorded round `n`; fails at once if the run ends without it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(e.get("event") == "round" and e["round"] >= n for e in events_of(state, run_id)):
+        events = events_of(state, run_id)
+        if any(e.get("event") == "round" and e["round"] >= n for e in events):
             return
+        if any(e.get("event") in ("run_succeeded", "run_failed") for e in events):
+            raise AssertionError(f"the run ended with no round {n} event: {events[-5:]}")
         time.sleep(0.2)
     raise AssertionError(f"round {n} never completed: {events_of(state, run_id)[-5:]}")
 
