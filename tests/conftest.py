@@ -105,3 +105,27 @@ def on_s3(spec: Path, s3: dict) -> Path:
     return spec
 
 
+# Tests that mostly wait — for an outage to pass, a disk to free, a stand-in cloud's lifecycle, a
+# slowed replica's timeline — rather than train. `scripts/integration-tests` (the integration
+# environment's test command) runs them in a pytest process of their own beside the one running
+# the tests that train: the machine's cores are busy with one of those at a time, and a waiting
+# test then costs the suite none of its wall time. Each runs under the other process's load,
+# which none of them may depend on (a test that flakes under load is a bug).
+MOSTLY_WAITING = (
+    "tests/test_full_disk.py::",
+    "tests/test_store_outage.py::",
+    "tests/test_progress_timeline.py::",
+    "tests/test_modal_e2e.py::",
+    "tests/test_benches.py::test_the_bench_runs_in_quick_mode_and_prints_its_json[recovery.py]",
+    "tests/test_benches.py::test_the_bench_runs_in_quick_mode_and_prints_its_json[scale.py]",
+)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "mostly_waiting: waits more than it trains (tests/conftest.py MOSTLY_WAITING)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(MOSTLY_WAITING):
+            item.add_marker(pytest.mark.mostly_waiting)

@@ -55,15 +55,17 @@ def small_disk(tmp_path):
         def fill(self, free_mb: float = 0.0) -> None:
             stat = os.statvfs(mnt)
             free = stat.f_bavail * stat.f_frsize - int(free_mb * 2**20)
-            with open(self.filler, "ab") as f:
+            # unbuffered: a write the disk refuses fails here, in the loop, never in a flush at close
+            # (the replicas write meanwhile, so the space statvfs saw can be gone by then)
+            with open(self.filler, "ab", buffering=0) as f:
                 while free > 0:
-                    n = min(free, 2**20)
                     try:
-                        f.write(b"\0" * n)
-                        f.flush()
+                        written = f.write(b"\0" * min(free, 2**20))
                     except OSError:
                         break
-                    free -= n
+                    free -= written or 0
+                    if not written:
+                        break
 
         def free(self) -> None:
             self.filler.unlink(missing_ok=True)
