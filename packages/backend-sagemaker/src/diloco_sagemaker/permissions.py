@@ -8,8 +8,9 @@ call needs fails another. Why each is needed:
 - `sagemaker:CreateTrainingJob`, and `sagemaker:AddTags` because every job is created with
   tags (SageMaker authorizes tags on create as AddTags); `iam:PassRole` on the execution role;
 - `sagemaker:DescribeTrainingJob` (status, resume, logs placeholder), `sagemaker:StopTrainingJob` (cancel);
-- `s3:PutObject` for the code; `s3:GetObject` and `s3:ListBucket` for the rendezvous store,
-  which the supervisor reads (rounds, results);
+- `s3:PutObject` for the code and for the supervisor's write proof (every 30 s it overwrites one
+  small object in the rendezvous store: a full disk refuses writes only); `s3:GetObject` and
+  `s3:ListBucket` for the rendezvous store, which the supervisor reads (rounds, results);
 - `logs:DescribeLogStreams`, `logs:GetLogEvents` on /aws/sagemaker/TrainingJobs (`diloco logs`);
 - `secretsmanager:CreateSecret`, `secretsmanager:PutSecretValue` on `diloco/*`, and
   `secretsmanager:TagResource` because the secret is created with a tag (forwarded secrets only).
