@@ -6,7 +6,6 @@ torchrun (the Trainer's own DDP)."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from conftest import ROOT, one_global_model, record_of
@@ -53,7 +52,7 @@ def lr_after(steps: int) -> float:
 
 
 def test_a_killed_trainer_replica_resumes_at_the_runs_step_and_lr_and_the_model_exports(cli, tmp_path, state_dir):
-    hit, _, results = killed_and_relaunched(spec(tmp_path), state_dir, tmp_path, seed=3)
+    hit, results = killed_and_relaunched(spec(tmp_path), state_dir, tmp_path, seed=3)
     run_id = hit["run_id"]
     relaunched = next(r for r in results if r["rank"] == hit["rank"])
     start_step = relaunched["started_at"]

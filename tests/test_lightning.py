@@ -45,7 +45,7 @@ def lr_after(steps: int) -> float:
 
 
 def test_a_killed_lightning_replica_resumes_at_the_runs_step_and_lr_and_the_model_exports(cli, tmp_path, state_dir):
-    hit, _, results = killed_and_relaunched(spec(tmp_path), state_dir, tmp_path, seed=5)
+    hit, results = killed_and_relaunched(spec(tmp_path), state_dir, tmp_path, seed=5)
     run_id = hit["run_id"]
     relaunched = next(r for r in results if r["rank"] == hit["rank"])
     start_step = relaunched["started_at"]
