@@ -108,6 +108,16 @@ def test_no_package_has_an_import_circle():
     assert not found, "import circles:\n" + "\n".join(shown)
 
 
+def test_a_rounds_data_flows_one_way_the_repair_desk_reached_from_the_allreduce_only():
+    """The reducer and the gatherer return what they did (a reduction, the shards found) and the
+    all-reduce reads, keeps and repairs reduced shards: a step that reached the repair desk itself
+    sent a round's values back into a module it had left (issue "Billion-parameter rounds")."""
+    known = modules()
+    graph = {name: imports_of(name, path, known) for name, path in known.items()}
+    assert {m for m, deps in graph.items() if "diloco_replica.repairs" in deps} == {"diloco_replica.allreduce"}
+    assert "diloco_replica.allreduce" not in graph["diloco_replica.gather"] | graph["diloco_replica.reduce"]
+
+
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.parent.name)
 def test_no_module_over_400_lines(src):
     over = {}

@@ -20,6 +20,7 @@ from diloco.wiresize import parts_per_shard
 from diloco_replica import reduce as reduce_module
 from diloco_replica.allreduce import StoreAllReduce
 from diloco_replica.rounderrors import RoundFailed
+from diloco_replica.roundstate import Round
 from diloco_replica.storeaccess import reducer_of
 
 NUMEL = 12_000
@@ -107,7 +108,7 @@ def test_a_round_of_parts_moves_what_the_estimate_predicts():
         assert abs(got.bytes_down - want.bytes_down) / want.bytes_down < 0.01
 
 
-def test_a_peers_parts_are_gathered_while_this_replica_still_reduces_its_own():
+def test_a_peers_parts_are_gathered_while_this_replica_still_reduces_its_own(monkeypatch):
     """Replica 0's last own part is slow to fold; replica 1's parts reach replica 0's sink before
     that reduction ends — the gather runs beside the reducing, not after it."""
     n, part_mb = 2, PART_MB / 2  # 2,000 values a part: P = 3 at N = 2
@@ -127,16 +128,15 @@ def test_a_peers_parts_are_gathered_while_this_replica_still_reduces_its_own():
             return out
 
         ar.reducer.reduce = reduce.__get__(ar.reducer)
-        gather = ar.gatherer.gather
 
-        def recording_gather(rnd, sink, have):  # when each peer's part reaches the sink
-            def recording(j, a, b, mean):
-                seen.append((j, time.monotonic()))
-                sink(j, a, b, mean)
-            return gather(rnd, recording, have)
+    deliver = Round.deliver
 
-        ar.gatherer.gather = recording_gather
+    def recording(rnd, sink, j, mean):  # when each part reaches replica 0's sink
+        if rnd.rank == 0:
+            seen.append((j, time.monotonic()))
+        deliver(rnd, sink, j, mean)
 
+    monkeypatch.setattr(Round, "deliver", recording)
     means, _, errors = run(n, ds, part_mb=part_mb, hook=hook)
     assert not errors, errors
     assert torch.equal(means[0], means[1])

@@ -11,10 +11,12 @@ Round r, replica i with pseudo-gradient Δ_i split into N contiguous shards, sha
    member at position j mod |members|) averages the members' contributions in rank order in
    fp32, encodes the mean with the transport codec and create-only puts ``r/reduced/j``; a
    contribution it cannot use is left out, and the reduced object says so;
-4. gather (`gather.Gatherer`): download the other N−1 reduced shards. One that does not appear
-   within the timeout (its reducer died) is taken over by exactly one waiting replica, whose
-   gatherer reduces it with the replica's own `ShardReducer`. The calls go one way: this module
-   calls the uploader, the reducer and the gatherer, and the gatherer the reducer; none calls back.
+4. gather (`gather.Gatherer`): download the other N−1 reduced shards as the gatherer finds them
+   published. One that does not appear within the timeout (its reducer died) is taken over by
+   exactly one waiting replica, whose gatherer reduces it with the replica's own `ShardReducer`.
+   The calls go one way: this module calls the uploader, the reducer and the gatherer, and the
+   gatherer the reducer; none calls back, and they return what they did (a `reduce.Reduction`,
+   the gatherer's `Arrival`s) rather than read or keep reduced shards themselves.
 
 A shard over `part_mb` MiB of fp32 is cut into P parts, each an object of its own and a shard
 of the round in every step above: N·P shards, replica i owning i·P … i·P + P − 1
@@ -30,8 +32,10 @@ replicas of 1, 2 and 8 processes meet in one round.
 
 Every replica decodes the same reduced bytes (the reducer too), so the mean is bit-identical
 everywhere. A reduced shard that is corrupt in the store is re-published by its reducer
-(`repairs.RepairDesk`). Every step reaches the store through one `roundio.RoundIO`, and every
-step of a round reads and adds to one `roundstate.Round`; this module runs the steps in order.
+(`repairs.RepairDesk`, reached from this module only: it reads every reduced shard, keeps what
+this replica published and serves repairs between the steps). Every step reaches the store
+through one `roundio.RoundIO`, and every step of a round reads and adds to one
+`roundstate.Round`; this module runs the steps in order.
 
 Per replica and round, with its shard reduced by itself: up S (N−1 shards out, one reduced
 shard), down 2(N−1)/N·S — the ring all-reduce bound; O(N·P) requests.
@@ -62,13 +66,13 @@ from .laps import Laps
 from .codecdevice import CodecDevice
 from .layout import Cut
 from .membership import Decided, Membership
-from .reduce import ShardReducer
+from .reduce import Reduction, ShardReducer
 from .repairs import RepairDesk
 from .rounderrors import FellBehind, RoundFailed
 from .roundio import RoundIO
 from .roundstate import Round, RoundResult
 from .storeaccess import CountingStore
-from .streaming import DeltaSource, RoundSink, WholeDelta, buffer_sink, pool_width, window_for
+from .streaming import DeltaSource, RoundSink, WholeDelta, Window, buffer_sink, pool_width, window_for
 from .upload import Uploader
 
 __all__ = ["FellBehind", "RoundFailed", "RoundResult", "StoreAllReduce"]
@@ -106,9 +110,9 @@ class StoreAllReduce:
         self.checkpoints = Checkpoints(self.io)
         self.membership = Membership(self.io, self.checkpoints, min_members=min_members, round_grace=round_grace)
         self.repairs = RepairDesk(self.io, self.membership, incarnation=incarnation)
-        self.reducer = ShardReducer(self.io, self.membership, self.repairs, window=self.window, step_cap=step_cap,
+        self.reducer = ShardReducer(self.io, self.membership, window=self.window, step_cap=step_cap,
                                     codec_device=codec_device)
-        self.gatherer = Gatherer(self.io, self.membership, self.repairs, self.reducer, window=self.window)
+        self.gatherer = Gatherer(self.io, self.membership, self.reducer)
         self.uploader = Uploader(self.io, codec=codec, topk_density=topk_density, window=self.window,
                                  codec_device=codec_device)
         self._cleanup_due: list[str] | None = None  # the inputs of the last round this lane reduced
@@ -237,13 +241,12 @@ class StoreAllReduce:
         def reduce_own(j: int) -> None:
             if rnd.stop.is_set():  # an earlier part failed: the round fails, the rest is not worth reducing
                 return
-            mean = self.reducer.reduce(rnd, j, takeover=False)
-            self.repairs.watch()  # a reader may find a part published here corrupt while this replica gathers
+            mean = self._settle(rnd, self.reducer.reduce(rnd, j, takeover=False))
             applying.append(io.pool.submit(rnd.deliver, sink, j, mean))
 
         def gather() -> None:
             with self.repairs.waiting():
-                self.gatherer.gather(rnd, sink, set(mine))
+                self._gather(rnd, sink, set(mine))
 
         reducing: list[Future] = []
         try:
@@ -269,6 +272,39 @@ class StoreAllReduce:
             if error is not None:
                 raise error
 
+    def _settle(self, rnd: Round, reduction: Reduction) -> torch.Tensor:
+        """The mean of a shard this replica reduced: kept for repairs if it published it (a reader
+        may find the stored copy corrupt while this replica gathers), else read from the store."""
+        if reduction.published_here:
+            self.repairs.publish(rnd.r, reduction.j, reduction.blob)
+            self.repairs.watch()
+            return reduction.mean
+        return self.repairs.read_reduced(rnd, reduction.j)
+
+    def _gather(self, rnd: Round, sink: RoundSink, have: set[int]) -> None:
+        """Hand `sink` every reduced shard of `rnd` not in `have`, as the gatherer finds them: each
+        read, verified and delivered on a pool thread, at most `window` shards' worth of parts at
+        once, so checksums and the outer step overlap with waiting for the others."""
+        gate, pending = Window(self.window * rnd.cut.parts), []
+
+        def read_to_sink(j: int) -> None:
+            try:
+                rnd.deliver(sink, j, self.repairs.read_reduced(rnd, j))
+            finally:
+                gate.release()
+
+        try:
+            for arrival in self.gatherer.arrivals(rnd, have):
+                if arrival.taken_over is not None:
+                    rnd.deliver(sink, arrival.j, self._settle(rnd, arrival.taken_over))
+                    continue
+                gate.acquire()  # here, not in the task: no pool thread ever waits for the gate, so the
+                pending.append(self.io.pool.submit(read_to_sink, arrival.j))  # own reductions never queue behind one
+        finally:  # no sink task outlives the round: a rejoin next loads θ and the momentum in place
+            wait(pending)
+        for f in pending:
+            f.result()
+
     def _decided_or_open(self, r: int) -> list | None:
         """Round r's members if already decided (we are late); None if it is open to join."""
         decided = self.membership.decided_or_open(r, self._finished)
@@ -293,7 +329,7 @@ class StoreAllReduce:
         if sink is None:
             mean = torch.empty(rnd.held[1] - rnd.held[0], dtype=torch.float32)
             sink = buffer_sink(mean)
-        self.gatherer.gather(rnd, sink, set())
+        self._gather(rnd, sink, set())
         return rnd.result(mean, self.io.store.traffic)
 
     def round_complete(self, r: int, cut: Cut) -> bool:

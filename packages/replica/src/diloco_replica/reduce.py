@@ -4,8 +4,10 @@ The store cannot add, so shard j's reducer downloads the members' parts of it (e
 the pieces its lanes sent, assembled), folds them into
 one shard-sized total in rank order in fp32 as they arrive (at most `window` downloads held at
 once, `streaming.Prefetch`), encodes the mean with the transport codec and create-only puts
-``r/reduced/j``. It returns the mean as every reader decodes it (on the host, where the outer
-step reads it), so the reducer holds the same bytes as everyone else. The decoding, the fold, the
+``r/reduced/j``. It returns what it published and the mean as every reader decodes it (on the
+host, where the outer step reads it), so the reducer holds the same bytes as everyone else; the
+caller keeps the object for repairs, or reads the mean another replica published first (the
+reducer never reads reduced shards). The decoding, the fold, the
 mean and its encoding run where the round's codec arithmetic does (`codecdevice`: the model's GPU
 for a quantised transport, else the host), with the same bits on either.
 
@@ -22,6 +24,7 @@ and the mean is FedNova's, mean_i(Δ_i / τ_i) · mean_i(τ_i) over the members 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -29,35 +32,54 @@ from .codecdevice import CodecDevice
 from .codecs import exact_divisor
 from .finite import NONFINITE, Contribution, NonFinite, accumulate, all_finite
 from .membership import Membership
-from .repairs import RepairDesk
 from .rounderrors import RoundFailed
 from .roundio import RoundIO
 from .roundstate import Round
-from .streaming import Prefetch, Published, ReadOnceThenRefetch
+from .streaming import Prefetch, ReadOnceThenRefetch
 from .wire import decode_tensor, encode_tensor, pack
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """What reducing shard j came to. Published here: `mean` as every reader decodes it and
+    `blob`, the object put, which the caller keeps to serve repairs (`repairs.RepairDesk`).
+    Published by another replica first (a takeover's race, or a late reducer whose inputs were
+    cleaned up after someone else reduced them): both None, and the caller reads that mean."""
+
+    j: int
+    mean: torch.Tensor | None = None
+    blob: list | None = None
+
+    @property
+    def published_here(self) -> bool:
+        return self.blob is not None
+
+
+class _PublishedElsewhere(Exception):
+    """Shard j was reduced by another replica while this one read its inputs."""
 
 
 class ShardReducer:
     """Reduces the shards this replica is the reducer of, or takes over (one per replica and lane)."""
 
-    def __init__(self, io: RoundIO, membership: Membership, repairs: RepairDesk, *, window: int,
-                 step_cap: int | None, codec_device: CodecDevice | None = None):
-        self.io, self.membership, self.repairs = io, membership, repairs
+    def __init__(self, io: RoundIO, membership: Membership, *, window: int, step_cap: int | None,
+                 codec_device: CodecDevice | None = None):
+        self.io, self.membership = io, membership
         self.window, self.step_cap = window, step_cap
         self.codec_device = codec_device or CodecDevice()
 
-    def reduce(self, rnd: Round, j: int, *, takeover: bool) -> torch.Tensor:
-        """Average shard j of `rnd` over its members, publish it (create-only), return the decoded mean.
+    def reduce(self, rnd: Round, j: int, *, takeover: bool) -> Reduction:
+        """Average shard j of `rnd` over its members and publish it (create-only).
 
         Each member's contribution is assembled from the pieces its lanes sent (`layout.Cut.pieces`
         by its lane count); this lane's own piece is read locally.
         `takeover`: shard j's reducer died, so its owner's kept piece (never uploaded) is gone too.
-        If another replica publishes shard j meanwhile, its mean is returned instead.
+        If another replica publishes shard j first, the `Reduction` says so and holds no mean.
         """
         with self.codec_device.running():
             return self._reduce(rnd, j, takeover=takeover)
 
-    def _reduce(self, rnd: Round, j: int, *, takeover: bool) -> torch.Tensor:
+    def _reduce(self, rnd: Round, j: int, *, takeover: bool) -> Reduction:
         io, r, numel = self.io, rnd.r, rnd.size(j)
         device = self.codec_device.device
         a = rnd.cut.bounds[j][0]
@@ -121,9 +143,8 @@ class ShardReducer:
                     if got is None:
                         if problem == "missing":
                             self.membership.check_not_collected(r)
-                        published = self.repairs.published_or_none(rnd, j)
-                        if published is not None:  # reduced (and inputs cleaned) while we looked: use that
-                            raise Published(published)
+                        if io.exists(io.keys.reduced(r, j)):  # reduced (and inputs cleaned) while we looked
+                            raise _PublishedElsewhere
                         leave_out(m, problem, key=where)
                         continue
                     if self.step_cap is not None:
@@ -146,8 +167,8 @@ class ShardReducer:
 
         try:
             summed = accumulate(contributions(), numel, device)
-        except Published as done:
-            return done.values
+        except _PublishedElsewhere:
+            return Reduction(j)
         finally:
             prefetch.cancel()
         for m, problem in summed.corrupt.items():
@@ -171,9 +192,9 @@ class ShardReducer:
         return self._publish(rnd, j, mean, meta, finite_total=summed.finite, flagged=summed.nonfinite)
 
     def _publish(self, rnd: Round, j: int, mean: torch.Tensor, meta: dict, *, finite_total: bool,
-                 flagged: list[int]) -> torch.Tensor:
-        """Encode and create-only put shard j's mean; the decoded bytes, or the winner's if another
-        replica published first."""
+                 flagged: list[int]) -> Reduction:
+        """Encode and create-only put shard j's mean: what was published, with the mean decoded
+        from it; or, if another replica published first, that it did."""
         io, r, numel = self.io, rnd.r, rnd.size(j)
         blob = pack(io.reduced_identity(r, j), encode_tensor(mean, io.codec), codec=io.codec, numel=numel, meta=meta)
         payload = blob[1] if len(blob) == 2 else b"".join(blob[1:])
@@ -184,7 +205,6 @@ class ShardReducer:
                             f"(it overflowed): training diverged; it is not published. Lower the learning rate and "
                             f"start a new run")
         if io.put(io.keys.reduced(r, j), blob, create_only=True, written=("reduced", r, j)):
-            self.repairs.publish(r, j, blob)
             rnd.nonfinite.update(flagged)
-            return decoded
-        return self.repairs.read_reduced(rnd, j)  # someone else won: use theirs
+            return Reduction(j, decoded, blob)
+        return Reduction(j)  # someone else won: the caller reads theirs

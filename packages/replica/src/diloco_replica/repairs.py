@@ -1,10 +1,11 @@
 """Repairs: a reduced shard found corrupt in the store is re-published by its reducer.
 
-A reducer keeps the bytes it published until its next round is formed. A reader that finds a
-reduced shard corrupt (twice: a torn transfer heals on a second read, damage at rest does not)
-leaves a request, ``r/repair/j``, and waits for ``r/repaired/j``; the reducer answers with the
-very bytes it first wrote, which the reader verifies the same way. Races with retention end in
-"use the published result" or `FellBehind` (rejoin), never in an exception that costs a restart.
+A reducer keeps the bytes it published until its next round is formed (in a local file:
+`keptparts`). A reader that finds a reduced shard corrupt (twice: a torn transfer heals on a
+second read, damage at rest does not) leaves a request, ``r/repair/j``, and waits for
+``r/repaired/j``; the reducer answers with the very bytes it first wrote, which the reader
+verifies the same way. Races with retention end in "use the published result" or `FellBehind`
+(rejoin), never in an exception that costs a restart.
 
 When the reducer looks is event-driven, not a continuous watch: a reader stuck on a corrupt
 shard holds up the next round, so the reducer meets it while it waits itself — for the next
@@ -51,6 +52,7 @@ from typing import Any
 import torch
 
 from .finite import all_finite
+from .keptparts import KeptParts
 from .membership import Membership
 from .rounderrors import FellBehind, RoundFailed
 from .roundio import RoundIO
@@ -79,7 +81,7 @@ class RepairDesk:
 
     def __init__(self, io: RoundIO, membership: Membership, *, incarnation: int = 0):
         self.io, self.membership, self.incarnation = io, membership, incarnation  # this replica's own
-        self.published: dict[int, tuple[int, list]] = {}  # shard -> (round, blob) this replica last reduced
+        self.published = KeptParts(io.log)  # shard -> (round, blob) this replica last reduced
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -90,13 +92,6 @@ class RepairDesk:
         self._look_gap = REPAIR_LOOK_EVERY  # and the gap before the one after, doubling
 
     # -- reading -----------------------------------------------------------------------------
-
-    def published_or_none(self, rnd: Round, j: int) -> torch.Tensor | None:
-        """Shard j's mean if it is published already (a reducer that finds its inputs gone looks
-        here: someone else reduced the shard and its inputs were cleaned up), else None."""
-        if not self.io.exists(self.io.keys.reduced(rnd.r, j)):
-            return None
-        return self._read(rnd.r, j, rnd.size(j), (rnd.cut.parts, rnd.roster), None, [], rnd.nonfinite)
 
     def read_reduced(self, rnd: Round, j: int) -> torch.Tensor:
         """Shard j's published mean, verified; a corrupt one is replaced by its reducer's
@@ -253,26 +248,18 @@ class RepairDesk:
 
     def publish(self, r: int, j: int, blob: list) -> None:
         """Keep what this replica published for shard j of round r, to re-publish it if asked."""
-        with self._lock:
-            self.published[j] = (r, blob)
+        self.published.keep(r, j, blob)
 
     def serve_once(self) -> bool:
         """Re-publish shards readers found corrupt (one LIST per round); True once nothing is left."""
         io = self.io
-        by_round: dict[int, list[int]] = {}
-        with self._lock:
-            for j, (r, _) in self.published.items():
-                by_round.setdefault(r, []).append(j)
-        for r, shards in by_round.items():
+        for r, shards in self.published.by_round().items():
             asked = io.present(io.keys.repair(r))
             for j in shards:
                 if j in asked:  # the very bytes it published first: readers verify them the same way
-                    with self._lock:
-                        _, blob = self.published.pop(j)
-                    io.put(io.keys.repaired(r, j), blob, create_only=True)
+                    io.put(io.keys.repaired(r, j), self.published.take(j), create_only=True)
                     io.log(f"round {r}: re-published reduced shard {j} (a reader found it corrupt)")
-        with self._lock:
-            return not self.published
+        return not self.published
 
     @contextmanager
     def waiting(self) -> Iterator[None]:
@@ -323,9 +310,8 @@ class RepairDesk:
         `watch()` starts watchers under, so a part published meanwhile (the reducing threads publish
         and call `watch()` part by part) is never left without one."""
         with self._starting:
-            with self._lock:
-                if self.published:
-                    return False
+            if self.published:
+                return False
             self._watcher = None
             return True
 
@@ -340,8 +326,7 @@ class RepairDesk:
         self.stop()
         if self.published:
             self.serve_once()  # late requests (e.g. from a replaying rejoiner)
-        with self._lock:
-            self.published.clear()
+        self.published.clear()
 
     def close(self) -> None:
         """The replica leaves: answer the requests already made, then stop."""
@@ -351,6 +336,7 @@ class RepairDesk:
                 self.serve_once()
             except Exception as exc:  # leaving anyway; a reader that waits rejoins
                 self.io.log(f"repair watch failed: {exc}")
+        self.published.close()
 
     def stop(self) -> None:
         self._stop.set()

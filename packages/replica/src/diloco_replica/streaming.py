@@ -2,13 +2,14 @@
 
 A round used to hold its pseudo-gradient Δ and the mean as one model-sized buffer on top of
 θ_global and the momentum, and to download every contribution to a shard before averaging:
-4.6× the fp32 model of host memory at 100 MB. Streamed, it holds θ_global, the momentum, the
-round's snapshot (the local parameters, then Δ, written over in place) and a few shards:
+4.6× the fp32 model of host memory at 100 MB. Streamed, it holds θ_global, the momentum and a
+few shards (and, in a sync process, the round's snapshot: the local parameters, then Δ written
+over them in place):
 
 - **Δ, a shard at a time** (`DeltaSource`): the all-reduce asks for Δ[a:b] when shard j is
-  encoded and uploaded, or contributed to its own mean; a source may compute each slice on
-  demand and free it after (`WholeDelta` holds it whole: the round's snapshot, overwritten with
-  Δ by `exchanger`).
+  encoded and uploaded, or contributed to its own mean; `LiveDelta` computes each slice on
+  demand from θ_global and θ_local, and the slice is freed after (`WholeDelta` holds it whole:
+  a sync process's snapshot, overwritten with Δ by `exchanger`).
 - **Each mean where it goes** (`RoundSink`): the reducers' means reach the caller one shard at a
   time, as they arrive; the exchanger applies the outer step to that slice of θ_global and the
   momentum in place, so no mean buffer exists.
@@ -149,13 +150,6 @@ class Window:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-class Published(Exception):
-    """Shard j was reduced by another replica while this one read its inputs: use that."""
-
-    def __init__(self, values: torch.Tensor):
-        self.values = values
 
 
 class ReadOnceThenRefetch:
