@@ -42,7 +42,14 @@ def sgd_linear(ctx: ReplicaContext, steps: int = 6, dim: int = 5, lr: float = 0.
     return {"theta": diloco.theta.tolist()}
 
 
-def gloo_vs_store(ctx: ReplicaContext, numel: int = 100_003, init_file: str = "") -> dict:
+def gloo_vs_store_then_sgd_linear(ctx: ReplicaContext, numel: int = 100_003, init_file: str = "", steps: int = 6,
+                                  dim: int = 5, lr: float = 0.05) -> dict:
+    """`gloo_vs_store` (under a run of its own, beside this one), then `sgd_linear`: two checks
+    of a few milliseconds each, one launch of replicas (a replica's start costs seconds)."""
+    return {**gloo_vs_store(ctx, numel, init_file, run_id=f"{ctx.run_id}-gloo"), **sgd_linear(ctx, steps, dim, lr)}
+
+
+def gloo_vs_store(ctx: ReplicaContext, numel: int = 100_003, init_file: str = "", run_id: str = "") -> dict:
     """The same random tensor through torch.distributed gloo all_reduce and the store."""
     import torch.distributed as dist
 
@@ -52,7 +59,7 @@ def gloo_vs_store(ctx: ReplicaContext, numel: int = 100_003, init_file: str = ""
     dist.all_reduce(ref)
     ref /= ctx.world_size
     dist.destroy_process_group()
-    ar = StoreAllReduce(ctx.store, ctx.run_id, ctx.rank, ctx.world_size, round_timeout=60)
+    ar = StoreAllReduce(ctx.store, run_id or ctx.run_id, ctx.rank, ctx.world_size, round_timeout=60)
     res = ar.run_round(1, x)
     ar.close()
     return {"max_abs_diff": float((res.mean - ref).abs().max()), "crc": zlib.crc32(res.mean.numpy().tobytes()),

@@ -24,22 +24,21 @@ def data_parallel_sgd(world: int, steps: int, dim: int, lr: float) -> torch.Tens
     return model.weight.detach().reshape(-1)
 
 
-def test_h1_outer_sgd_lr1_equals_data_parallel_sgd(replicas, store_uri):
+def test_the_store_mean_equals_gloo_all_reduce_and_h1_outer_sgd_lr1_equals_data_parallel_sgd(replicas, store_uri,
+                                                                                              tmp_path):
+    """One launch, two checks: the same tensor through gloo's all_reduce and the store all-reduce
+    (every replica the very same bytes), then H = 1 DiLoCo with outer SGD at lr 1 on a linear
+    model, which must be data-parallel SGD."""
     settings = {"sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}
-    handles = replicas.launch("sgd_linear", 4, rendezvous=store_uri, settings=settings,
-                              args={"steps": 6, "dim": 5, "lr": 0.05})
-    results = replicas.results(handles)
-    expected = data_parallel_sgd(4, 6, 5, 0.05)
-    for r in results:
-        assert torch.allclose(torch.tensor(r["theta"]), expected, atol=1e-6, rtol=0), (r["theta"], expected)
-
-
-def test_store_mean_equals_gloo_all_reduce(replicas, store_uri, tmp_path):
-    handles = replicas.launch("gloo_vs_store", 4, rendezvous=store_uri,
-                              args={"numel": 100_003, "init_file": str(tmp_path / "gloo-init")})
+    handles = replicas.launch("gloo_vs_store_then_sgd_linear", 4, rendezvous=store_uri, settings=settings,
+                              args={"numel": 100_003, "init_file": str(tmp_path / "gloo-init"),
+                                    "steps": 6, "dim": 5, "lr": 0.05})
     results = replicas.results(handles)
     assert all(r["max_abs_diff"] < 1e-6 for r in results), [r["max_abs_diff"] for r in results]
     assert len({r["crc"] for r in results}) == 1  # every replica holds the very same bytes
+    expected = data_parallel_sgd(4, 6, 5, 0.05)
+    for r in results:
+        assert torch.allclose(torch.tensor(r["theta"]), expected, atol=1e-6, rtol=0), (r["theta"], expected)
 
 
 def test_bit_identical_global_state_every_round_and_bytes_at_the_bound(replicas, store_uri):

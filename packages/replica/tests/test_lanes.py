@@ -53,12 +53,12 @@ def test_time_based_rounds_close_in_every_process_of_a_replica_at_the_same_step(
 
 
 def test_a_config_error_in_one_process_is_the_replicas_config_error(replicas, store_uri):
-    handles = replicas.launch("plain_lanes", 2, rendezvous=store_uri, processes=2, settings={"sync_every": 2},
+    handles = replicas.launch("plain_lanes", 1, rendezvous=store_uri, processes=2, settings={"sync_every": 2},
                               args={"steps": 8, "fail_lane": 1, "fail_kind": "config", "fail_step": 3})
-    res = replicas.executor.collect(handles, timeout=180)
-    for r in res:  # exit 78 survives torchrun, so the supervisor stops the run instead of relaunching it
-        assert r.status == "failed" and r.exit_code == 78, r
-        assert r.error.startswith("dataset path 'gs://nowhere' does not exist") and "process 1 of 2" in r.error
+    (r,) = replicas.executor.collect(handles, timeout=180)
+    # exit 78 survives torchrun, so the supervisor stops the run instead of relaunching it
+    assert r.status == "failed" and r.exit_code == 78, r
+    assert r.error.startswith("dataset path 'gs://nowhere' does not exist") and "process 1 of 2" in r.error
     log = replicas.executor.stream_logs(handles[0], n_lines=400)
     assert "diloco: error: dataset path" in log and "Traceback" not in log
     assert "Unable to shutdown" not in log  # the other process ended on torchrun's SIGTERM, not its SIGKILL
