@@ -6,7 +6,7 @@ the model in the transport's encoding (half the model's fp32 bytes at N = 2: for
 blob is a view of the part's running total, which stays alive with it), held through the whole
 inner phase, and read almost never. On the heap it was the largest buffer a replica held beside
 θ_global and the outer momentum (issue "Billion-parameter rounds": 2.96× the model added on the
-host in sync fp32, against a target of 2.5×).
+host in sync fp32 on the CPU proxy, against a target of 2.5×).
 
 So each part is appended to one file per replica as it is published and read back only when a
 repair is asked for: the very bytes first written, which readers verify against the header's
@@ -14,7 +14,7 @@ checksum as they did the first time. The writes run on a thread of their own, ne
 reducing threads: a round does not wait for the disk (writing on the reducing threads cost a
 synchronous round 14% more blocked time on two cores), and a part is served from memory until it
 is written. The heap so holds only what the disk has not taken yet; a disk slower than the rounds
-(dirty pages throttled) brings back the old memory, never a slower round. Each new round writes
+(dirty pages throttled) brings back the old memory, not a round that waits for it. Each new round writes
 the file from its start again, over the last round's parts, so the file's pages are allocated
 once and reused (emptying it each round and writing it anew cost three times the CPU on a
 2-core VM); it keeps the size of the largest round's parts until the replica ends. The
