@@ -63,9 +63,9 @@ def small_disk(tmp_path):
                         written = f.write(b"\0" * min(free, 2**20))
                     except OSError:
                         break
-                    free -= written or 0
                     if not written:
                         break
+                    free -= written
 
         def free(self) -> None:
             self.filler.unlink(missing_ok=True)

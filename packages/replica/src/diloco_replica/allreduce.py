@@ -273,11 +273,10 @@ class StoreAllReduce:
                 raise error
 
     def _settle(self, rnd: Round, reduction: Reduction) -> torch.Tensor:
-        """The mean of a shard this replica reduced: kept for repairs if it published it (a reader
-        may find the stored copy corrupt while this replica gathers), else read from the store."""
+        """The mean of a shard this replica reduced: kept for repairs if it published it, else read
+        from the store."""
         if reduction.published_here:
             self.repairs.publish(rnd.r, reduction.j, reduction.blob)
-            self.repairs.watch()
             return reduction.mean
         return self.repairs.read_reduced(rnd, reduction.j)
 

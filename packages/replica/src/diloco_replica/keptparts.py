@@ -174,7 +174,6 @@ class KeptParts:
             if self._file is not None:
                 self._file.close()
                 self._file = None
-            self._end = 0
 
 
 def _write_at(fd: int, blob: list, offset: int) -> None:

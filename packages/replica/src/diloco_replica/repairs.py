@@ -247,8 +247,11 @@ class RepairDesk:
     # -- serving -----------------------------------------------------------------------------
 
     def publish(self, r: int, j: int, blob: list) -> None:
-        """Keep what this replica published for shard j of round r, to re-publish it if asked."""
+        """Keep what this replica published for shard j of round r, to re-publish it if asked, and
+        watch for such requests until the next round (a reader may find it corrupt while this
+        replica still gathers)."""
         self.published.keep(r, j, blob)
+        self._watch()
 
     def serve_once(self) -> bool:
         """Re-publish shards readers found corrupt (one LIST per round); True once nothing is left."""
@@ -275,9 +278,9 @@ class RepairDesk:
                 if not self._waiters:
                     self._waiting.clear()
 
-    def watch(self) -> None:
+    def _watch(self) -> None:
         """Until the next round is formed, answer repair requests whenever this replica waits
-        (called after each publication, from the threads reducing a round's parts)."""
+        (after each publication, from the threads reducing a round's parts)."""
         with self._starting:
             if self._watcher is None or not self._watcher.is_alive():
                 self._start_watch()
@@ -307,8 +310,8 @@ class RepairDesk:
 
     def _retire(self) -> bool:
         """Whether the watcher may end: nothing published is left to serve. Decided under the lock
-        `watch()` starts watchers under, so a part published meanwhile (the reducing threads publish
-        and call `watch()` part by part) is never left without one."""
+        `_watch()` starts watchers under, so a part published meanwhile (the reducing threads publish
+        part by part, each publication starting a watcher if none runs) is never left without one."""
         with self._starting:
             if self.published:
                 return False
