@@ -121,11 +121,27 @@ MOSTLY_WAITING = (
 )
 
 
+# The tests that train are split once more, into two pytest processes side by side: training
+# leaves a third of the machine idle (replicas starting, rounds waiting on each other, the fault
+# runs' stretched phases), which the other process fills. These modules (the fault runs: kills,
+# faults, a gone replica, elastic sizes, skewed clocks, killed Trainer and Lightning replicas, the
+# main job; the two that compare with the fault-free `reference` are among them, so that session
+# fixture runs once) go to one, every other module to the other: about 780 s of the training
+# tests' 1,300 s alone on 2 cores, and about half of them beside the other suites (where the
+# benches' quick runs, in the other process, stretch the most).
+FAULT_RUNS = tuple(f"tests/{m}.py::" for m in (
+    "test_fault_injection", "test_soak", "test_gone", "test_elastic", "test_process_groups",
+    "test_skewed_clocks", "test_main_job", "test_hf_trainer", "test_lightning"))
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "mostly_waiting: waits more than it trains (tests/conftest.py MOSTLY_WAITING)")
+    config.addinivalue_line("markers", "fault_runs: a fault run or the main job (tests/conftest.py FAULT_RUNS)")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(MOSTLY_WAITING):
             item.add_marker(pytest.mark.mostly_waiting)
+        elif item.nodeid.startswith(FAULT_RUNS):
+            item.add_marker(pytest.mark.fault_runs)

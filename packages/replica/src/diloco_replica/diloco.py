@@ -124,7 +124,7 @@ class DiLoCo:
         self.overlap_delay = s.overlap_delay  # None: merged when it arrives
         # time-based rounds: a round closes round_seconds after it began here, or at H steps if sooner
         self.round_seconds = float(s.round_seconds) if s.round_seconds is not None else None
-        self.faults = Faults(self.ctx.rank, self.lanes.index)  # fault injection; off by default
+        self.faults = Faults(self.ctx.rank, self.lanes.index, self.ctx.log)  # fault injection; off by default
         self._store = store
         if s.exchange == "process" and _process_reachable(store, self.ctx.rendezvous):  # else: a thread here
             import os

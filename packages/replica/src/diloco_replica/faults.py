@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -90,13 +91,16 @@ class NonFiniteInjector:
     leave them; the inner steps that follow poison the inner optimizer's state too.
 
     DILOCO_FAULT_NONFINITE="2:130,0:75": rank 2 after step 130, rank 0 after step 75 (once per
-    process; a relaunched replica that resumes before the step meets it again).
+    process; a relaunched replica that resumes before the step meets it again). It fires only on
+    the step itself: a replica that catches up from θ_global past the step (left behind, then
+    holding rounds) never meets it, so each firing is logged, and a test knows what was injected.
     """
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, log: logging.Logger | None = None):
         spec = os.environ.get("DILOCO_FAULT_NONFINITE") or ""
         pairs = [x.split(":") for x in spec.split(",") if x]
         self.steps = {int(step) for who, step in pairs if who == str(rank)}
+        self.log = log or logging.getLogger(__name__)
 
     def __call__(self, step: int, view: Any) -> None:
         """`view`: the process's `modelview.ModelView` (its tensors are looked up only when firing)."""
@@ -106,6 +110,7 @@ class NonFiniteInjector:
         with torch.no_grad():
             for t in view.tensors:
                 t.fill_(float("nan"))
+        self.log.warning("fault injection: the parameters set to NaN after step %d", step)
 
 
 class Faults:
@@ -113,10 +118,10 @@ class Faults:
     called by `roundio.RoundIO`) and which inner step it just took (`after_step`, called by
     `DiLoCo.step`). Off unless the variables above are set."""
 
-    def __init__(self, rank: int = 0, lane: int = 0):
+    def __init__(self, rank: int = 0, lane: int = 0, log: logging.Logger | None = None):
         self.phase = PhaseMarker(rank, lane)
         self._corrupt, self._lengthen = CorruptionInjector(), WrongLengthInjector()
-        self.after_step = NonFiniteInjector(rank)
+        self.after_step = NonFiniteInjector(rank, log)
 
     def as_written(self, data, kind: str, r: int, owner: int, src: int | None = None):
         """`data` as the store is to hold it: damaged if it is a target, else untouched (no copy)."""
