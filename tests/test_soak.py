@@ -226,8 +226,10 @@ def check(proc: subprocess.Popen, out: str, state: Path, run_id: str, reference:
     """What a soak run must end with (see the module's docstring); fills in the log line."""
     # the NaN's injection fires at its step only: a replica held back (SIGSTOP'd, then caught up
     # from θ_global past the step) never takes it. Its log says whether it fired.
+    from diloco_replica.faults import NONFINITE_FIRED
+
     logs = (state / "local" / run_id).glob(f"rank-{nan_rank}.attempt-*.log")
-    injected["nonfinite"] = sum(p.read_text(errors="replace").count("the parameters set to NaN") for p in logs)
+    injected["nonfinite"] = sum(p.read_text(errors="replace").count(NONFINITE_FIRED) for p in logs)
     record, events, results = recovered(proc, out, state, run_id)
     relaunches = sum(r["restarts"] for r in record["ranks"])
     incidents = [e for e in events if e["event"] == "incident"]

@@ -86,6 +86,9 @@ def lengthened(blob: bytes) -> bytes:
     return joined(pack(ident, parts, codec=h["codec"], numel=h["numel"] + 1, meta=h["meta"]))
 
 
+NONFINITE_FIRED = "fault injection: the parameters set to NaN after step"  # each firing's log line, to the step
+
+
 class NonFiniteInjector:
     """Turns a replica's parameters NaN after a given global inner step, as a diverged step would
     leave them; the inner steps that follow poison the inner optimizer's state too.
@@ -110,7 +113,7 @@ class NonFiniteInjector:
         with torch.no_grad():
             for t in view.tensors:
                 t.fill_(float("nan"))
-        self.log.warning("fault injection: the parameters set to NaN after step %d", step)
+        self.log.warning("%s %d", NONFINITE_FIRED, step)
 
 
 class Faults:
