@@ -13,7 +13,8 @@ the lanes are broadcast inside the replica. Per (store, L), in the same run:
 - host memory: per replica, the peak RSS of its processes above what they held before DiLoCo
   started (the model itself is the user's), summed, against the fp32 model size (target ≤ 3×).
 
-Stores: file:// and s3:// on a moto server (a real S3 API over HTTP on 127.0.0.1). Workers of
+Stores: file:// and s3:// on a moto server (a real S3 API over HTTP on 127.0.0.1); file:// only in
+quick mode (the smoke run CI makes: round_cost.py's smoke run takes rounds through s3://). Workers of
 L > 1 get the environment a launcher gives such replicas (`GROUP_ENV_DEFAULTS`);
 BENCH_MALLOC=glibc measures without it.
     python bench/lanes.py                 # S = 100 MB
@@ -38,7 +39,7 @@ from _common import knob, peak_rss_kb, rss_kb  # noqa: E402 - bench/ is the scri
 
 MB = int(knob("BENCH_MB", "100", "4"))
 LANES = [int(x) for x in knob("BENCH_LANES", "1,2,4", "1,2").split(",")]
-STORES = os.environ.get("BENCH_STORES", "file,s3").split(",")
+STORES = knob("BENCH_STORES", "file,s3", "file").split(",")  # quick: s3 rounds are smoke-run by round_cost.py
 N = 2
 
 

@@ -23,8 +23,8 @@ def state_dir(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> dict:
-    """A fault-free run of the fault tests' spec (`fault_harness.spec_for`): the yardstick for
-    their loss and final state, run once a session for every module that compares with it."""
+    """A fault-free run of the fault tests' spec (`fault_harness.spec_for`, the main job's model):
+    the yardstick for their loss, run once a session for every module that compares with it."""
     from fault_harness import final_results, spec_for, start
 
     tmp = tmp_path_factory.mktemp("reference")
@@ -125,8 +125,8 @@ MOSTLY_WAITING = (
 # leaves a third of the machine idle (replicas starting, rounds waiting on each other, the fault
 # runs' stretched phases), which the other process fills. These modules (the fault runs: kills,
 # faults, a gone replica, elastic sizes, skewed clocks, killed Trainer and Lightning replicas, the
-# main job; the two that compare with the fault-free `reference` are among them, so that session
-# fixture runs once) go to one, every other module to the other: about 780 s of the training
+# main job; the modules whose tests compare with the fault-free `reference` are among them, so that
+# session fixture runs once) go to one, every other module to the other: about 780 s of the training
 # tests' 1,300 s alone on 2 cores, and about half of them beside the other suites (where the
 # benches' quick runs, in the other process, stretch the most).
 FAULT_RUNS = tuple(f"tests/{m}.py::" for m in (
