@@ -125,7 +125,10 @@ def test_progress_on_a_terminal_is_a_live_bar(tmp_path, state_dir):
     master, slave = pty.openpty()
     env = {**os.environ, "DILOCO_STATE_DIR": str(state_dir), "COLUMNS": "120", "TERM": "xterm-256color"}
     env.pop("CI", None)
-    proc = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec(tmp_path, slow_rank=-1, step_s=0.05, steps=80)),
+    # 0.2 s a step: 4 s a round, so the launcher's looks (every 0.2 s, rounds read every 1 s) see the
+    # run between rounds however starved it is. At 0.05 s (1 s a round) a loaded machine once held
+    # the launcher until all four rounds were in, and no bar between them was drawn.
+    proc = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec(tmp_path, slow_rank=-1, step_s=0.2, steps=80)),
                              "--on-interrupt", "cancel"], stdin=slave, stdout=slave, stderr=slave, env=env)
     os.close(slave)
     chunks = []
@@ -145,5 +148,5 @@ def test_progress_on_a_terminal_is_a_live_bar(tmp_path, state_dir):
     assert proc.wait(timeout=60) == 0
     screen = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", b"".join(chunks).decode("utf-8", "replace"))
     assert "━" in screen  # the live bar was drawn, with step / total and an ETA while the run went on
-    assert re.search(r"\d+%  step (20|40|60)/80  ETA 0:00:\d\d", screen), screen[-2000:]
+    assert re.search(r"\d+%  step (20|40|60)/80  ETA \d+:\d\d:\d\d", screen), screen[-2000:]
     assert "step 80/80  round 4" in screen and "succeeded" in screen
