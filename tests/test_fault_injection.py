@@ -124,7 +124,11 @@ def test_launcher_killed_mid_run_then_resumed_reaches_the_same_state(tmp_path):
     expected = {r["theta_digest"] for r in final_results(record_of(clean / "state", clean_id))}
     assert len(expected) == 1
     state = tmp_path / "state"
-    proc, run_id = start(spec_for(tmp_path, model="small"), state)
+    # each sync phase stretched by a sleep (the harness's phase marker): 12 rounds of the small model
+    # last seconds longer, so a starved test process still finds the run going when it kills the
+    # launcher after round 3; sleeps change no byte of θ_global
+    phases = {"DILOCO_FAULT_PHASE_FILE": str(tmp_path / "phase-{rank}"), "DILOCO_FAULT_PHASE_DELAY": "0.1"}
+    proc, run_id = start(spec_for(tmp_path, model="small"), state, phases)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if any(e["event"] == "round" and e["round"] >= 3 for e in events_of(state, run_id)):
