@@ -49,6 +49,15 @@ def start(spec: Path, state_dir: Path, env: dict | None = None) -> tuple[subproc
     return proc, proc.stdout.readline().split()[1].rstrip(":")
 
 
+def fault_free(spec: Path, state_dir: Path) -> list[dict]:
+    """Every replica's result of `spec` run to its end without a fault (the yardstick a fault run's
+    state or loss is held to)."""
+    proc, run_id = start(spec, state_dir)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out
+    return final_results(record_of(state_dir, run_id))
+
+
 def recovered(proc: subprocess.Popen, out: str, state: Path, run_id: str,
               replicas: int = 4) -> tuple[dict, list[dict], list[dict]]:
     """What every fault run must end with: success, every replica surviving, holding one finite θ

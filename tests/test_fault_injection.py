@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from diloco.testing.scenarios import events_of, record_of
-from fault_harness import (H, PHASES, STEPS, final_results, kill_in_phase, recovered, spec_for,
+from fault_harness import (H, PHASES, STEPS, fault_free, final_results, kill_in_phase, recovered, spec_for,
                            start, wait_for_phase_round)
 
 FAULT_RUNS = int(os.environ.get("DILOCO_FAULT_RUNS", "0"))
@@ -118,10 +118,7 @@ def test_launcher_killed_mid_run_then_resumed_reaches_the_same_state(tmp_path):
     session's `reference` is of the main job's model, which the soak's loss comparison needs)."""
     clean = tmp_path / "clean"
     clean.mkdir()
-    proc, clean_id = start(spec_for(clean, model="small"), clean / "state")
-    out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out
-    expected = {r["theta_digest"] for r in final_results(record_of(clean / "state", clean_id))}
+    expected = {r["theta_digest"] for r in fault_free(spec_for(clean, model="small"), clean / "state")}
     assert len(expected) == 1
     state = tmp_path / "state"
     # each sync phase stretched by a sleep (the harness's phase marker): 12 rounds of the small model
