@@ -91,7 +91,8 @@ def wait_for_phase_round(phase_dir: Path, r: int, timeout: float = 300) -> None:
 
 def kill_in_phase(state: Path, run_id: str, phase_dir: Path, rng: random.Random, phase: str) -> dict[str, Any] | None:
     """SIGKILL one running replica when its phase marker shows `phase`; returns the kill (the
-    phase hit, the rank, its attempt and the wall-clock time), or None if none landed."""
+    phase hit, the round it was in, the rank, its attempt and the wall-clock time), or None if
+    none landed."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
@@ -108,16 +109,16 @@ def kill_in_phase(state: Path, run_id: str, phase_dir: Path, rng: random.Random,
         until = time.monotonic() + 8
         while time.monotonic() < until:
             try:
-                now = marker.read_text().split()[0]
-            except (FileNotFoundError, IndexError):
-                now = ""
+                now, at = marker.read_text().split()[:2]
+            except (FileNotFoundError, ValueError):
+                now = at = ""
             if now == phase:
                 try:
                     os.kill(victim["handle"]["metadata"]["pid"], signal.SIGKILL)
                 except ProcessLookupError:
                     break
-                return {"phase": phase, "rank": victim["rank"], "attempt": victim["handle"]["metadata"].get("attempt", 0),
-                        "t": time.time()}
+                return {"phase": phase, "round": int(at), "rank": victim["rank"],
+                        "attempt": victim["handle"]["metadata"].get("attempt", 0), "t": time.time()}
             time.sleep(0.002)
     return None
 

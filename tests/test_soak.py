@@ -27,8 +27,9 @@ docs/benchmarks.md quotes.
 
 Each run asserts: no deadlock (it ends within its timeout), no crash loop (relaunches bounded
 by the faults), survivors bit-identical after every round (no `diverged` event) and at the end,
-every round decided and applied once (each survivor holds exactly the run's rounds, and every
-round has member rows), a finite final model, eval loss within 3% of the fault-free run.
+every round decided and applied once (each survivor holds exactly the run's rounds), every
+round in the run's record (`unrecorded`: its rows in the store name one decision, and each
+member's row is there unless a SIGKILL explains it), a finite final model, eval loss within 3% of the fault-free run.
 """
 
 from __future__ import annotations
@@ -103,8 +104,9 @@ def soak_part(fault: str, run_index: int) -> str:
     return ":".join([kind, r, str(int(owner) * parts + run_index % parts), *src])
 
 
-def member_rows(uri: str, run_id: str) -> list[dict[str, Any]]:
-    """Every round row the replicas wrote to the store (read straight from moto, not the proxy)."""
+def round_rows(uri: str, run_id: str) -> list[dict[str, Any]]:
+    """Every round row the replicas wrote to the store, a member's or a non-member's (read
+    straight from moto, not the proxy)."""
     from diloco.runkeys import RunKeys
     from diloco.store import open_store
 
@@ -113,9 +115,34 @@ def member_rows(uri: str, run_id: str) -> list[dict[str, Any]]:
     for meta in store.list(RunKeys(run_id).metrics()):
         data = store.get(meta["path"])
         row = json.loads(bytes(data)) if data is not None else None
-        if isinstance(row, dict) and row.get("member"):
+        if isinstance(row, dict) and isinstance(row.get("round"), int):
             rows.append(row)
     return rows
+
+
+def unrecorded(rows: list[dict[str, Any]], kills: list[dict[str, Any]]) -> list[str]:
+    """Where the run's record in the store falls short: every round has rows (the launcher's
+    record and timeline are built from them), its rows name one decision (the same members),
+    and each member wrote its row — unless it was SIGKILLed in that round or in the next one (a
+    row is written in the background once the training loop has applied the round, so a kill
+    early in the next round can take it: a round whose only member died so is recorded by the
+    non-members' rows, which name its members)."""
+    killed = {(k["rank"], k["round"]) for k in kills}
+    problems = []
+    for r in range(1, ROUNDS + 1):
+        of_round = [row for row in rows if row["round"] == r]
+        if not of_round:
+            problems.append(f"round {r}: no row in the store")
+            continue
+        decisions = {tuple(sorted(row.get("members") or [])) for row in of_round}
+        if len(decisions) != 1:
+            problems.append(f"round {r}: its rows name different members {sorted(decisions)}")
+            continue
+        wrote = {row["rank"] for row in of_round if row.get("member")}
+        for m in sorted(set(decisions.pop()) - wrote):
+            if (m, r) not in killed and (m, r + 1) not in killed:
+                problems.append(f"round {r}: member {m} wrote no row and was not killed then")
+    return problems
 
 
 def recoveries(kills: list[dict[str, Any]], rows: list[dict[str, Any]], recorded: dict[int, float]) -> list[float | None]:
@@ -209,11 +236,12 @@ def test_mixed_fault_soak(tmp_path, reference, s3, run_index):
                 line["outage_s"] = round(refuse_s + unavailable_s, 1)
                 injected["sigkill"] = len(kills)
         line["outcome"] = "failed"
-        rows = member_rows(s3["uri"], run_id)
+        rows = round_rows(s3["uri"], run_id)
         recorded = {e["round"]: e["t"] for e in events_of(state, run_id) if e["event"] == "round"}
-        line.update(rounds=sorted({r["round"] for r in rows}),
-                    kills=[{"phase": k["phase"], "rank": k["rank"], "recovery_s": s}
-                           for k, s in zip(kills, recoveries(kills, rows, recorded))])
+        members = [r for r in rows if r.get("member")]
+        line.update(rounds=sorted({r["round"] for r in rows}), unrecorded=unrecorded(rows, kills),
+                    kills=[{"phase": k["phase"], "round": k["round"], "rank": k["rank"], "recovery_s": s}
+                           for k, s in zip(kills, recoveries(kills, members, recorded))])
         check(proc, out, state, run_id, reference, rows, injected, nan_rank, line)
         line["outcome"] = "passed"
     finally:
@@ -238,7 +266,8 @@ def check(proc: subprocess.Popen, out: str, state: Path, run_id: str, reference:
                 reference=round(reference["eval_loss"], 4), delta=round(delta, 4))
     assert relaunches <= injected["sigkill"] + injected["sigstop"] + 1, "a crash loop: relaunches beyond the faults"
     assert all(r["rounds"] == ROUNDS for r in results), [r["rounds"] for r in results]  # none lost, none twice
-    assert line["rounds"] == list(range(1, ROUNDS + 1)), line["rounds"]
+    assert line["rounds"] == list(range(1, ROUNDS + 1)), line["rounds"]  # every round in the run's record
+    assert not line["unrecorded"], line["unrecorded"]
     assert abs(delta) < 0.03
     problems = " ".join(e["problem"] for e in incidents)
     # (a writer killed at its round writes no damaged object; all of them missing means none was injected)

@@ -183,3 +183,63 @@ def test_a_reducer_whose_attempt_ended_is_taken_over_at_once_not_after_round_tim
     assert set(errors) == {1}, errors
     assert torch.equal(means[0], means[2])
     assert sorted(results[0].takeovers + results[2].takeovers) == [1]
+
+
+def test_a_straggler_whose_catch_up_meets_a_collected_round_rejoins_instead_of_dying(monkeypatch):
+    """Found by the soak (2026-11-30): a replica left out of a round it was late for catches up
+    by replaying the rounds decided since; when the run went past the store's retained history
+    meanwhile (the replica was paused while the others checkpointed and collected), the replay
+    meets a collected round (`FellBehind`). The replica is healthy: it rejoins from the newest
+    checkpoint and ends on the others' model. It used to die with that error and cost a
+    relaunch. The collection under the replay is the replay's first FellBehind here (the race
+    needs a paused process and the collection in the same instant: tests/test_soak.py meets it)."""
+    from diloco.context import ReplicaContext
+    from diloco_replica import DiLoCo, FellBehind
+    from diloco_replica.globalstate import GlobalState
+
+    replay = GlobalState.catch_up
+    collected_under: list[int] = []
+
+    def catch_up(self, *, during: str = "catch-up") -> int:
+        if self.ar.rank == 1 and during == "catch-up" and not collected_under:
+            collected_under.append(self.round)
+            raise FellBehind(f"round {self.round + 1} is at or below the store's retained history")
+        return replay(self, during=during)
+
+    monkeypatch.setattr(GlobalState, "catch_up", catch_up)
+    store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-collected-under-a-straggler"
+    finals: dict[int, bytes] = {}
+    errors: list[tuple[int, BaseException]] = []
+    logs: list[str] = []
+
+    def replica(rank: int) -> None:
+        try:
+            torch.manual_seed(0)
+            model = torch.nn.Linear(8, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+            diloco = DiLoCo(model, opt, ReplicaContext(rank, 2, run), store=store, sync_every=2, total_steps=12,
+                            round_timeout=1.0, poll_max=0.05)
+            if rank == 1:
+                diloco.sync.exchanger.log = logs.append
+            for step in diloco.steps():
+                if rank == 1 and step == 3:
+                    time.sleep(2.5)  # late for round 2: the other closes it alone after round_timeout
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                diloco.step()
+            diloco.close()
+            finals[rank] = diloco.theta.numpy().tobytes()
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append((rank, exc))
+
+    import threading
+
+    threads = [threading.Thread(target=replica, args=(k,)) for k in (0, 1)]
+    [t.start() for t in threads]
+    [t.join(timeout=120) for t in threads]
+    assert not errors, errors
+    assert collected_under == [2], collected_under  # left out of round 2, its replay from there met the collection
+    assert any("rejoining from the latest checkpoint" in line for line in logs), logs
+    assert finals[0] == finals[1]

@@ -101,6 +101,23 @@ def test_a_round_whose_every_contribution_is_nonfinite_fails_with_one_clear_erro
     assert not list(store.list("run-all-nan/r00000001/reduced/"))  # nothing non-finite was published
 
 
+def test_the_rounds_only_member_gone_nan_is_left_out_not_the_end_of_the_run():
+    """Found by the soak: the others of a 4-replica run were absent for a while (killed, paused)
+    when the round's only member diverged. That is one replica's divergence, not the run's: its
+    update is left out as it would be beside finite ones (the shard's update is zero, published
+    like any mean) and it resets, instead of every replica stopping and the run failing."""
+    store, run, n = open_store(f"memory://{uuid.uuid4().hex}"), "run-lone-nan", 3
+    deltas = [torch.full((100,), NAN), torch.ones(100), torch.ones(100)]
+    out, errors = run_round(store, run, n, deltas, skip=(1, 2), timeout=0.3)
+    assert not errors, errors
+    assert out[0].members == [0] and out[0].nonfinite == [0]  # it resets, as any left-out NaN sender
+    assert torch.equal(out[0].mean, torch.zeros(100))
+    for j in range(n):
+        reduced = unpack(store.get(f"{run}/r00000001/reduced/{j}/mean"), Identity(run, 1, "reduced", j, -1), "k")
+        assert reduced.meta["members"] == [] and reduced.meta["nonfinite"] == [0]
+        assert "non-finite" in reduced.meta["left_out"]["0"]
+
+
 def test_a_mean_that_would_overflow_is_never_published():
     store, n = open_store(f"memory://{uuid.uuid4().hex}"), 2
     out, errors = run_round(store, "run-inf", n, [torch.full((100,), 3e38) for _ in range(n)])

@@ -154,7 +154,7 @@ class Exchanger:
                 self.log(f"holding round {c}; waiting for " + (f"round {where - 1} to end: it takes part from round "
                          f"{where}" if rank_in else "a round to admit this replica"))
             time.sleep(ar.io.poll_max)
-            self.state.catch_up()
+            self._catch_up()
 
     def _where(self, c: int, announced: int | None, *, stuck: bool) -> str | int:
         """(Lane 0) "go": take part in round c + 1 now; "out": scaled away; else the round this
@@ -248,11 +248,24 @@ class Exchanger:
                 r, delta, cut=cut, in_place=True, residual=residual, sink=self.state.sink(r), encoded=encoded,
                 steps=work.steps if self.settings.round_seconds is not None else None, laps=laps))
         except FellBehind as exc:
-            self.log(f"{exc}; rejoining from the latest checkpoint")
-            self.state.bootstrap(None)
+            self._rejoin(exc)
             self.take_part()
             return self._adopted(work, t0)
         return self._finished(result, work, t0, laps)
+
+    def _catch_up(self) -> None:
+        """Adopt every round completed since the state's. A round collected under the replay (the
+        run went past the store's retained history while this replica was held, paused or slow,
+        as a straggler left out of a round can be) is no failure of the replica: it rejoins from
+        the newest checkpoint, as one that fell behind inside a round does."""
+        try:
+            self.state.catch_up()
+        except FellBehind as exc:
+            self._rejoin(exc)
+
+    def _rejoin(self, exc: FellBehind) -> None:
+        self.log(f"{exc}; rejoining from the latest checkpoint")
+        self.state.bootstrap(None)
 
     def _finished(self, result: RoundResult, work: Work, t0: float, laps: Laps) -> Outcome:
         self.state.finish(result.round, result.members)  # the outer step went in shard by shard
@@ -266,7 +279,7 @@ class Exchanger:
         incidents = result.incidents + self.allreduce.io.take_found()  # + any met rejoining since the last row
         action = MERGE
         if not result.member:
-            self.state.catch_up()  # others may be rounds ahead: adopt every completed round
+            self._catch_up()  # others may be rounds ahead: adopt every completed round
             self.take_part()  # and start the next round this replica takes part in with the others
             incidents += self.allreduce.io.take_found()
             action = WHOLE  # and the whole global model goes into the model, as a rejoining replica does

@@ -15,7 +15,12 @@ A contribution that is missing, fails its checksum twice, does not fit the round
 (`wire.check_layout`), holds NaN/Inf (`finite`) or, in time-based rounds, states an impossible
 inner-step count is left out of the mean: an incident each, and the published object names who
 was left out and why — the NaN/Inf senders too, so every replica learns it and they reset. A
-mean that would not be finite is never published (`finite.NonFinite` stops the run).
+mean that would not be finite is never published (`finite.NonFinite` stops the run), nor a shard
+every member sent NaN/Inf for: training diverged on every member. Except where that is the
+round's only member, the others absent (preempted, relaunching, paused) in a run of several: one
+replica's divergence, as it would be beside finite contributions. Its update is left out as then:
+the shard's update for the round is zero (the outer momentum still moves θ_global, one for
+everyone), and the replica resets to θ_global and trains on.
 
 Time-based rounds (`step_cap` set): each contribution states its inner steps τ_i (1..step_cap)
 and the mean is FedNova's, mean_i(Δ_i / τ_i) · mean_i(τ_i) over the members in it.
@@ -177,6 +182,11 @@ class ShardReducer:
             leave_out(m, f"{NONFINITE} in its update", nonfinite=True)
         if not summed.used:
             if summed.nonfinite and len(summed.nonfinite) == len(left_out):
+                if len(rnd.members) == 1 and io.n > 1:  # one replica's divergence, not the run's
+                    return self._publish(rnd, j, torch.zeros(numel, device=device),
+                                         {"members": [], "left_out": left_out, "nonfinite": summed.nonfinite,
+                                          "reducer": io.rank, "takeover": takeover},
+                                         finite_total=True, flagged=summed.nonfinite)
                 raise NonFinite(f"round {r}: every contribution to shard {j} is non-finite (NaN or Inf), from ranks "
                                 f"{summed.nonfinite}: training diverged on every member, so no finite global state "
                                 f"can follow; lower the learning rate (or check the data) and start a new run")
