@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHES = {
-    "launch.py": ["results", "bare_interpreter_s"],
+    "launch.py": ["results", "bare_interpreter_s", "first_step"],
     "allreduce.py": ["results"],
     "bytes.py": ["results", "bound_up"],
     "status_reads.py": ["results"],

@@ -56,6 +56,7 @@ def replicas(request):
     r = Replicas(run_id=f"t-{request.node.name[:40].lower().replace('_', '-').replace('[', '-').strip(']')}")
     yield r
     r.cancel_all()
+    r.executor.close()
 
 
 @pytest.fixture
