@@ -112,6 +112,12 @@ MOSTLY_WAITING = (
     "tests/test_store_outage.py::",
     "tests/test_progress_timeline.py::",
     "tests/test_modal_e2e.py::",
+    # the stand-in clouds' end-to-end runs (pods, jobs and blob containers coming and going around
+    # a few small rounds): since replicas fork from a warm template (diloco.warmstart) the training
+    # processes no longer keep the cores busy, and this process ended at 420 s of their 1,170
+    "tests/test_groups_e2e.py::",
+    "tests/test_azure_store.py::",
+    "tests/test_eks_e2e.py::",
     "tests/test_benches.py::test_the_bench_runs_in_quick_mode_and_prints_its_json[recovery.py]",
     "tests/test_benches.py::test_the_bench_runs_in_quick_mode_and_prints_its_json[scale.py]",
 )
@@ -120,14 +126,14 @@ MOSTLY_WAITING = (
 # The tests that train are split once more, into two pytest processes side by side: training
 # leaves a third of the machine idle (replicas starting, rounds waiting on each other, the fault
 # runs' stretched phases), which the other process fills. These modules (the fault runs: kills,
-# faults, a gone replica, elastic sizes, skewed clocks, killed Trainer and Lightning replicas, the
-# main job; the modules whose tests compare with the fault-free `reference` are among them, so that
-# session fixture runs once) go to one, every other module to the other: about 780 s of the training
-# tests' 1,300 s alone on 2 cores, and about half of them beside the other suites (where the
-# benches' quick runs, in the other process, stretch the most).
+# faults, a gone replica, elastic sizes, skewed clocks, the main job; the modules whose tests
+# compare with the fault-free `reference` are among them, so that session fixture runs once) go
+# to one, every other module (the killed Trainer and Lightning replicas among them) to the other:
+# in CI on 2026-11-30 the two took 1,147 s and 1,172 s beside the other suites, the Trainer and
+# Lightning tests 160 s of the first.
 FAULT_RUNS = tuple(f"tests/{m}.py::" for m in (
     "test_fault_injection", "test_soak", "test_gone", "test_elastic", "test_process_groups",
-    "test_skewed_clocks", "test_main_job", "test_hf_trainer", "test_lightning"))
+    "test_skewed_clocks", "test_main_job"))
 
 
 def pytest_configure(config):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from diloco import warmstart
 from diloco.local import LocalProcessExecutor
 from diloco.testing import launch, request_for, wait_for_status
 
@@ -29,8 +30,10 @@ def executor(tmp_path):
     ex.close()
 
 
-def test_forked_replicas_are_what_fresh_ones_would_be(executor):
-    handles = launch(executor, 3, "warm_jobs:whoami", {}, run_id="warm-a", workdir=str(HERE), timeout=120)
+def test_forked_replicas_are_what_fresh_ones_would_be(executor, tmp_path):
+    mark = str(tmp_path / "ended")
+    handles = launch(executor, 3, "warm_jobs:whoami", {"mark": mark}, run_id="warm-a", workdir=str(HERE),
+                     timeout=120)
     assert [h.metadata["forked"] for h in handles] == [True, True, True]
     results = executor.collect(handles, timeout=120)
     got = [r.result for r in results]
@@ -41,6 +44,12 @@ def test_forked_replicas_are_what_fresh_ones_would_be(executor):
     assert all(g["torch_loaded"] and g["stdin"] == "" and g["cwd"] == str(HERE) for g in got)
     assert all(g["argv0"].endswith(os.path.join("diloco", "runner.py")) for g in got)
     assert len({g["numpy"] for g in got}) == 3 and len({g["random"] for g in got}) == 3  # streams of their own
+    deadline = time.monotonic() + 30
+    while not all(warmstart.read_returncode(h.metadata["stem"]) == 0 for h in handles):
+        assert time.monotonic() < deadline, "the forked replicas did not exit"
+        time.sleep(0.02)
+    for rank in range(3):  # they ended as an exit would: threads joined, then the atexit handlers
+        assert os.path.exists(f"{mark}-{rank}.thread") and os.path.exists(f"{mark}-{rank}.atexit"), rank
     # a relaunch of one rank forks from the same template; exit statuses reach the launcher as a child's would
     again = launch(executor, 3, "warm_jobs:whoami", {"code": 3}, run_id="warm-a", workdir=str(HERE), timeout=120,
                    ranks=(1, 2), attempt=1)

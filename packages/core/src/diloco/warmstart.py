@@ -13,8 +13,8 @@ the same directory, with the replica's environment except the variables that dif
 replicas and launches (diloco's own `DILOCO_*`, the rank under its names, the devices:
 `PER_REPLICA`), which nothing the template imports reads at import time (tests check it).
 After the fork the replica takes its own session, log file, environment and argv, runs
-`diloco.runner.main()` as `python -m diloco.runner` would, and ends through the interpreter's
-own shutdown (atexit handlers run).
+`diloco.runner.main()` as `python -m diloco.runner` would, and ends as the interpreter's own exit
+would, but for tearing down the modules it shares with the template (`end`).
 
 Where a fork is not safe the replica starts fresh: off Linux, a command entrypoint (it execs a
 program anyway), a replica of several processes (torchrun starts them), no replica runtime to
@@ -29,6 +29,7 @@ the replicas it forked live on, as a launcher's own children do.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -185,6 +186,9 @@ def serve() -> dict[str, Any] | None:
         importlib.import_module(PRELOAD)
         if threading.active_count() > 1:
             raise RuntimeError("the preload started a thread, which a fork would not take along")
+        import gc
+
+        gc.freeze()  # what was imported is shared: the replicas' collections must not write to it
     except BaseException as exc:  # noqa: BLE001 - any failure means: start replicas fresh
         _say({"ready": False, "why": f"{type(exc).__name__}: {exc}"})
         return None
@@ -248,6 +252,25 @@ def become(request: dict[str, Any]) -> None:
     sys.argv = [runner.__file__]
 
 
+def end(code: int) -> None:
+    """(A forked replica) End as the interpreter's own exit would (its non-daemon threads
+    joined, its atexit handlers run, its output flushed) but without tearing down the modules it
+    shares with the template: that decrefs every object the template imported, and each write
+    copies a page, about 0.65 s of CPU per replica (a fresh one's teardown touches its own)."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
 def main() -> int:
     request = serve()
     if request is None:
@@ -259,7 +282,12 @@ def main() -> int:
         os._exit(127)
     from .runner import main as run_replica
 
-    return run_replica()
+    code = 1
+    try:
+        code = run_replica()
+    finally:
+        end(code)
+    return code
 
 
 if __name__ == "__main__":
