@@ -40,20 +40,33 @@ def follow_output(executor: Any, handle: Any, *, lines: int) -> Iterator[str]:
     logs are files here (`capabilities.log_files`) is read from where the file ended; any other
     is asked for its tail every second, what is new yielded (only the last line where the tail
     no longer starts with what was seen: older lines fell off it)."""
+    if executor.capabilities.log_files:
+        yield from _follow_file(executor, handle, lines)
+        return
     seen = executor.stream_logs(handle, n_lines=lines)
     if seen:
         yield seen
-    if not executor.capabilities.log_files:
-        while not executor.poll(handle).is_terminal:
-            time.sleep(1.0)
-            text = executor.stream_logs(handle, n_lines=lines)
-            new = "".join(text[len(seen):] if text.startswith(seen) else text.splitlines(keepends=True)[-1:])
-            if new:
-                yield new
-            seen = text
-        return
+    while not executor.poll(handle).is_terminal:
+        time.sleep(1.0)
+        text = executor.stream_logs(handle, n_lines=lines)
+        new = "".join(text[len(seen):] if text.startswith(seen) else text.splitlines(keepends=True)[-1:])
+        if new:
+            yield new
+        seen = text
+
+
+def _follow_file(executor: Any, handle: Any, lines: int) -> Iterator[str]:
+    """A log file's last `lines`, then what is appended from where that read ended (one open:
+    a line written meanwhile is in one or the other), until the replica ends."""
+    from .local import tail_and_size
+
     log_path = executor.log_path(handle)
-    pos = log_path.stat().st_size if log_path.exists() else 0
+    try:
+        tail, pos = tail_and_size(log_path, lines)
+    except FileNotFoundError:
+        tail, pos = "", 0  # no output yet: all of it, once it comes
+    if tail:
+        yield tail
     while True:
         done = executor.poll(handle).is_terminal
         if log_path.exists():

@@ -48,20 +48,25 @@ def _group_alive(pgid: int) -> bool:
 def tail_text(path: Path, n_lines: int) -> str:
     """Last `n_lines` lines of a file without reading all of it."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            block, data = 8192, b""
-            while size > 0 and data.count(b"\n") <= n_lines:
-                step = min(block, size)
-                size -= step
-                f.seek(size)
-                data = f.read(step) + data
-                block *= 2
+        return tail_and_size(path, n_lines)[0]
     except FileNotFoundError:
         return ""
+
+
+def tail_and_size(path: Path, n_lines: int) -> tuple[str, int]:
+    """A file's last `n_lines` lines and its size as they were read, from one open: a follower
+    that reads on from that size loses no line written in between."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        start, block, data = size, 8192, b""
+        while start > 0 and data.count(b"\n") <= n_lines:
+            step = min(block, start)
+            start -= step
+            f.seek(start)
+            data = f.read(step) + data
+            block *= 2
     lines = data.decode("utf-8", "replace").splitlines()
-    return "\n".join(lines[-n_lines:]) + ("\n" if lines else "")
+    return "\n".join(lines[-n_lines:]) + ("\n" if lines else ""), size
 
 
 def check_function_exists(ref: str, search_path: list[str]) -> None:
