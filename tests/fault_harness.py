@@ -96,7 +96,7 @@ def kill_in_phase(state: Path, run_id: str, phase_dir: Path, rng: random.Random,
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
-            ranks = record_of(state, run_id)["ranks"]
+            ranks = record_of(state, run_id).get("ranks") or []  # none yet: the launcher is submitting
         except (FileNotFoundError, json.JSONDecodeError):
             time.sleep(0.05)
             continue

@@ -61,7 +61,8 @@ ROUNDS = STEPS // H
 def stop_straggler(state: Path, run_id: str, rng: random.Random, hold_s: float) -> bool:
     """SIGSTOP one running replica for `hold_s` (past round_timeout), then SIGCONT it."""
     try:
-        running = [r for r in record_of(state, run_id)["ranks"] if r["status"] == "running" and r.get("handle")]
+        running = [r for r in record_of(state, run_id).get("ranks") or []
+                   if r["status"] == "running" and r.get("handle")]
     except (FileNotFoundError, json.JSONDecodeError):
         return False
     if not running:
