@@ -126,14 +126,13 @@ MOSTLY_WAITING = (
 # The tests that train are split once more, into two pytest processes side by side: training
 # leaves a third of the machine idle (replicas starting, rounds waiting on each other, the fault
 # runs' stretched phases), which the other process fills. These modules (the fault runs: kills,
-# faults, a gone replica, elastic sizes, skewed clocks, the main job; the modules whose tests
-# compare with the fault-free `reference` are among them, so that session fixture runs once) go
-# to one, every other module (the killed Trainer and Lightning replicas among them) to the other:
-# in CI on 2026-11-30 the two took 1,147 s and 1,172 s beside the other suites, the Trainer and
-# Lightning tests 160 s of the first.
+# faults, a gone replica, elastic sizes, skewed clocks, killed Trainer and Lightning replicas, the
+# main job; the modules whose tests compare with the fault-free `reference` are among them, so that
+# session fixture runs once) go to one, every other module to the other: in CI on 2026-11-30 the
+# two took 1,147 s and 1,172 s beside the other suites.
 FAULT_RUNS = tuple(f"tests/{m}.py::" for m in (
     "test_fault_injection", "test_soak", "test_gone", "test_elastic", "test_process_groups",
-    "test_skewed_clocks", "test_main_job"))
+    "test_skewed_clocks", "test_main_job", "test_hf_trainer", "test_lightning"))
 
 
 def pytest_configure(config):

@@ -151,9 +151,8 @@ def test_every_replica_image_shown_is_of_the_replica_version_released():
 PRIVATE_REACHES = {
     ("diloco.runner", "os._exit"): "the runner's watchdog ends the process at once (public, os docs)",
     ("diloco_replica.syncproc", "os._exit"): "a forked sync process ends without its parent's handlers (public)",
-    ("diloco.warmstart", "os._exit"): "a forked replica ends without tearing down the template's modules (public)",
-    ("diloco.warmstart", "atexit._run_exitfuncs"): "a forked replica runs its atexit handlers as an exit would, then "
-                                                   "ends without the teardown: atexit has no public runner",
+    ("diloco.warmstart", "os._exit"): "a forked replica that could not take its place ends without the template's "
+                                      "handlers (public)",
     **{("diloco_modal.functions", x): "the secrets a deployed function holds: modal has no public reader"
        for x in ("synchronizer._translate_in", "synchronizer._translate_out", "raw._spec",
                  "modal.Secret._new_hydrated", "function._client", "function._client._stub",

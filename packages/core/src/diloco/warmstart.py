@@ -13,8 +13,8 @@ the same directory, with the replica's environment except the variables that dif
 replicas and launches (diloco's own `DILOCO_*`, the rank under its names, the devices:
 `PER_REPLICA`), which nothing the template imports reads at import time (tests check it).
 After the fork the replica takes its own session, log file, environment and argv, runs
-`diloco.runner.main()` as `python -m diloco.runner` would, and ends as the interpreter's own exit
-would, but for tearing down the modules it shares with the template (`end`).
+`diloco.runner.main()` as `python -m diloco.runner` would, and ends through the interpreter's
+own exit (its threads joined, its atexit handlers run).
 
 Where a fork is not safe the replica starts fresh: off Linux, a command entrypoint (it execs a
 program anyway), a replica of several processes (torchrun starts them), no replica runtime to
@@ -29,7 +29,6 @@ the replicas it forked live on, as a launcher's own children do.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import select
@@ -252,25 +251,6 @@ def become(request: dict[str, Any]) -> None:
     sys.argv = [runner.__file__]
 
 
-def end(code: int) -> None:
-    """(A forked replica) End as the interpreter's own exit would (its non-daemon threads
-    joined, its atexit handlers run, its output flushed) but without tearing down the modules it
-    shares with the template: that decrefs every object the template imported, and each write
-    copies a page, about 0.65 s of CPU per replica (a fresh one's teardown touches its own)."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
-
-
 def main() -> int:
     request = serve()
     if request is None:
@@ -282,12 +262,7 @@ def main() -> int:
         os._exit(127)
     from .runner import main as run_replica
 
-    code = 1
-    try:
-        code = run_replica()
-    finally:
-        end(code)
-    return code
+    return run_replica()  # then the interpreter's own exit: its threads joined, its atexit handlers run
 
 
 if __name__ == "__main__":
