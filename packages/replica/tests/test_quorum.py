@@ -243,3 +243,22 @@ def test_a_straggler_whose_catch_up_meets_a_collected_round_rejoins_instead_of_d
     assert collected_under == [2], collected_under  # left out of round 2, its replay from there met the collection
     assert any("rejoining from the latest checkpoint" in line for line in logs), logs
     assert finals[0] == finals[1]
+
+
+def test_a_non_member_row_never_replaces_the_member_row_of_its_round():
+    """Found by the soak: a replica that was a member of round 10, then fell behind and rejoined
+    from checkpoint 10, wrote its non-member row of round 10 over its member row, and the round's
+    record lost that member's work. A non-member's row goes in only where none is."""
+    from diloco.metrics import RoundMetrics
+    from diloco_replica.recorder import Recorder
+
+    store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-rows"
+    ar = _allreduce(store, run, 1, 2, round_timeout=1.0)
+    recorder = Recorder(ar, log=lambda _: None)
+    key = ar.io.keys.metrics(10, 1)
+    recorder.write_row(RoundMetrics(round=10, rank=1, attempt=0, members=[0, 1], member=True, loss=2.5))
+    recorder.write_row(RoundMetrics(round=10, rank=1, attempt=1, members=[0, 1], member=False))
+    assert RoundMetrics.from_json(bytes(store.get(key))).member
+    recorder.write_row(RoundMetrics(round=11, rank=1, attempt=1, members=[0], member=False))  # none there: it goes in
+    assert not RoundMetrics.from_json(bytes(store.get(ar.io.keys.metrics(11, 1)))).member
+    ar.close()

@@ -35,8 +35,13 @@ class Recorder:
         self.closing = threading.Event()  # the replica leaves: stop waiting for rows
 
     def write_row(self, row: RoundMetrics) -> None:
+        """The replica's row of its round. A non-member's (the round whose state it holds after
+        catching up or rejoining) never replaces a row already there: this rank's own member row
+        of that round, written before it fell behind, is the record of its work."""
         try:
-            self.io.store.put(self.io.keys.metrics(row.round, row.rank), row.to_json())
+            self.io.store.put(self.io.keys.metrics(row.round, row.rank), row.to_json(), create_only=not row.member)
+        except ObjectExists:
+            pass
         except Exception as exc:  # metrics are for people; never fail training over them
             self.log(f"could not write metrics for round {row.round}: {exc}")
 
