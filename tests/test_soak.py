@@ -126,8 +126,9 @@ def unrecorded(rows: list[dict[str, Any]], kills: list[dict[str, Any]]) -> list[
     record and timeline are built from them), its rows name one decision (the same members),
     and each member wrote its row — unless it was SIGKILLed in that round or in the next one (a
     row is written in the background once the training loop has applied the round, so a kill
-    early in the next round can take it: a round whose only member died so is recorded by the
-    non-members' rows, which name its members)."""
+    early in the next round can take it: a round whose members all died so is recorded by the
+    non-members' rows, which name its members, and by the row of each replica that rejoins from
+    it)."""
     killed = {(k["rank"], k["round"]) for k in kills}
     problems = []
     for r in range(1, ROUNDS + 1):

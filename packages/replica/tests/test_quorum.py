@@ -262,3 +262,56 @@ def test_a_non_member_row_never_replaces_the_member_row_of_its_round():
     recorder.write_row(RoundMetrics(round=11, rank=1, attempt=1, members=[0], member=False))  # none there: it goes in
     assert not RoundMetrics.from_json(bytes(store.get(ar.io.keys.metrics(11, 1)))).member
     ar.close()
+
+
+def test_a_round_whose_members_all_died_before_their_rows_is_recorded_by_the_replica_that_rejoins_from_it():
+    """Rows are written in the background after a round is applied, so members that all die in
+    that instant leave their round with no row although the run goes on from its state (the
+    soak's record check meets it). A replica that starts from a round it took no part in writes
+    that round's row as a non-member: the round's members, the state's digest; never for round 0,
+    and never over a member's row of that round (create-only)."""
+    from diloco.context import ReplicaContext
+    from diloco.metrics import RoundMetrics
+    from diloco_replica import DiLoCo
+    from diloco.runkeys import RunKeys
+
+    store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-rows-of-the-dead"
+    keys = RunKeys(run)
+
+    def train(rank: int, attempt: int = 0) -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        diloco = DiLoCo(model, opt, ReplicaContext(rank, 2, run, attempt=attempt), store=store, sync_every=2,
+                        total_steps=4, round_timeout=5.0, poll_max=0.05)
+        for step in diloco.steps():
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            diloco.step()
+        diloco.close()
+
+    import threading
+
+    threads = [threading.Thread(target=train, args=(k,)) for k in (0, 1)]
+    [t.start() for t in threads]
+    [t.join(timeout=120) for t in threads]
+
+    def row(r: int, rank: int) -> RoundMetrics | None:
+        raw = store.get(keys.metrics(r, rank))
+        return RoundMetrics.from_json(bytes(raw)) if raw is not None else None
+
+    first = {rank: row(2, rank) for rank in (0, 1)}
+    assert all(first[k] is not None and first[k].member for k in (0, 1))
+    assert store.get(keys.metrics(0, 0)) is None and store.get(keys.metrics(0, 1)) is None
+    store.delete(keys.metrics(2, 1))  # rank 1 died before its row of round 2 went in; rank 0's stays
+
+    for rank in (0, 1):
+        train(rank, attempt=1)  # relaunched: joins from round 2's state (the run is over: it trains no more)
+    kept, written = row(2, 0), row(2, 1)
+    assert kept is not None and kept.member and kept.attempt == 0  # a member's row is never replaced
+    assert written is not None and not written.member and written.attempt == 1
+    assert written.members == [0, 1] and written.step == 4
+    assert written.state_digest == first[1].state_digest  # the state it holds is the round's
+    assert store.get(keys.metrics(0, 1)) is None

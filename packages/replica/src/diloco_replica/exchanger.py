@@ -1,11 +1,11 @@
 """The store side of one replica's (one lane's) rounds: everything a round does except touch the model.
 
 `Exchanger` owns the store all-reduce, θ_global with the outer momentum (`globalstate`), the
-checkpoints, the round's record and topk's residual. It never sees the model: the training process
-hands it the lane's local parameters of the round's fragment, as a flat fp32 host vector (a
+checkpoints, the round's record (`rows`) and topk's residual. It never sees the model: the training
+process hands it the lane's local parameters of the round's fragment, as a flat fp32 host vector (a
 snapshot: the sync process's shared buffer, an FSDP2 lane's) or as a reader it calls for a slice at
-a time (`streaming.LiveDelta`: on a thread of the training process, which holds no snapshot), and it
-answers with an `Outcome` that says what the training process must copy from θ_global into the
+a time (`streaming.LiveDelta`: on a thread of the training process, which holds no snapshot), and
+it answers with an `Outcome` that says what the training process must copy from θ_global into the
 model. That is what lets it run in a process of its own (`syncproc`): store I/O, checksums,
 decoding, folding and the outer step never compete with the training loop for its interpreter.
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +38,7 @@ from .feedback import LOSSY, quantise_pieces_with_feedback, quantise_with_feedba
 from .globalstate import GlobalState
 from .laps import Laps
 from .lanes import Lanes
-from .outer import digest_of
-from .recorder import Recorder
+from .rows import RoundRows
 from .rounderrors import FellBehind
 from .streaming import LiveDelta, LocalReader
 
@@ -107,19 +105,19 @@ class Exchanger:
         numel = self.state.numel  # this lane's slice of the model (`layout.lane_range`)
         # (on the model's GPU where the codec's arithmetic runs there: `codecdevice`)
         self.residual = self.codec_device.zeros(numel) if s.transport == "topk" or self.feedback else None
-        self.recorder = Recorder(self.allreduce, log)
+        self.rows = RoundRows(ctx, lanes, self.state, self.allreduce, log=log)
+        self.recorder = self.rows.recorder
         self.numel = numel
         self.total_steps: int | None = s.total_steps
-        self._alone_since_start = ctx.world_size > 1  # until a round with another member is seen
-        self._pending: Future | None = None           # the last round's record, being written
-        self._unrecorded: dict[int, RoundMetrics] = {}  # rows waiting for the training loop's timings
 
     def join(self, initial: Callable[[], torch.Tensor] | None) -> tuple[int, bool]:
         """Adopt the run's global state (`initial()`: θ_0 from the model, read only if the run is new)
         and wait for the round this replica takes part in (`take_part`). Returns the state's round,
         and whether this replica is to leave instead (scaled away before it got in)."""
         self.state.bootstrap(initial)
-        return self.take_part()
+        c, left = self.take_part()
+        self.rows.record_held(self.stride, self.total_steps)
+        return c, left
 
     def take_part(self) -> tuple[int, bool]:
         """Start at a round boundary, as the others do (`diloco.presence`): a replica that holds
@@ -304,8 +302,7 @@ class Exchanger:
             requests={k: int(v) for k, v in sums.items()}, takeovers=result.takeovers, incidents=incidents,
             phases={"compute": work.compute_s, **result.phases, "outer": laps.seconds["outer"]}, step=r * self.stride,
             total_steps=self.total_steps, evals=list(work.evals))
-        self._warn_if_alone(row)
-        self._unrecorded[row.round] = row
+        self.rows.keep(row)
         return Outcome(self.state.round, action, self.state.fragment(result.round), row,
                        exchange_s=time.monotonic() - t0, ended=laps.at, leave=leave)
 
@@ -333,34 +330,13 @@ class Exchanger:
     # -- the record --------------------------------------------------------------------------
 
     def applied(self, r: int, *, sync_s: float, outer_s: float, hidden_s: float) -> None:
-        """The training process put round r into the model, losing `sync_s` to it (`outer_s`: the
-        whole outer phase, this side's end of the outer step and the copy into the model): finish its row
-        and write it in the background (θ and the momentum stay as they are until the next
-        round's outer step, so their digest overlaps the next inner steps)."""
-        row = self._unrecorded.pop(r, None)
-        if row is None:
-            return
-        row.sync_s, row.hidden_s, row.t = sync_s, hidden_s, time.time()
-        row.phases["outer"] = outer_s
-        self.settle()
-        self._pending = self.allreduce.io.pool.submit(self._record, row)
-
-    def _record(self, row: RoundMetrics) -> None:
-        """The replica's row for the round: one per replica (lane 0 writes it), with the digest
-        of its whole state (every lane's part of it: `outer.digest_of`), equal on every replica
-        whatever its lane count, so a divergence in any lane shows; and every lane's incidents."""
-        lanes = self.lanes.exchange({"digest": list(self.state.digest()), "incidents": row.incidents})
-        if self.lanes.leader:
-            row.state_digest = digest_of([lane["digest"] for lane in lanes])
-            row.incidents = [i for lane in lanes for i in lane["incidents"]]
-            self.recorder.write_row(row)
-            self.recorder.maybe_summarize(row.round, row.members)
+        """The training process put round r into the model: its row is finished and written
+        (`RoundRows.applied`)."""
+        self.rows.applied(r, sync_s=sync_s, outer_s=outer_s, hidden_s=hidden_s)
 
     def settle(self) -> None:
-        """Wait for the last round's record (its lane exchange shares the lanes' group)."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            pending.result()
+        """Wait for the last round's record (`RoundRows.settle`)."""
+        self.rows.settle()
 
     def checkpoint_last(self) -> None:
         """Training is over: the last round's record written, that round checkpointed
@@ -368,17 +344,6 @@ class Exchanger:
         self.settle()
         self.state.checkpoint_last()
 
-    def _warn_if_alone(self, row: RoundMetrics) -> None:
-        if not self._alone_since_start or not self.lanes.leader:  # one warning per replica
-            return
-        if len(row.members) > 1:
-            self._alone_since_start = False
-            return
-        self.log(f"WARNING: round {row.round}: this replica has been alone in every round so far although the run "
-                 f"has {self.ctx.world_size} replicas; they are not meeting in the store "
-                 f"{self.allreduce.store.store.uri!r} (is it the same store for all of them?)")
-
     def close(self) -> None:
-        self.settle()
-        self.recorder.closing.set()
+        self.rows.close()
         self.allreduce.close()
