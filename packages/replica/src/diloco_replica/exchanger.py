@@ -112,11 +112,13 @@ class Exchanger:
 
     def join(self, initial: Callable[[], torch.Tensor] | None) -> tuple[int, bool]:
         """Adopt the run's global state (`initial()`: θ_0 from the model, read only if the run is new)
-        and wait for the round this replica takes part in (`take_part`). Returns the state's round,
-        and whether this replica is to leave instead (scaled away before it got in)."""
+        and wait for the round this replica takes part in (`take_part`), then write this replica's
+        row of the round it starts from (`RoundRows.record_held`). Returns the state's round, and
+        whether this replica is to leave instead (scaled away before it got in: no row then)."""
         self.state.bootstrap(initial)
         c, left = self.take_part()
-        self.rows.record_held(self.stride, self.total_steps)
+        if not left:
+            self.rows.record_held(self.stride, self.total_steps)
         return c, left
 
     def take_part(self) -> tuple[int, bool]:

@@ -1,17 +1,20 @@
 """A replica's rows: what it did in each round, as the launcher's live bar, timeline and summaries
 read it (`diloco.metrics.RoundMetrics`).
 
-A member's row is begun when its round ends (`keep`) and finished with the training loop's own
-timings once the model holds the round (`applied`); it is written in the background, overlapping
-the next inner steps, with the digest of the replica's whole state (every lane's part of it:
-`outer.digest_of`), equal on every replica whatever its lane count, so a divergence in any lane
-shows. The next round waits for it (`settle`): its lane exchange shares the lanes' group, and its
-digest is of the state before the next outer step.
+A round's row is begun when the round ends here (`keep`: a member's, or a non-member's that caught
+up) and finished with the training loop's own timings once the model holds the round (`applied`);
+it is written in the background, overlapping the next inner steps, with the digest of the
+replica's whole state (every lane's part of it: `outer.digest_of`), equal on every replica
+whatever its lane count, so a divergence in any lane shows. The next round waits for it
+(`settle`): its lane exchange shares the lanes' group, and its digest is of the state before the
+next outer step.
 
-A replica that starts from a round it took no part in (a relaunch, a rejoin, one added by
-`diloco scale`) writes a row of that round as a non-member (`record_held`). Rows are written after
-a round is applied, so a round whose every member died before writing its own would otherwise
-have no record at all, although its state is in the store and the run went on from it.
+A replica that joins a run past its first round (relaunched, re-run, added by `diloco scale`)
+writes a row of the round it starts from, as a non-member (`record_held`: this attempt put
+nothing into that round), unless its rank has a row of that round already. Rows are written
+after a round is applied, so a round whose members all died in that instant, with no
+non-member holding it, would otherwise have no row at all, although its state is in the store
+and the run went on from it (a gang restart after a shared failure, a one-member round).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from diloco.metrics import RoundMetrics
 
 from .allreduce import StoreAllReduce
 from .globalstate import GlobalState
-from .lanes import Lanes
+from .lanes import Lanes, PeerLost
 from .outer import digest_of
 from .recorder import Recorder
 
@@ -58,8 +61,8 @@ class RoundRows:
         self._pending = self.allreduce.io.pool.submit(self._record, row)
 
     def record_held(self, stride: int, total_steps: int | None) -> None:
-        """(Every lane, at once) the row of the round whose state this replica starts from, as a
-        non-member. Create-only (`Recorder.write_row`): a row this rank wrote as a member of that
+        """(Every lane, at once, as the replica joins) the row of the round whose state it starts
+        from, as a non-member. Create-only (`Recorder.write_row`): a row this rank wrote as a member of that
         round stays. Nothing for round 0 (no round yet), nor for a round whose decision the store
         no longer holds (a row names its round's members, and they are unknown)."""
         c = self.state.round
@@ -72,6 +75,8 @@ class RoundRows:
 
         try:
             held_by = self.lanes.on_leader(members)  # one answer for every lane: all write, or none
+        except PeerLost:  # another lane of this replica is gone: the replica fails, as anywhere else
+            raise
         except Exception as exc:  # rows are for people; never fail a join over one
             self.log(f"could not read round {c}'s members for this replica's row: {exc}")
             return
