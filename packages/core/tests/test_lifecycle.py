@@ -247,8 +247,9 @@ def test_every_local_replica_cancelled_outside_diloco_stops_the_run_and_says_why
         out, _ = launcher.communicate(timeout=120)
     finally:
         launcher.kill()
-    assert launcher.returncode == 1 and "was cancelled: every replica of the run was cancelled outside diloco" in out
     data = _record(cli, run_id)
+    assert launcher.returncode == 1 and "was cancelled: every replica of the run was cancelled outside diloco" in out, (
+        out, [(e["event"], e.get("rank"), e.get("attempt")) for e in data["events"]])
     assert data["record"]["state"] == "STOPPED"
     assert sorted(e["rank"] for e in data["events"] if e["event"] == "cancelled_outside") == [0, 1]
     assert "stopped: every replica" in cli("status", run_id).stdout
