@@ -182,7 +182,7 @@ def test_a_paused_launcher_still_counts_as_alive(state_dir):
             "pid": child.pid, "host": socket.gethostname(), "heartbeat": time.time() - 3600,
             "started": started_at(child.pid)}})
         assert _launcher_alive(record)
-        record.data["launcher"]["started"] = 12345.0  # the pid was recycled by another process
+        record.data["launcher"]["started"] = started_at(child.pid) - 100  # the pid was recycled by another process
         assert not _launcher_alive(record)
     finally:
         child.kill()

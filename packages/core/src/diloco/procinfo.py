@@ -2,26 +2,40 @@
 
 A pid alone is not an identity: once a process ends, the system hands its pid to another. So
 wherever a pid is recorded (a replica's process group, the launcher's heartbeat, a lease) its
-creation time is recorded beside it, and a live process counts as the recorded one only if both
-match. psutil reads both portably; a zombie (ended, not yet reaped) counts as gone.
+start is recorded beside it, and a live process counts as the recorded one only if both match.
+psutil reads both portably; a zombie (ended, not yet reaped) counts as gone.
+
+The start must not move when the wall clock does. psutil's creation time on Linux is the
+kernel's count of clock ticks since boot plus the boot time, and the boot time it adds is read
+again at every call, from the wall clock: a step of the clock (NTP or chrony stepping a fresh
+VM, a clock set by hand, a VM resumed from a snapshot) moves every process's creation time by
+the step, even one of a few milliseconds that carries the boot time, whole seconds only, over to
+the next second. A recorded process then looks gone: the launcher would relaunch replicas that
+still train, `diloco cancel` from another shell would stop nothing, and a lease would look
+free while its holder lives. So on Linux the start is seconds since boot (the ticks alone); on
+macOS and the BSDs psutil's creation time is the wall time the kernel stored at the start,
+which a later step does not move.
 """
 
 from __future__ import annotations
 
 import psutil
 
-# Creation times are derived from the boot time, which a clock step can move by a little; a
-# recycled pid started this close to the original is not a case that arises.
+# Two readings of one process's start differ by float rounding at most; a recycled pid started
+# within a second of the one recorded (after a reboot, at the same time since boot) is not a
+# case that arises.
 SAME_START_S = 1.0
 
 
 def started_at(pid: int) -> float | None:
-    """When `pid` was created (seconds since the epoch), or None if no live process has it."""
+    """When `pid` was created (Linux: seconds since boot; elsewhere: seconds since the epoch, as the
+    kernel stored it), or None if no live process has it; -1.0 if it is another user's."""
     try:
         process = psutil.Process(pid)
         if process.status() == psutil.STATUS_ZOMBIE:
             return None
-        return process.create_time()
+        created = process.create_time()
+        return created - psutil.boot_time() if psutil.LINUX else created
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return None
     except psutil.AccessDenied:  # alive, but another user's: its start time is not ours to read
