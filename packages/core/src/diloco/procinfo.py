@@ -34,8 +34,10 @@ def started_at(pid: int) -> float | None:
         process = psutil.Process(pid)
         if process.status() == psutil.STATUS_ZOMBIE:
             return None
-        created = process.create_time()
-        return created - psutil.boot_time() if psutil.LINUX else created
+        if not psutil.LINUX:
+            return process.create_time()
+        boot = psutil.boot_time()  # first: psutil 5.9 adds the boot time its last read cached
+        return process.create_time() - boot
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return None
     except psutil.AccessDenied:  # alive, but another user's: its start time is not ours to read
