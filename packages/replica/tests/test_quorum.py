@@ -154,6 +154,33 @@ def _meta(store, key):
     return unpack(store.get(key), Identity(run, r, "members"), key).meta
 
 
+def _train_linear(store, run: str, rank: int, *, total_steps: int, round_timeout: float, attempt: int = 0,
+                  log=None, before_step=None):
+    """One replica of a 2-replica run of a tiny linear model, in this process, to its end: the
+    same θ_0 everywhere, each rank's own data. `log` replaces its exchanger's log; `before_step(step)`
+    runs before each inner step. Returns the closed `DiLoCo`."""
+    from diloco.context import ReplicaContext
+    from diloco_replica import DiLoCo
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    diloco = DiLoCo(model, opt, ReplicaContext(rank, 2, run, attempt=attempt), store=store, sync_every=2,
+                    total_steps=total_steps, round_timeout=round_timeout, poll_max=0.05)
+    if log is not None:
+        diloco.sync.exchanger.log = log
+    for step in diloco.steps():
+        if before_step is not None:
+            before_step(step)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        diloco.step()
+    diloco.close()
+    return diloco
+
+
 def test_a_reducer_whose_attempt_ended_is_taken_over_at_once_not_after_round_timeout():
     """Replica 1 is a member of the round and dies before reducing its shard; the launcher marks
     its attempt away (as the supervisor does when it sees the process end). The others take its
@@ -193,8 +220,7 @@ def test_a_straggler_whose_catch_up_meets_a_collected_round_rejoins_instead_of_d
     checkpoint and ends on the others' model. It used to die with that error and cost a
     relaunch. The collection under the replay is the replay's first FellBehind here (the race
     needs a paused process and the collection in the same instant: tests/test_soak.py meets it)."""
-    from diloco.context import ReplicaContext
-    from diloco_replica import DiLoCo, FellBehind
+    from diloco_replica import FellBehind
     from diloco_replica.globalstate import GlobalState
 
     replay = GlobalState.catch_up
@@ -213,23 +239,13 @@ def test_a_straggler_whose_catch_up_meets_a_collected_round_rejoins_instead_of_d
     logs: list[str] = []
 
     def replica(rank: int) -> None:
+        def late_for_round_2(step: int) -> None:
+            if rank == 1 and step == 3:
+                time.sleep(2.5)  # late for round 2: the other closes it alone after round_timeout
+
         try:
-            torch.manual_seed(0)
-            model = torch.nn.Linear(8, 1)
-            opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-            diloco = DiLoCo(model, opt, ReplicaContext(rank, 2, run), store=store, sync_every=2, total_steps=12,
-                            round_timeout=1.0, poll_max=0.05)
-            if rank == 1:
-                diloco.sync.exchanger.log = logs.append
-            for step in diloco.steps():
-                if rank == 1 and step == 3:
-                    time.sleep(2.5)  # late for round 2: the other closes it alone after round_timeout
-                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
-                model(x).pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad()
-                diloco.step()
-            diloco.close()
+            diloco = _train_linear(store, run, rank, total_steps=12, round_timeout=1.0,
+                                   log=logs.append if rank == 1 else None, before_step=late_for_round_2)
             finals[rank] = diloco.theta.numpy().tobytes()
         except BaseException as exc:  # noqa: BLE001 - asserted below
             errors.append((rank, exc))
@@ -270,27 +286,14 @@ def test_a_round_whose_members_all_died_before_their_rows_is_recorded_by_the_rep
     soak's record check meets it). A replica that starts from a round it took no part in writes
     that round's row as a non-member: the round's members, the state's digest; never for round 0,
     and never over a member's row of that round (create-only)."""
-    from diloco.context import ReplicaContext
     from diloco.metrics import RoundMetrics
-    from diloco_replica import DiLoCo
     from diloco.runkeys import RunKeys
 
     store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-rows-of-the-dead"
     keys = RunKeys(run)
 
     def train(rank: int, attempt: int = 0) -> None:
-        torch.manual_seed(0)
-        model = torch.nn.Linear(8, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-        diloco = DiLoCo(model, opt, ReplicaContext(rank, 2, run, attempt=attempt), store=store, sync_every=2,
-                        total_steps=4, round_timeout=5.0, poll_max=0.05)
-        for step in diloco.steps():
-            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * rank + step))
-            model(x).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-            diloco.step()
-        diloco.close()
+        _train_linear(store, run, rank, attempt=attempt, total_steps=4, round_timeout=5.0)
 
     import threading
 

@@ -106,7 +106,6 @@ class Exchanger:
         # (on the model's GPU where the codec's arithmetic runs there: `codecdevice`)
         self.residual = self.codec_device.zeros(numel) if s.transport == "topk" or self.feedback else None
         self.rows = RoundRows(ctx, lanes, self.state, self.allreduce, log=log)
-        self.recorder = self.rows.recorder
         self.numel = numel
         self.total_steps: int | None = s.total_steps
 
@@ -216,12 +215,12 @@ class Exchanger:
         if r != self.state.round + 1:
             raise ValueError(f"round {r} asked for while the global state is at round {self.state.round}")
         since = self.state.round - 1
-        diverged = self.lanes.on_leader(lambda: self.recorder.diverged_since(since)) if self.state.round > 0 else None
+        diverged = self.lanes.on_leader(lambda: self.rows.recorder.diverged_since(since)) if self.state.round > 0 else None
         if diverged is not None:
             self.log(f"this replica's global state diverged from the majority's at round {diverged}; "
                      f"reloading it from an older checkpoint")
             self.state.repair_divergence(diverged, None)
-            self.recorder.skip_through(self.state.round)  # later summaries still show the old state
+            self.rows.recorder.skip_through(self.state.round)  # later summaries still show the old state
             self.take_part()
             return self._adopted(work, t0)
         a, b = self.state.bounds(r)
