@@ -15,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-from diloco.context import ReplicaContext
+from diloco.bootstrap.context import ReplicaContext
 
 CHUNK = 16 * 2**20  # fp32 values per tensor (64 MiB)
 

@@ -10,7 +10,7 @@ BENCH_PART_MB (default "65536,32"): the store round once per `[diloco] part_mb`,
 each repeat (`store_file_s_by_part_mb`; the last is `store_file_s`): one object per shard against
 shards over 32 MiB cut into parts that pipeline.
 
-BENCH_FINITE=1 also times each store round with the finiteness checks (`diloco_replica.finite`:
+BENCH_FINITE=1 also times each store round with the finiteness checks (`diloco_replica.transport.finite`:
 every contribution, every mean, every reduced shard read) switched off, interleaved with the
 checked rounds, and reports `finite_check_ratio` = checked / unchecked; and, since a busy
 machine's I/O noise can drown a few percent, the same ratio for a round's compute alone
@@ -44,7 +44,8 @@ PART_MBS = [float(x) for x in knob("BENCH_PART_MB", "65536,32", "32").split(",")
 
 def finite_checks(on: bool) -> None:
     """Switch the replica's finiteness checks on or off (off: every vector counts as finite)."""
-    from diloco_replica import finite, reduce, repairs
+    from diloco_replica.transport import finite
+    from diloco_replica.round.steps import reduce, repairs
 
     real = finite.__dict__.setdefault("_real_all_finite", finite.all_finite)
     check = real if on else (lambda x: True)
@@ -58,9 +59,9 @@ def round_compute(world: int, numel: int, repeats: int = 7) -> dict:
     the N−1 other reduced shards. Min over interleaved repeats (noise only adds), checks on/off."""
     from types import SimpleNamespace
 
-    from diloco_replica.finite import Contribution, accumulate
-    from diloco_replica.repairs import RepairDesk
-    from diloco_replica.wire import Identity, decode_tensor, encode_tensor, joined, pack, unpack
+    from diloco_replica.transport.finite import Contribution, accumulate
+    from diloco_replica.round.steps.repairs import RepairDesk
+    from diloco_replica.transport.wire import Identity, decode_tensor, encode_tensor, joined, pack, unpack
 
     torch.set_num_threads(1)
     shard = numel // world
@@ -99,7 +100,7 @@ def round_compute(world: int, numel: int, repeats: int = 7) -> dict:
 
 
 def finite_module():
-    from diloco_replica import finite
+    from diloco_replica.transport import finite
 
     return finite
 
@@ -107,8 +108,8 @@ def finite_module():
 def worker(rank: int, world: int, numel: int, port: int, store_dir: str, queue) -> None:
     import torch.distributed as dist
 
-    from diloco.store import open_store
-    from diloco_replica.allreduce import StoreAllReduce
+    from diloco.store.objectstore import open_store
+    from diloco_replica.round.allreduce import StoreAllReduce
 
     torch.set_num_threads(1)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))

@@ -17,8 +17,8 @@ import uuid
 
 import torch
 
-from diloco.store import open_store
-from diloco_replica.allreduce import StoreAllReduce
+from diloco.store.objectstore import open_store
+from diloco_replica.round.allreduce import StoreAllReduce
 
 WORLD = int(os.environ.get("BENCH_WORLD", "4"))
 from _common import knob  # noqa: E402 - bench/ is the script's directory

@@ -59,9 +59,9 @@ def run(name: str, tmp: Path, replicas: int, *, kill_after_round: int | None = N
     run_dir = state / "runs" / run_id
     killed_at = None
     if kill_after_round is not None:
-        from diloco.runkeys import RunKeys
-        from diloco.state import RunRecord
-        from diloco.store import open_store
+        from diloco.store.runkeys import RunKeys
+        from diloco.runrecord.state import RunRecord
+        from diloco.store.objectstore import open_store
 
         while proc.poll() is None and not (run_dir / "run.json").exists():
             time.sleep(0.1)
@@ -82,8 +82,8 @@ def run(name: str, tmp: Path, replicas: int, *, kill_after_round: int | None = N
 
 
 def summarize(name: str, run_dir: Path, wall: float, killed_at: float | None) -> dict:
-    from diloco.metrics import read_rounds
-    from diloco.state import RunRecord
+    from diloco.store.metrics import read_rounds
+    from diloco.runrecord.state import RunRecord
     from diloco.testing.scenarios import events_of
 
     evs = events_of(run_dir.parent.parent, run_dir.name)  # the run has ended: every line is whole

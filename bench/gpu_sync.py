@@ -111,7 +111,7 @@ PROXY = {"step_s": float(knob("BENCH_PROXY_STEP_S", "0.04", "0.02")),
 def worker(spec: dict) -> dict:
     import torch
 
-    from diloco.context import ReplicaContext
+    from diloco.bootstrap.context import ReplicaContext
     from tiny_lm import TinyLM, batch, evaluate, load_corpus, loss_of
 
     cuda = spec["device"] == "cuda"
@@ -235,7 +235,7 @@ def run_mode(name: str, H: int, device: str, tmp: Path) -> dict:
             "max_bytes": 20_000_000 if not QUICK else 2_000_000,
             "settings": None if settings is None else {"sync_every": H, "total_steps": STEPS, "round_timeout": 300,
                                                        "checkpoint_every": 1000, **settings}}
-    from diloco.replicaenv import REPLICA_ENV_DEFAULTS
+    from diloco.inputs.replicaenv import REPLICA_ENV_DEFAULTS
 
     procs = []
     for rank in range(N):

@@ -45,7 +45,7 @@ N = 2
 
 def raw_round(store, run: str, rank: int, lane: int, lanes: int, numel: int, barrier) -> float:
     """The lane's share of the round's bytes with plain puts and gets, same pool width as the protocol."""
-    from diloco_replica.layout import shard_bounds
+    from diloco_replica.round.layout import shard_bounds
 
     bounds = shard_bounds(numel, N)
     payload = torch.randn(numel).numpy().tobytes()
@@ -74,8 +74,8 @@ def worker(index: int, lanes: int, uri: str, env: dict, ports: list[int], barrie
     rank, lane = divmod(index, lanes)
     import torch.distributed as dist
 
-    from diloco.context import ReplicaContext
-    from diloco.store import open_store
+    from diloco.bootstrap.context import ReplicaContext
+    from diloco.store.objectstore import open_store
     from diloco_replica import DiLoCo
 
     torch.set_num_threads(1)
@@ -124,7 +124,7 @@ def one(uri: str, env: dict, lanes: int) -> dict:
     ctx = mp.get_context("spawn")
     queue, barrier = ctx.Queue(), ctx.Barrier(N * lanes)
     if lanes > 1 and os.environ.get("BENCH_MALLOC", "launcher") == "launcher":  # as replica_env sets it
-        from diloco.replicaenv import GROUP_ENV_DEFAULTS
+        from diloco.inputs.replicaenv import GROUP_ENV_DEFAULTS
 
         os.environ.update(GROUP_ENV_DEFAULTS)  # glibc reads it at exec: the spawned workers see it
     else:

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from diloco.local import LocalProcessExecutor
+from diloco.local.executor import LocalProcessExecutor
 from diloco.testing import launch
 
 from _common import knob  # noqa: E402 - bench/ is the script's directory
@@ -86,7 +86,7 @@ def main() -> None:
 
 def first_step_rows() -> list[dict]:
     """A replica's start as DiLoCo replicas have it (the runtime imported, one optimizer step:
-    `_launch_job.first_step`), forked from a warm template (`diloco.warmstart`, the default) and
+    `_launch_job.first_step`), forked from a warm template (`diloco.local.warmstart`, the default) and
     from a fresh interpreter, alternating in each repeat of the same run. The warm executor's
     template is up before the first timed launch, as it is for every relaunch and every launch
     after a run's first: its own start is `template_s`. Host memory: the replicas' peak RSS and

@@ -63,8 +63,8 @@ def run_diloco(spec: Path, replicas: int, tmp: Path, kill_after_round: int | Non
                kill_delay: Callable[[], float] = lambda: 0.0) -> dict:
     """One `diloco run` of `spec`; with `kill_after_round`, the last replica is SIGKILLed
     `kill_delay()` seconds after its row of that round is in the store."""
-    from diloco.metrics import RoundCache
-    from diloco.runkeys import RunKeys
+    from diloco.store.metrics import RoundCache
+    from diloco.store.runkeys import RunKeys
 
     state, log = tmp / "state", tmp / "diloco-run.log"
     tmp.mkdir(parents=True)

@@ -3,7 +3,7 @@ as a member, against what it must read to come back (issue "A thousand faults").
 
 Two replicas of `_recovery_job` (a model of the row's size whose inner steps cost little) train
 through `diloco run` on the local backend; each replica's store is a file:// store behind a
-link of `BENCH_RATE` bytes/s each way (`diloco.throttle`, the benches' stand-in for a
+link of `BENCH_RATE` bytes/s each way (`diloco.store.throttle`, the benches' stand-in for a
 replica's network), with a checkpoint every round; an inner step sleeps `BENCH_STEP_S` for its
 compute, so a round has a period (H steps) like a real one. Once round `KILL_AFTER` is done, rank 1's
 process is SIGKILLed; the launcher relaunches it at once ([restart] backoff 0); it starts,
@@ -64,8 +64,8 @@ def spec(tmp: Path, megabytes: float) -> Path:
 
 
 def rows_of(store_uri: str, run_id: str) -> list[dict]:
-    from diloco.runkeys import RunKeys
-    from diloco.store import open_store
+    from diloco.store.runkeys import RunKeys
+    from diloco.store.objectstore import open_store
 
     store, out = open_store(store_uri), []
     for meta in store.list(RunKeys(run_id).metrics()):
@@ -85,9 +85,9 @@ def logged_at(log: Path, text: str) -> float | None:
 
 
 def row(megabytes: float, tmp: Path) -> dict:
-    from diloco.runkeys import RunKeys
-    from diloco.state import RunRecord
-    from diloco.store import open_store
+    from diloco.store.runkeys import RunKeys
+    from diloco.runrecord.state import RunRecord
+    from diloco.store.objectstore import open_store
 
     state = tmp / f"state-{megabytes:g}"
     env = {**os.environ, "DILOCO_STATE_DIR": str(state)}

@@ -10,7 +10,7 @@ per (store, N), in the same run:
   held_between_rounds_vs_model: the same right after `DiLoCo(...)` is built: θ_global, the
   momentum and the runtime's fixed part (obstore's runtime, threads; ~50 MB here), so the
   difference is what a round adds. Workers get the environment a launcher gives replicas
-  (`diloco.replicaenv.REPLICA_ENV_DEFAULTS`). The rounds run with `exchange = "thread"`, so this
+  (`diloco.inputs.replicaenv.REPLICA_ENV_DEFAULTS`). The rounds run with `exchange = "thread"`, so this
   one process holds all of a replica's memory; with the default sync process the same buffers
   live there instead, plus the snapshot buffer the two share (one lane-sized fp32 vector).
 - requests_per_replica_per_round: billed requests of the measured round (PUT, GET, LIST,
@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def raw_round(store, run: str, rank: int, n: int, numel: int, barrier) -> float:
     """This replica's round bytes with plain puts and gets: S up, 2(N−1)/N·S down."""
-    from diloco_replica.layout import shard_bounds
+    from diloco_replica.round.layout import shard_bounds
 
     import torch
 
@@ -88,8 +88,8 @@ def worker(rank: int, n: int, uri: str, env: dict, src: list[str], run: str, par
     sys.path[:0] = src  # the code under test (a baseline worktree's packages, or nothing: the installed ones)
     import torch
 
-    from diloco.context import ReplicaContext
-    from diloco.store import open_store
+    from diloco.bootstrap.context import ReplicaContext
+    from diloco.store.objectstore import open_store
     from diloco_replica import DiLoCo
 
     torch.set_num_threads(1)
@@ -164,7 +164,7 @@ def one(uri: str, env: dict, n: int, src: list[str], run: str, part_mb: float | 
 
 
 def main() -> None:
-    from diloco.replicaenv import REPLICA_ENV_DEFAULTS
+    from diloco.inputs.replicaenv import REPLICA_ENV_DEFAULTS
 
     os.environ.update(REPLICA_ENV_DEFAULTS)  # what a launcher gives every replica (glibc reads it at exec)
     out = {"model_mb": MB, "cpu_count": os.cpu_count(), "rows": []}

@@ -54,7 +54,20 @@ LATENCY_S = float(knob("BENCH_LATENCY_S", "0.02", "0.02"))
 BANDWIDTH = float(knob("BENCH_BANDWIDTH", "100e6", "100e6"))  # bytes/s of one connection
 PUT_RATE, GET_RATE = 3500, 5500
 IDLE_S = 0.004  # real seconds of idleness before the clock moves on
-REPLICA_MODULES = ("allreduce", "gather", "membership", "storeaccess", "repairs", "roundio", "roundstate")
+REPLICA_MODULES = ("round.allreduce", "round.steps.gather", "round.steps.membership", "round.storeaccess",
+                   "round.steps.repairs", "round.io", "round.state",
+                   # the same modules in a BENCH_COMPARE revision from before the sub-packages
+                   "allreduce", "gather", "membership", "storeaccess", "repairs", "roundio", "roundstate")
+
+
+def present(module: str) -> bool:
+    """Whether this tree has the module (its parent package may be missing too)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 class VirtualClock:
@@ -145,7 +158,7 @@ def virtual_events(clock: VirtualClock):
 
 
 class SimulatedS3:
-    """The `diloco.store.Store` interface over a dict, with S3's latency, bandwidth and prefix limits."""
+    """The `diloco.store.objectstore.Store` interface over a dict, with S3's latency, bandwidth and prefix limits."""
 
     uri = "s3://simulated/runs"
     raw = None
@@ -184,7 +197,7 @@ class SimulatedS3:
         self.clock.sleep(LATENCY_S + nbytes / BANDWIDTH)
 
     def put(self, key: str, data: Any, *, create_only: bool = False) -> None:
-        from diloco.store import ObjectExists
+        from diloco.store.objectstore import ObjectExists
 
         parts = data if isinstance(data, list) else [data]
         blob = b"".join(bytes(p) for p in parts)
@@ -235,14 +248,14 @@ def one(n: int) -> dict[str, Any]:
 
     clock = VirtualClock()
     patched = [importlib.import_module(f"diloco_replica.{m}") for m in REPLICA_MODULES
-               if importlib.util.find_spec(f"diloco_replica.{m}")]  # a BENCH_COMPARE revision may lack some
+               if present(f"diloco_replica.{m}")]  # a BENCH_COMPARE revision may lack some
     for module in patched:
         module.time = clock
-    repairs = importlib.import_module("diloco_replica.repairs")
+    repairs = next(m for m in patched if m.__name__.endswith("repairs"))
     repairs.threading = virtual_events(clock)  # the watcher paces itself with Event.wait(timeout)
     scheduler = threading.Thread(target=clock.run, daemon=True)
     scheduler.start()
-    from diloco_replica.allreduce import StoreAllReduce
+    from diloco_replica.round.allreduce import StoreAllReduce
 
     store = SimulatedS3(clock)
     run = f"scale-{n}"

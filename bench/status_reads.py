@@ -19,9 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from diloco.metrics import RoundMetrics, RoundReader, RoundSummary, read_rounds
-from diloco.runkeys import RunKeys
-from diloco.store import open_store
+from diloco.store.metrics import RoundMetrics, RoundReader, RoundSummary, read_rounds
+from diloco.store.runkeys import RunKeys
+from diloco.store.objectstore import open_store
 from diloco.testing.counting import RequestCounter
 
 N = 8

@@ -1,6 +1,6 @@
 """Hiding the sync on a slow store: every sync mode on one tiny LM, N = 4, through the launcher.
 
-Each replica's store sits behind a throttled link (`diloco.throttle`: DILOCO_STORE_BYTES_PER_S,
+Each replica's store sits behind a throttled link (`diloco.store.throttle`: DILOCO_STORE_BYTES_PER_S,
 the same for every row), slow enough that synchronous fp32 DiLoCo spends >= 30% of its wall time
 in sync. Rows: synchronous fp32, synchronous int8, overlap, overlap + fragments, overlap + int4,
 topk. Same model, data, seed and steps for every row, so eval loss is compared at equal tokens.

@@ -122,8 +122,8 @@ def one_row(kind: str) -> dict:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from diloco.context import ReplicaContext
-    from diloco.store import open_store
+    from diloco.bootstrap.context import ReplicaContext
+    from diloco.store.objectstore import open_store
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     steps = ROUNDS * H

@@ -116,7 +116,7 @@ def run_row(name: str, diloco: dict, tmp: Path, *, slow: list[int] = SLOW, repli
         run_dir, wall, resized = run_resized(spec, state, name, resize)
     else:
         (run_dir, wall), resized = run_spec(spec, state, name), None
-    from diloco.metrics import RoundCache
+    from diloco.store.metrics import RoundCache
 
     rounds = RoundCache(run_dir).load()
     plots = os.environ.get("BENCH_PLOTS")

@@ -5,7 +5,7 @@ A user copies the install from whichever page they read first: the top README's 
 the backend's own README, or the example spec's header. Every page must give the same commands
 (checked here first, in one line naming the page that differs). The required commands are
 followed by a `diloco dryrun` of the example: the dry run plans the run, which packs the
-launcher's diloco as wheels (`diloco.wheelhouse`), the step that fails when diloco-replica is
+launcher's diloco as wheels (`diloco.shipping.wheelhouse`), the step that fails when diloco-replica is
 missing. With --optional, the lines whose comment says "optional" (SageMaker's `images` extra)
 run next, with a dry run of the path they are for; they are left out by default because
 sagemaker-core pulls pandas and scipy (half a minute of installing, a build must stay quick).

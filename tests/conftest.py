@@ -113,7 +113,7 @@ MOSTLY_WAITING = (
     "tests/test_progress_timeline.py::",
     "tests/test_modal_e2e.py::",
     # the stand-in clouds' end-to-end runs (pods, jobs and blob containers coming and going around
-    # a few small rounds): since replicas fork from a warm template (diloco.warmstart) the training
+    # a few small rounds): since replicas fork from a warm template (diloco.local.warmstart) the training
     # processes no longer keep the cores busy, and this process ended at 420 s of their 1,170
     "tests/test_groups_e2e.py::",
     "tests/test_azure_store.py::",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from diloco.context import ReplicaContext
+from diloco.bootstrap.context import ReplicaContext
 
 
 def whole_model_crc(model: torch.nn.Module) -> str:

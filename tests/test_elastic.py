@@ -22,8 +22,8 @@ import pytest
 
 from conftest import tiny_spec
 
-from diloco.metrics import read_rounds
-from diloco.state import RunRecord
+from diloco.store.metrics import read_rounds
+from diloco.runrecord.state import RunRecord
 
 pytest.importorskip("torch")
 

@@ -84,7 +84,7 @@ KILL_PHASE = {"parts, killed reducing": "reduce"}  # the rest: "gather"
 
 def test_the_parts_mode_sends_each_shard_as_four_parts():
     from conftest import SMALL_MODEL
-    from diloco.wiresize import parts_per_shard
+    from diloco.store.wiresize import parts_per_shard
 
     parameters = int(SMALL_MODEL["parameters = 470528"].split("=")[1])
     assert parts_per_shard(parameters, SYNC_MODE_REPLICAS, 0.03) == 4

@@ -3,7 +3,7 @@
 to mount; elsewhere these tests skip, saying why).
 
 - The file:// store's filesystem fills mid-round: the replicas' writes fail with ENOSPC, which
-  they wait out like an outage (`diloco.storeoutage`), saying so in their logs; the launcher's
+  they wait out like an outage (`diloco.store.outage`), saying so in their logs; the launcher's
   write proof sees it too, so `diloco status` names the cause; once space is freed the run goes
   on and ends bit-identical, with nothing relaunched and nothing half-written read back.
 - The launcher's state directory fills: the launcher stops with one line naming the directory

@@ -18,8 +18,8 @@ import pytest
 from conftest import events_of, placed_by_groups, record_of, tiny_spec, wait_for_round
 from test_elastic import check_rounds, start
 
-from diloco.metrics import read_rounds
-from diloco.state import RunRecord
+from diloco.store.metrics import read_rounds
+from diloco.runrecord.state import RunRecord
 
 pytest.importorskip("torch")
 

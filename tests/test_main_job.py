@@ -42,7 +42,7 @@ def export_reproduces_the_run(cli, tmp_path, state_dir, run_id: str) -> None:
         import tiny_lm
     finally:
         sys.path.pop(0)
-    from diloco_replica.outer import blocks_digest
+    from diloco_replica.outer.step import blocks_digest
 
     results = [r["result"] for r in record_of(state_dir, run_id)["ranks"]]
     proc = cli("export", run_id, "--out", str(tmp_path / "model"))

@@ -23,10 +23,10 @@ import pytest
 
 from conftest import ROOT
 
-from diloco.estimate import exchange
-from diloco.local import LocalProcessExecutor
+from diloco.spec.estimate import exchange
+from diloco.local.executor import LocalProcessExecutor
 from diloco.testing import launch
-from diloco.metrics import read_rounds
+from diloco.store.metrics import read_rounds
 
 pytest.importorskip("torch")
 
@@ -112,7 +112,7 @@ def assert_export_is_the_whole_model(store: str, run_id: str, out: Path, final_c
     one fresh single-process model holds exactly what every process ended on."""
     from safetensors.torch import load_file
 
-    from diloco.store import open_store
+    from diloco.store.objectstore import open_store
     from diloco_replica.export import export
     from lane_jobs import whole_model_crc
 

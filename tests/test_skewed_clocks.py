@@ -27,9 +27,9 @@ MODES = {"fixed H": "", "round_seconds": "round_seconds = 0.4\n"}
 
 @pytest.mark.parametrize("mode", MODES)
 def test_rounds_timeouts_and_the_timeline_do_not_depend_on_agreeing_clocks(tmp_path, mode):
-    from diloco.metrics import RoundReader
-    from diloco.store import open_store
-    from diloco_replica.plots import clock_offsets
+    from diloco.store.metrics import RoundReader
+    from diloco.store.objectstore import open_store
+    from diloco_replica.records.plots import clock_offsets
 
     state = tmp_path / "state"
     jump = tmp_path / "jump"

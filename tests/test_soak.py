@@ -98,7 +98,7 @@ def resume(state: Path, run_id: str, env: dict) -> subprocess.Popen:
 
 def soak_part(fault: str, run_index: int) -> str:
     """A fault aimed at shard o (`kind:round:o[:src]`) aimed at one of o's parts instead."""
-    from diloco.wiresize import parts_per_shard
+    from diloco.store.wiresize import parts_per_shard
 
     parts = parts_per_shard(470_528, 4, float(SOAK_PART_MB))  # the main job's model, 4 replicas
     kind, r, owner, *src = fault.split(":")
@@ -108,8 +108,8 @@ def soak_part(fault: str, run_index: int) -> str:
 def round_rows(uri: str, run_id: str) -> list[dict[str, Any]]:
     """Every round row the replicas wrote to the store, a member's or a non-member's (read
     straight from moto, not the proxy)."""
-    from diloco.runkeys import RunKeys
-    from diloco.store import open_store
+    from diloco.store.runkeys import RunKeys
+    from diloco.store.objectstore import open_store
 
     store = open_store(uri)
     rows = []
@@ -256,7 +256,7 @@ def check(proc: subprocess.Popen, out: str, state: Path, run_id: str, reference:
     """What a soak run must end with (see the module's docstring); fills in the log line."""
     # the NaN's injection fires at its step only: a replica held back (SIGSTOP'd, then caught up
     # from θ_global past the step) never takes it. Its log says whether it fired.
-    from diloco_replica.faults import NONFINITE_FIRED
+    from diloco_replica.transport.faults import NONFINITE_FIRED
 
     logs = (state / "local" / run_id).glob(f"rank-{nan_rank}.attempt-*.log")
     injected["nonfinite"] = sum(p.read_text(errors="replace").count(NONFINITE_FIRED) for p in logs)

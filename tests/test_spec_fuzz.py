@@ -91,8 +91,8 @@ def wrong_types(kind: str) -> list[Bad]:
 def spec_fields() -> list[tuple[str, str, str]]:
     """(table, key, kind) for every field of the spec, as its tables declare them."""
     from diloco.options import describe_options
-    from diloco.schema import SpecTable
-    from diloco.settings import DilocoSettings, RestartSettings
+    from diloco.spec.schema import SpecTable
+    from diloco.spec.settings import DilocoSettings, RestartSettings
 
     tables = ("", SpecTable), ("restart", RestartSettings), ("diloco", DilocoSettings)
     out = [(table, o.name, o.type) for table, declared in tables for o in describe_options(declared)
@@ -102,7 +102,7 @@ def spec_fields() -> list[tuple[str, str, str]]:
 
 
 def backend_fields(backend: str) -> list[BackendOption]:
-    from diloco.plugins import backend_options, get_backend
+    from diloco.plugins.discovery import backend_options, get_backend
 
     return backend_options(get_backend(backend).cls)
 
@@ -246,7 +246,7 @@ def write_group(project: Path, backend: str, key: str, value: str) -> Path:
 def test_every_group_field_refuses_hostile_values_in_one_line(runner, backend):
     """The same cases inside a [[group]] table: each field a group may set, and its [group.env]."""
     from diloco.options import describe_options
-    from diloco.schema import GroupTable
+    from diloco.spec.schema import GroupTable
 
     cli, project, state = runner
     fields = [(o.name, o.type) for o in describe_options(GroupTable) if o.name not in ("backend", "env")]

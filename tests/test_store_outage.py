@@ -2,7 +2,7 @@
 a proxy that goes down (connections refused, then 503 Service Unavailable) and comes back.
 
 The replicas wait for the store with backoff, their rounds' deadlines standing still meanwhile
-(`diloco.storeoutage`); nothing fails, nothing is relaunched, and the run ends bit-identical.
+(`diloco.store.outage`); nothing fails, nothing is relaunched, and the run ends bit-identical.
 While the store is away, `diloco status` (and the live bar) say so; past `store_outage_limit`
 the run fails with one line naming the store."""
 

@@ -100,9 +100,9 @@ def test_the_circle_finder_finds_a_circle():
 
 def test_no_package_has_an_import_circle():
     known = modules()
-    assert len(SOURCES) >= 5 and "diloco.spec" in known and "diloco_replica.diloco" in known
+    assert len(SOURCES) >= 5 and "diloco.spec.runspec" in known and "diloco_replica.loop.diloco" in known
     graph = {name: imports_of(name, path, known) for name, path in known.items()}
-    assert "diloco.schema" in graph["diloco.spec"]  # the graph sees relative imports
+    assert "diloco.spec.schema" in graph["diloco.spec.runspec"]  # the graph sees relative imports
     found = circles(graph)
     shown = ["; ".join(f"{m} -> {sorted(graph[m] & set(c))}" for m in c) for c in found]
     assert not found, "import circles:\n" + "\n".join(shown)
@@ -114,8 +114,8 @@ def test_a_rounds_data_flows_one_way_the_repair_desk_reached_from_the_allreduce_
     sent a round's values back into a module it had left (issue "Billion-parameter rounds")."""
     known = modules()
     graph = {name: imports_of(name, path, known) for name, path in known.items()}
-    assert {m for m, deps in graph.items() if "diloco_replica.repairs" in deps} == {"diloco_replica.allreduce"}
-    assert "diloco_replica.allreduce" not in graph["diloco_replica.gather"] | graph["diloco_replica.reduce"]
+    assert {m for m, deps in graph.items() if "diloco_replica.round.steps.repairs" in deps} == {"diloco_replica.round.allreduce"}
+    assert "diloco_replica.round.allreduce" not in graph["diloco_replica.round.steps.gather"] | graph["diloco_replica.round.steps.reduce"]
 
 
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.parent.name)
@@ -149,9 +149,9 @@ def test_every_replica_image_shown_is_of_the_replica_version_released():
 # fails the test below: find the public way, or say here why there is none). `os._exit` is
 # public API despite its name: a child process ending without running its parent's handlers.
 PRIVATE_REACHES = {
-    ("diloco.runner", "os._exit"): "the runner's watchdog ends the process at once (public, os docs)",
-    ("diloco_replica.syncproc", "os._exit"): "a forked sync process ends without its parent's handlers (public)",
-    ("diloco.warmstart", "os._exit"): "a forked replica that could not take its place ends without the template's "
+    ("diloco.bootstrap.runner", "os._exit"): "the runner's watchdog ends the process at once (public, os docs)",
+    ("diloco_replica.exchange.syncproc", "os._exit"): "a forked sync process ends without its parent's handlers (public)",
+    ("diloco.local.warmstart", "os._exit"): "a forked replica that could not take its place ends without the template's "
                                       "handlers (public)",
     **{("diloco_modal.functions", x): "the secrets a deployed function holds: modal has no public reader"
        for x in ("synchronizer._translate_in", "synchronizer._translate_out", "raw._spec",

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from diloco.context import ReplicaContext
+from diloco.bootstrap.context import ReplicaContext
 
 
 def regress(ctx: ReplicaContext, dim: int = 256, width: int = 512, slow_rank: int = -1, slow_s: float = 0.0,

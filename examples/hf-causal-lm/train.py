@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from diloco.context import ReplicaContext
+from diloco.bootstrap.context import ReplicaContext
 
 
 def stdlib_sources(root: Path) -> list[Path]:
@@ -124,7 +124,7 @@ def train(ctx: ReplicaContext, steps: int | None = None, batch_size: int = 8, se
               "wall_s": time.monotonic() - started, "theta_digest": digest}
     ctx.log.info("done: %s", json.dumps(result))
     if ctx.rank == 0:
-        from diloco_replica.report import write_run_report
+        from diloco_replica.records.report import write_run_report
 
         write_run_report(ctx, diloco, eval_loss=eval_loss, steps=steps, n_params=n_params)
     return result

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from diloco.context import ReplicaContext
+from diloco.bootstrap.context import ReplicaContext
 
 
 class ByteWindows(torch.utils.data.Dataset):

@@ -24,7 +24,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from diloco.context import ReplicaContext
+from diloco.bootstrap.context import ReplicaContext
 from diloco_replica.integrations.lightning import DiLoCoCallback  # DiLoCo
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from diloco.context import ReplicaContext
+from diloco.bootstrap.context import ReplicaContext
 
 
 # -- data -------------------------------------------------------------------------------------
@@ -204,7 +204,7 @@ def train(ctx: ReplicaContext, steps: int | None = None, batch_size: int = 16, c
               "wall_s": time.monotonic() - started, "theta_digest": digest, "peak_rss_mb": peak_rss_mb()}
     ctx.log.info("done: %s", json.dumps(result))
     if ctx.rank == 0 and ctx.lane == 0:
-        from diloco_replica.report import write_run_report
+        from diloco_replica.records.report import write_run_report
 
         write_run_report(ctx, diloco, eval_loss=eval_loss, steps=steps, n_params=sum(p.numel() for p in model.parameters()))
     return result

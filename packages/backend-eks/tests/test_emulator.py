@@ -17,7 +17,7 @@ from diloco.errors import BackendError, UserError
 from diloco.testing import ExecutorConformance, launch, plan_for, process_alive
 from diloco_eks import EksExecutor
 
-RUNNER = ["python", "-m", "diloco.runner"]  # the container command when diloco-replica is not installed
+RUNNER = ["python", "-m", "diloco.bootstrap.runner"]  # the container command when diloco-replica is not installed
 REPORT = "diloco.testing.entrypoints:report"
 
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from diloco.errors import SpecError, UserError
-from diloco.plugins import make_executor
+from diloco.plugins.discovery import make_executor
 from diloco.testing import plan_for
 from diloco_eks import EksExecutor, EksOptions
 from diloco_eks.gpus import resolve_gpu
@@ -173,7 +173,7 @@ def test_job_names_of_runs_launched_in_the_same_second_differ():
     """New run ids are 63 characters with 64 random bits at the end, the part a Job name cuts:
     the cut is replaced by 64 bits of a hash, so two runs of one spec never share Jobs (24 bits
     gave a dozen collisions in 20,000 ids)."""
-    from diloco.state import new_run_id
+    from diloco.runrecord.state import new_run_id
 
     ids = {new_run_id("a-long-model-name-for-a-big-sweep-run") for _ in range(20_000)}
     names = {job_name(run_id, 3, rank=511) for run_id in ids}
@@ -194,7 +194,7 @@ def test_a_replica_of_several_processes_runs_torchrun_on_its_gpus():
     assert container["command"][:3] == ["python", "-m", "diloco_replica.torchrun"]
     assert container["command"][container["command"].index("--nproc-per-node") + 1] == "8"
     assert container["command"][container["command"].index("--max-restarts") + 1] == "0"  # the supervisor restarts
-    assert container["command"][-2:] == ["-m", "diloco.runner"]
+    assert container["command"][-2:] == ["-m", "diloco.bootstrap.runner"]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "8"}
     assert container["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
     assert pod["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]

@@ -250,7 +250,7 @@ def test_deleting_a_job_follows_its_propagation_policy(cluster):
     the Secrets it owns (the garbage collector)."""
     from kubernetes.client.exceptions import ApiException
 
-    ex = EksExecutor(image="img", namespace="lifecycle", api_url=cluster.url, command=["python", "-m", "diloco.runner"],
+    ex = EksExecutor(image="img", namespace="lifecycle", api_url=cluster.url, command=["python", "-m", "diloco.bootstrap.runner"],
                      cache_seconds=0.05)
     handles = launch(ex, 2, "diloco.testing.entrypoints:sleep", {"seconds": 300}, run_id="orphans",
                      secret_env={"HF_TOKEN": "v"})
@@ -324,7 +324,7 @@ def _wait(condition, timeout=20.0):
 def test_a_job_past_its_deadline_fails_and_its_pods_stop(cluster):
     """The spec's timeout becomes activeDeadlineSeconds: the Job controller fails the Job
     (DeadlineExceeded) and deletes its running pods, and the backend reports a time limit (exit 124)."""
-    ex = EksExecutor(image="img", namespace="lifecycle", api_url=cluster.url, command=["python", "-m", "diloco.runner"],
+    ex = EksExecutor(image="img", namespace="lifecycle", api_url=cluster.url, command=["python", "-m", "diloco.bootstrap.runner"],
                      cache_seconds=0.05)
     (handle,) = launch(ex, 1, "diloco.testing.entrypoints:sleep", {"seconds": 300}, run_id="deadline", timeout=1)
     (result,) = ex.collect([handle], timeout=30)
@@ -336,7 +336,7 @@ def test_a_job_past_its_deadline_fails_and_its_pods_stop(cluster):
 
 def test_a_retried_index_gets_a_new_pod(cluster):
     """index_retries: Kubernetes itself recreates a failed index's pod (backoffLimitPerIndex)."""
-    ex = EksExecutor(image="img", namespace="lifecycle", api_url=cluster.url, command=["python", "-m", "diloco.runner"],
+    ex = EksExecutor(image="img", namespace="lifecycle", api_url=cluster.url, command=["python", "-m", "diloco.bootstrap.runner"],
                      cache_seconds=0.05, index_retries=1)
     (handle,) = launch(ex, 1, "diloco.testing.entrypoints:sleep", {"seconds": 2}, run_id="retried")
     job = handle.metadata["job"]

@@ -133,7 +133,7 @@ def test_wheels_that_changed_since_the_plan_are_refused(tmp_path):
 
 
 def test_listing_backends_does_not_import_modal():
-    code = ("import sys; from diloco.plugins import backends; names = list(backends()); "
+    code = ("import sys; from diloco.plugins.discovery import backends; names = list(backends()); "
             "print('modal' in names, 'modal' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["True", "False"], out.stdout + out.stderr

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from diloco.errors import SpecError
-from diloco.plugins import make_executor
+from diloco.plugins.discovery import make_executor
 from diloco.testing import plan_for
 from diloco_modal.definition import CODE_DIR
 from diloco_modal.executor import ModalExecutor

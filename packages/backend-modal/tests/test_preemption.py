@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from diloco.failures import is_preemption
-from diloco.policy import Action, Failure, RestartSettings, decide
+from diloco.bootstrap.failures import is_preemption
+from diloco.supervise.policy import Action, Failure, RestartSettings, decide
 from diloco.testing import launch, wait_for_output
 from diloco_modal.executor import ModalExecutor
 

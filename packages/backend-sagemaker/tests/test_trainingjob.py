@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROLE, needs_replica
 from diloco.errors import SpecError, UserError
-from diloco.plugins import make_executor
+from diloco.plugins.discovery import make_executor
 from diloco.protocol import ReplicaStatus
 from diloco.testing import plan_for
 from diloco_sagemaker import status as st
@@ -52,7 +52,7 @@ def test_job_names_are_valid_unique_and_say_rank_and_attempt():
     long_a, long_b = "a" * 30 + "-20261122-101010-ab12", "a" * 30 + "-20261122-101010-cd34"
     a, b = job_name(long_a, 12, 3), job_name(long_b, 12, 3)
     assert len(a) <= 63 and a.endswith("-r12-a3") and a != b
-    from diloco.state import new_run_id  # 63 characters, 64 random bits at the end: the part a name cuts
+    from diloco.runrecord.state import new_run_id  # 63 characters, 64 random bits at the end: the part a name cuts
 
     ids = {new_run_id("a-long-model-name-for-a-big-sweep-run") for _ in range(20_000)}
     assert len({job_name(run_id, 255, 99) for run_id in ids}) == len(ids) == 20_000
@@ -90,7 +90,7 @@ def test_one_job_per_replica_with_everything_the_spec_says(monkeypatch):
 def test_warm_pools_and_single_process_replicas(monkeypatch):
     job = plan(monkeypatch, n=1, gpu="A10G", keep_alive=1800)["jobs"][0]
     assert job["ResourceConfig"]["KeepAlivePeriodInSeconds"] == 1800
-    assert job["AlgorithmSpecification"]["ContainerArguments"] == ["python", "-m", "diloco.runner"]
+    assert job["AlgorithmSpecification"]["ContainerArguments"] == ["python", "-m", "diloco.bootstrap.runner"]
     assert job["Environment"]["DILOCO_REPLICAS"] == "1" and job["EnableManagedSpotTraining"] is False
     assert "MaxWaitTimeInSeconds" not in job["StoppingCondition"]
 
@@ -358,7 +358,7 @@ def test_failures_read_cause_first_with_the_replicas_exit_code():
 def test_listing_backends_does_not_import_boto3():
     import subprocess
 
-    code = ("import sys; from diloco.plugins import backends; names = list(backends()); "
+    code = ("import sys; from diloco.plugins.discovery import backends; names = list(backends()); "
             "print('sagemaker' in names, 'boto3' in sys.modules, 'botocore' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["True", "False", "False"], out.stdout + out.stderr

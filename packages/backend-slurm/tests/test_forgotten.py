@@ -35,7 +35,7 @@ def test_finished_jobs_read_as_they_ended_after_slurm_forgot_them(forgetful, tmp
     assert wait_for(lambda: job_processes(killed.metadata["stem"]))
     for pid in job_processes(killed.metadata["stem"]):  # the replica alone: its batch shell records the end
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"diloco.runner" in f.read():
+            if b"diloco.bootstrap.runner" in f.read():
                 os.kill(pid, signal.SIGKILL)
     handles = [*ended, killed]
     assert wait_for(lambda: all(forgotten(forgetful, h.metadata["job_id"]) for h in handles), timeout=120)

@@ -124,7 +124,7 @@ def test_over_ssh_every_command_is_the_users_own_ssh():
     assert command[-3:] == ["--", "me@login.example.edu",
                             "env SLURM_CONF=/etc/slurm-b/slurm.conf sbatch -M gpu2 --parsable"]
     script = "\n".join(job["script"])
-    assert "#SBATCH --chdir" not in script and "python3 -m diloco.runner" in script
+    assert "#SBATCH --chdir" not in script and "python3 -m diloco.bootstrap.runner" in script
     assert not executor.capabilities.shares_launcher_filesystem and not executor.capabilities.log_files
     assert SlurmExecutor().capabilities.shares_launcher_filesystem
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco import plugins
+from diloco.plugins import discovery as plugins
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ import pytest
 
 import diloco
 from diloco.errors import SpecError
-from diloco.supervisor import RunFailed
+from diloco.supervise.supervisor import RunFailed
 
 
 def spec_dict(project, **over):

@@ -17,7 +17,7 @@ from diloco.waiting import unless_failed
 OLD_PLUGIN = '''
 from dataclasses import dataclass
 from diloco import hookimpl
-from diloco.local import LocalProcessExecutor
+from diloco.local.executor import LocalProcessExecutor
 from diloco.options import option, options_from
 from diloco.protocol import ReplicaHandle, ReplicaStatus
 from diloco.waiting import unless_failed

@@ -94,7 +94,7 @@ def test_export_refuses_in_one_line(cli, tmp_path, args, expected):
 def test_export_without_the_replica_package_says_what_to_install(monkeypatch, tmp_path):
     """diloco-core alone (this suite's environment, or a launcher-only install) cannot read the
     checkpoints: the one line names the package to add."""
-    from diloco import exporting
+    from diloco.observe import exporting
 
     monkeypatch.setattr(exporting, "find_spec", lambda name: None)
     with pytest.raises(UserError, match=r"not installed here: pip install diloco-replica$"):

@@ -25,7 +25,7 @@ from diloco import testing
 from diloco.errors import BackendError, UserError
 from diloco.options import option
 from diloco.protocol import Capabilities, ReplicaHandle, ReplicaStatus
-from diloco.replicaenv import REDACTED
+from diloco.inputs.replicaenv import REDACTED
 from diloco.request import LaunchPlan, LaunchRequest, Secrets
 from diloco.submitting import start_each
 from diloco.testing import ExecutorConformance
@@ -107,9 +107,9 @@ def test_example_backend_installs_and_runs_the_hello_job(cli, tmp_path):
 
 def test_the_plan_a_dry_run_prints_is_the_plan_run_submits(project, monkeypatch):
     """`diloco dryrun` prints `plan_run(spec).render()`; `diloco run` submits that very plan object."""
-    from diloco import launcher
-    from diloco.local import LocalProcessExecutor
-    from diloco.spec import load_spec
+    from diloco.launching import launcher
+    from diloco.local.executor import LocalProcessExecutor
+    from diloco.spec.runspec import load_spec
 
     monkeypatch.setattr(launcher, "new_run_id", lambda name: "same-run-20260101-000000-abcd")
     monkeypatch.setenv("HF_TOKEN", "hf-secret-value-77")

@@ -16,7 +16,7 @@ from conftest import wait_until, write_spec
 
 NEARBY_PLUGIN = '''
 from diloco import hookimpl
-from diloco.local import LocalProcessExecutor
+from diloco.local.executor import LocalProcessExecutor
 from diloco.protocol import Capabilities
 
 class NearbyExecutor(LocalProcessExecutor):
@@ -112,7 +112,7 @@ def one_line_error(proc, expected: str) -> None:
 
 
 def test_groups_number_ranks_group_by_group_and_inherit_the_top_level(project):
-    from diloco.spec import parse_spec
+    from diloco.spec.runspec import parse_spec
 
     spec = parse_spec({"entrypoint": "job:main", "gpu": "A10G", "timeout": 99, "region": "us-east-1",
                        "env": {"A": "top", "B": "top"},
@@ -132,8 +132,8 @@ def test_each_group_gets_its_own_secrets_and_what_no_group_lists_goes_to_all(pro
     """A group's `secrets` replaces the top-level list for it: AWS keys meant for the Modal group
     never reach the SageMaker jobs (they have their own role). A name every group replaced is read
     from the shell by nobody."""
-    from diloco.launcher import plan_run
-    from diloco.spec import parse_spec
+    from diloco.launching.launcher import plan_run
+    from diloco.spec.runspec import parse_spec
 
     for name, value in {"AWS_ACCESS_KEY_ID": "AKIA-modal", "HF_TOKEN": "hf-1"}.items():
         monkeypatch.setenv(name, value)
@@ -158,7 +158,7 @@ def test_each_group_gets_its_own_secrets_and_what_no_group_lists_goes_to_all(pro
 
 def test_groups_may_run_different_numbers_of_processes_per_replica(project):
     """An 8-GPU node beside single GPUs: each group's replicas run as many processes as its GPUs."""
-    from diloco.spec import parse_spec
+    from diloco.spec.runspec import parse_spec
 
     spec = parse_spec({"entrypoint": "job:main",
                        "group": [{"name": "node", "replicas": 1, "gpu": "H100:8", "backend": {"name": "local"}},
@@ -225,8 +225,8 @@ def test_any_remote_group_needs_a_remote_store(cli, project, plugin_env, state_d
 
 
 def test_pricing_places_each_group_against_the_stores_region(project):
-    from diloco.estimate import estimate
-    from diloco.spec import parse_spec
+    from diloco.spec.estimate import estimate
+    from diloco.spec.runspec import parse_spec
 
     table = {"entrypoint": "job:main", "rendezvous": "s3://b/p", "store_region": "us-east-1",
              "diloco": {"parameters": 10_000_000, "total_steps": 100, "sync_every": 10},
@@ -318,8 +318,8 @@ def test_a_group_that_cannot_start_leaves_no_other_group_running(cli, project, p
 
 
 def test_the_progress_line_counts_members_by_group_and_names_the_stragglers_group():
-    from diloco.progress import progress_line, progress_of
-    from diloco.spec import RunSpec
+    from diloco.observe.progress import progress_line, progress_of
+    from diloco.spec.runspec import RunSpec
 
     spec = {"groups": [{"name": "k8s", "replicas": 2, "first_rank": 0}, {"name": "sm", "replicas": 2, "first_rank": 2}]}
     data = {"state": "HEALTHY", "spec": spec, "launch": {"n_replicas": 4}}
@@ -339,9 +339,9 @@ def _plain_spec() -> dict:
 
 
 def test_a_group_that_cannot_relaunch_one_rank_makes_the_run_a_gang(project):
-    from diloco.groupexec import GroupedExecutor
-    from diloco.groups import ReplicaGroup
-    from diloco.local import LocalProcessExecutor
+    from diloco.launching.groupexec import GroupedExecutor
+    from diloco.spec.groups import ReplicaGroup
+    from diloco.local.executor import LocalProcessExecutor
     from diloco.protocol import Capabilities
 
     class GangOnly(LocalProcessExecutor):

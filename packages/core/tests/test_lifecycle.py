@@ -15,11 +15,11 @@ import sys
 
 import pytest
 
-from diloco.policy import ALL_CANCELLED_WINDOW, RunState
+from diloco.supervise.policy import ALL_CANCELLED_WINDOW, RunState
 from diloco.protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
 from diloco.request import LaunchPlan, LaunchRequest
-from diloco.state import RunRecord
-from diloco.supervisor import Supervisor
+from diloco.runrecord.state import RunRecord
+from diloco.supervise.supervisor import Supervisor
 
 from conftest import marker_spec, status_json, wait_until
 
@@ -212,8 +212,8 @@ def _launch(project, state_dir, spec):
 
 def _cancel_outside(state_dir, run_id, rank):
     """What an admin's kill through the backend does: the rank's current attempt cancelled, no `diloco cancel`."""
-    from diloco.local import LocalProcessExecutor
-    from diloco.rankstate import RankState
+    from diloco.local.executor import LocalProcessExecutor
+    from diloco.runrecord.rankstate import RankState
 
     data = json.loads((state_dir / "runs" / run_id / "run.json").read_text())
     LocalProcessExecutor().cancel(RankState.from_dict(data["ranks"][rank]).handle)

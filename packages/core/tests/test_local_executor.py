@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco.local import LocalProcessExecutor
+from diloco.local.executor import LocalProcessExecutor
 from diloco.protocol import ReplicaHandle
 from diloco.testing import ExecutorConformance, launch, process_alive
 
@@ -119,8 +119,8 @@ def test_timeout_is_enforced_and_kills_the_tree(tmp_path):
     (res,) = ex.collect([h], timeout=30)
     assert res.status == "failed" and res.exit_code == 124 and "timed out after 1.5s" in res.error
     # the replica's last words say it too: a backend that only has logs (its exit code SIGKILL's 137)
-    # reads the time limit from them (`diloco.failures.is_time_limit`)
-    from diloco.failures import cause_from_log, is_time_limit
+    # reads the time limit from them (`diloco.bootstrap.failures.is_time_limit`)
+    from diloco.bootstrap.failures import cause_from_log, is_time_limit
 
     assert is_time_limit(137, cause_from_log(ex.stream_logs(h))), ex.stream_logs(h)
     child = int(ex.stream_logs(h).split("child ")[1].split()[0])

@@ -17,7 +17,7 @@ from conftest import write_spec
 
 PLUGIN = '''
 from diloco import hookimpl
-from diloco.local import LocalProcessExecutor
+from diloco.local.executor import LocalProcessExecutor
 
 class {cls}(LocalProcessExecutor):
     backend_name = "{name}"
@@ -83,7 +83,7 @@ def test_autoload_can_be_disabled(cli, tmp_path):
 
 
 def test_import_loads_no_plugins_and_no_heavy_modules():
-    code = ("import sys, diloco, diloco.cli, diloco.plugins as p\n"
+    code = ("import sys, diloco, diloco.cli, diloco.plugins.discovery as p\n"
             "assert p._registry is None, 'plugins loaded at import'\n"
             "p.backends()\n"
             "heavy = {'torch', 'numpy', 'boto3', 'botocore', 'kubernetes', 'modal', 'sagemaker', 'obstore'}\n"
@@ -133,8 +133,8 @@ def test_backends_name_lists_options_from_the_executor(cli, tmp_path):
 ])
 def test_backend_table_is_checked_against_the_declared_options(table, expected):
     from diloco.errors import SpecError
-    from diloco.plugins import make_executor
-    from diloco.local import LocalProcessExecutor
+    from diloco.plugins.discovery import make_executor
+    from diloco.local.executor import LocalProcessExecutor
 
     with pytest.raises(SpecError) as err:
         make_executor(LocalProcessExecutor, table, source="spec.toml")

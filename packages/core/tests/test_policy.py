@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from diloco.errors import EXIT_CONFIG, EXIT_PREEMPTED, EXIT_TIME_LIMIT, SpecError
-from diloco.failures import is_time_limit
-from diloco.policy import (ALL_CANCELLED_WINDOW, Action, Decision, Ending, Failure, Peer, RestartSettings, RunState,
+from diloco.bootstrap.failures import is_time_limit
+from diloco.supervise.policy import (ALL_CANCELLED_WINDOW, Action, Decision, Ending, Failure, Peer, RestartSettings, RunState,
                            Spend, cancelled_everywhere, decide, outcome, spent_on_decision, spent_on_relaunch)
 
 BUG = "ValueError: bad shape (at global step 120)"

@@ -1,11 +1,11 @@
-"""The presence markers (`diloco.presence`): what a listing of ``roster/`` says about who is
+"""The presence markers (`diloco.store.presence`): what a listing of ``roster/`` says about who is
 there, as a table; nothing that does not parse is read."""
 
 from __future__ import annotations
 
 import pytest
 
-from diloco.presence import (RERUNS, away_name, incarnation, join_name, last_incarnation, read_presence,
+from diloco.store.presence import (RERUNS, away_name, incarnation, join_name, last_incarnation, read_presence,
                              rerun_ended)
 
 
@@ -69,9 +69,9 @@ def test_the_supervisor_marks_an_ended_attempt_away_in_the_store(tmp_path):
 
     from diloco.protocol import ReplicaStatus
     from diloco.request import LaunchRequest
-    from diloco.state import RunRecord
-    from diloco.store import open_store
-    from diloco.supervisor import Supervisor
+    from diloco.runrecord.state import RunRecord
+    from diloco.store.objectstore import open_store
+    from diloco.supervise.supervisor import Supervisor
 
     uri = f"file://{tmp_path / 'store'}"
     now = [1000.0]
@@ -112,9 +112,9 @@ def test_a_requeued_run_is_marked_away_when_the_platform_numbers_its_runs(tmp_pa
 
     from diloco.protocol import ReplicaStatus
     from diloco.request import LaunchRequest
-    from diloco.state import RunRecord
-    from diloco.store import open_store
-    from diloco.supervisor import Supervisor
+    from diloco.runrecord.state import RunRecord
+    from diloco.store.objectstore import open_store
+    from diloco.supervise.supervisor import Supervisor
 
     class Requeuing(Scripted):
         capabilities = replace(Scripted.capabilities, numbered_reruns=True)

@@ -11,16 +11,16 @@ import pytest
 
 from conftest import write_spec
 
-from diloco.context import ReplicaContext
+from diloco.bootstrap.context import ReplicaContext
 from diloco.errors import SpecError
-from diloco.presence import incarnation
-from diloco.replicaenv import parse_entrypoint, replica_env
+from diloco.store.presence import incarnation
+from diloco.inputs.replicaenv import parse_entrypoint, replica_env
 from diloco.procgroup import gpu_count, replica_command, resolve_processes
-from diloco.spec import parse_spec
+from diloco.spec.runspec import parse_spec
 
 OLD_PLUGIN = '''
 from diloco import hookimpl
-from diloco.local import LocalProcessExecutor
+from diloco.local.executor import LocalProcessExecutor
 from diloco.protocol import Capabilities
 
 class OldExecutor(LocalProcessExecutor):
@@ -52,11 +52,11 @@ def test_processes_default_to_the_gpu_count_and_are_validated():
 
 
 def test_one_command_starts_a_replica_on_every_backend():
-    assert replica_command(1) == ["python", "-m", "diloco.runner"]
+    assert replica_command(1) == ["python", "-m", "diloco.bootstrap.runner"]
     cmd = replica_command(4, python="/venv/bin/python")
     assert cmd[:3] == ["/venv/bin/python", "-m", "diloco_replica.torchrun"]
     assert cmd[cmd.index("--nproc-per-node") + 1] == "4" and cmd[cmd.index("--max-restarts") + 1] == "0"
-    assert "--standalone" in cmd and cmd[-2:] == ["-m", "diloco.runner"]
+    assert "--standalone" in cmd and cmd[-2:] == ["-m", "diloco.bootstrap.runner"]
 
 
 def test_the_rank_contract_for_one_and_for_several_processes():

@@ -1,4 +1,4 @@
-"""A recorded process is still itself after the wall clock steps (`diloco.procinfo`).
+"""A recorded process is still itself after the wall clock steps (`diloco.host.procinfo`).
 
 psutil adds the boot time, read from the wall clock at every call, to a Linux process's
 creation time, so a clock step moved every recorded process's start: the launcher took its live
@@ -14,7 +14,7 @@ import sys
 import psutil
 import pytest
 
-from diloco.procinfo import is_running, started_at
+from diloco.host.procinfo import is_running, started_at
 
 pytestmark = pytest.mark.skipif(not psutil.LINUX, reason="the boot-time arithmetic is Linux's (/proc/stat)")
 

@@ -9,11 +9,11 @@ import types
 import pytest
 
 from diloco.errors import SpecError, UserError
-from diloco.estimate import estimate, format_estimate, load_prices
-from diloco.metrics import RoundMetrics, RoundSummary
-from diloco.progress import progress_line, progress_of, straggler_lines, timeline_rows
-from diloco.spec import parse_spec
-from diloco.wiresize import expected_payload_nbytes, payload_nbytes
+from diloco.spec.estimate import estimate, format_estimate, load_prices
+from diloco.store.metrics import RoundMetrics, RoundSummary
+from diloco.observe.progress import progress_line, progress_of, straggler_lines, timeline_rows
+from diloco.spec.runspec import parse_spec
+from diloco.store.wiresize import expected_payload_nbytes, payload_nbytes
 
 
 def spec_of(tmp_path, **diloco):
@@ -118,8 +118,9 @@ def test_the_rendezvous_scheme_picks_the_clouds_prices(tmp_path, monkeypatch):
 
 
 def test_a_third_party_sink_is_found_through_the_hook_and_gets_every_round(tmp_path, monkeypatch):
-    from diloco import hookimpl, plugins
-    from diloco.sinks import open_sinks
+    from diloco import hookimpl
+    from diloco.plugins import discovery as plugins
+    from diloco.plugins.sinks import open_sinks
 
     got = []
 
@@ -154,7 +155,7 @@ def test_a_third_party_sink_is_found_through_the_hook_and_gets_every_round(tmp_p
 
 
 def test_the_tensorboard_sink_needs_its_extra_or_writes_event_files(tmp_path):
-    from diloco.sinks import TensorBoardSink, chosen, open_sinks
+    from diloco.plugins.sinks import TensorBoardSink, chosen, open_sinks
 
     if not TensorBoardSink.installed():  # diloco-core alone (the isolated env): default off, asked for → the fix
         assert chosen({}) == []

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from diloco.groups import ReplicaGroup
-from diloco.metrics import RoundMetrics, RoundSummary
+from diloco.spec.groups import ReplicaGroup
+from diloco.store.metrics import RoundMetrics, RoundSummary
 from diloco.protocol import ReplicaHandle, ReplicaResult, ReplicaStatus
-from diloco.rankstate import RankState, RankStatus
+from diloco.runrecord.rankstate import RankState, RankStatus
 from diloco.records import RecordError, from_record, to_record
-from diloco.rundoc import LauncherBeat
+from diloco.runrecord.rundoc import LauncherBeat
 
 HANDLE = ReplicaHandle(2, "eks", {"job": "r-2", "attempt": 1, "run_id": "r"})
 ROW = RoundMetrics(round=3, rank=1, members=[0, 1], loss=None, requests={"put": 2}, incidents=[{"object": "x"}],

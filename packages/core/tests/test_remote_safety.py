@@ -16,7 +16,7 @@ from conftest import write_spec
 # A third-party backend that says nothing about filesystems: it must be treated as remote.
 REMOTE_PLUGIN = '''
 from diloco import hookimpl
-from diloco.local import LocalProcessExecutor
+from diloco.local.executor import LocalProcessExecutor
 from diloco.protocol import Capabilities
 
 class FarAwayExecutor(LocalProcessExecutor):
@@ -170,9 +170,9 @@ def test_a_signal_is_infrastructure_and_is_relaunched(cli, project, state_dir):
 
 def test_a_paused_launcher_still_counts_as_alive(state_dir):
     """A launcher stopped past its heartbeat (SIGSTOP, laptop asleep) must not get a twin via resume."""
-    from diloco.liveness import launcher_alive as _launcher_alive
-    from diloco.procinfo import started_at
-    from diloco.state import RunRecord
+    from diloco.observe.liveness import launcher_alive as _launcher_alive
+    from diloco.host.procinfo import started_at
+    from diloco.runrecord.state import RunRecord
     import socket
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

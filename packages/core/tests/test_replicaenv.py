@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.replicaenv import is_secret_name, parse_entrypoint, replica_env
+from diloco.inputs.replicaenv import is_secret_name, parse_entrypoint, replica_env
 from diloco.request import LaunchRequest
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import uuid
 
-from diloco.metrics import RoundMetrics, RoundReader, RoundSummary, divergence, read_rounds
-from diloco.runkeys import RunKeys
-from diloco.store import open_store
+from diloco.store.metrics import RoundMetrics, RoundReader, RoundSummary, divergence, read_rounds
+from diloco.store.runkeys import RunKeys
+from diloco.store.objectstore import open_store
 from diloco.testing.counting import RequestCounter
 
 
@@ -75,7 +75,7 @@ def test_divergence_names_the_minority_and_breaks_ties_by_rank():
 
 
 def test_status_of_a_finished_run_reads_its_cache_and_warns(cli, state_dir, tmp_path):
-    from diloco.state import RunRecord
+    from diloco.runrecord.state import RunRecord
 
     store_uri = (tmp_path / "store").as_uri()
     store = open_store(store_uri)
@@ -101,10 +101,10 @@ def test_status_of_a_finished_run_reads_its_cache_and_warns(cli, state_dir, tmp_
 
 
 def test_supervisor_turns_summaries_into_events(state_dir, tmp_path):
-    from diloco.local import LocalProcessExecutor
-    from diloco.state import RunRecord
+    from diloco.local.executor import LocalProcessExecutor
+    from diloco.runrecord.state import RunRecord
     from diloco.request import LaunchRequest
-    from diloco.supervisor import Supervisor
+    from diloco.supervise.supervisor import Supervisor
 
     store_uri = (tmp_path / "store").as_uri()
     store = open_store(store_uri)
@@ -163,13 +163,13 @@ def test_the_launchers_write_proof_needs_only_a_put_and_never_loses_the_rounds_i
     """The launcher proves every 30 s that the store takes writes. It once did it with a PUT and a
     DELETE, which the SageMaker launcher's policy does not grant: 30 s into a run the store read
     as unreachable, and the rounds read in the same look were dropped, never to become events."""
-    import diloco.store
-    from diloco.roundwatch import WRITE_EVERY, RoundWatcher
-    from diloco.state import RunRecord
+    import diloco.store.objectstore
+    from diloco.runrecord.roundwatch import WRITE_EVERY, RoundWatcher
+    from diloco.runrecord.state import RunRecord
 
     uri, run = f"memory://{uuid.uuid4().hex}", "run-w"
     store = LauncherPolicyStore(open_store(uri))
-    monkeypatch.setattr(diloco.store, "open_store", lambda *a, **k: store)
+    monkeypatch.setattr(diloco.store.objectstore, "open_store", lambda *a, **k: store)
     now = [0.0]
     record = RunRecord(run, {}, root=tmp_path)
     record.dir.mkdir(parents=True)

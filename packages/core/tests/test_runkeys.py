@@ -1,12 +1,12 @@
 """The store layout, every key family once, as the exact names a run's store holds: a change to
-`diloco.runkeys` that would move an object (and strand the runs, launchers and replicas of the
+`diloco.store.runkeys` that would move an object (and strand the runs, launchers and replicas of the
 version before) fails here. Written out by hand, never built with the code under test."""
 
 from __future__ import annotations
 
 import pytest
 
-from diloco.runkeys import RunKeys, scale_seq
+from diloco.store.runkeys import RunKeys, scale_seq
 
 K = RunKeys("run-7")
 

@@ -1,4 +1,4 @@
-"""Resizing a run (`diloco.scaling`): which ranks come and go, as a table; requests and the
+"""Resizing a run (`diloco.store.scaling`): which ranks come and go, as a table; requests and the
 target the replicas read, checked; and the supervisor carrying a request out, with a fake
 backend (the end-to-end runs are in tests/test_elastic.py)."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from diloco.errors import UserError
-from diloco.scaling import parse_roster, pending, plan_resize, roster_body
+from diloco.store.scaling import parse_roster, pending, plan_resize, roster_body
 
 
 @pytest.mark.parametrize("active, next_rank, group, replicas, added, retired", [
@@ -62,7 +62,7 @@ def test_scale_through_the_cli_is_one_line_for_a_run_that_is_not_there(cli):
     out = cli("scale", "nosuch-run", "3")
     assert out.returncode == 2 and out.stderr.startswith("error: ") and len(out.stderr.strip().splitlines()) == 1
     with pytest.raises(UserError, match="has ended"):
-        from diloco.scaling import request_scale
+        from diloco.store.scaling import request_scale
 
         class Ended:
             run_id, ended, state = "r", True, "SUCCEEDED"
@@ -73,8 +73,8 @@ def test_scale_through_the_cli_is_one_line_for_a_run_that_is_not_there(cli):
 def test_a_run_is_scaled_only_once_it_trains(tmp_path):
     """Round 1's replicas are the launch's, written with round 0's checkpoint: a replica added
     before that could write a round 0 of its own."""
-    from diloco.scaling import request_scale
-    from diloco.spec import parse_spec
+    from diloco.store.scaling import request_scale
+    from diloco.spec.runspec import parse_spec
 
     class Starting:
         run_id, ended, state, dir = "r", False, "HEALTHY", tmp_path
@@ -88,7 +88,7 @@ def test_a_run_is_scaled_only_once_it_trains(tmp_path):
 
 
 def test_the_bar_shows_the_last_rounds_members_against_the_target_per_group():
-    from diloco.progress import progress_line, progress_of
+    from diloco.observe.progress import progress_line, progress_of
 
     spec = {"groups": [{"name": "node", "first_rank": 0, "replicas": 1},
                        {"name": "singles", "first_rank": 1, "replicas": 2}]}

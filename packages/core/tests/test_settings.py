@@ -10,7 +10,7 @@ import pytest
 
 from diloco.errors import SpecError
 from diloco.options import describe_options
-from diloco.settings import DilocoSettings, RestartSettings
+from diloco.spec.settings import DilocoSettings, RestartSettings
 
 ROOT = Path(__file__).resolve().parents[3]
 

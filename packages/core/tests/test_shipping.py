@@ -1,4 +1,4 @@
-"""What of a workdir ships to remote replicas (diloco.shipping): never credentials, at any depth."""
+"""What of a workdir ships to remote replicas (diloco.shipping.workdir): never credentials, at any depth."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import tarfile
 import pytest
 
 from diloco.errors import UserError
-from diloco.shipping import select_files
+from diloco.shipping.workdir import select_files
 
 
 def _tree(root, files: dict[str, str]) -> None:

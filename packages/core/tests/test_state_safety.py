@@ -13,7 +13,7 @@ import pytest
 
 from conftest import write_spec
 from diloco.errors import RunNotFound, UserError
-from diloco.state import RunRecord
+from diloco.runrecord.state import RunRecord
 
 
 def _mode(path) -> int:
@@ -79,8 +79,8 @@ def _run_leaving_files(cli, project, tmp_path, *, rounds: bool = False) -> str:
         "    print('training data: secret-ish', flush=True)\n"
         "    ctx.store.put(f'{ctx.run_id}/artifacts/summary.txt', b'final loss 1.5\\n')\n"
         "    if ctx.rank == 0 and %r:\n"
-        "        from diloco.metrics import RoundMetrics, RoundSummary\n"
-        "        from diloco.runkeys import RunKeys\n"
+        "        from diloco.store.metrics import RoundMetrics, RoundSummary\n"
+        "        from diloco.store.runkeys import RunKeys\n"
         "        row = RoundMetrics(round=1, rank=0, members=[0, 1], loss=1.5, tokens=10)\n"
         "        ctx.store.put(RunKeys(ctx.run_id).summary(1), RoundSummary.from_rows(1, [row]).to_json())\n"
         "    return {'rank': ctx.rank}\n" % rounds)
@@ -123,7 +123,7 @@ def test_records_and_events_are_valid_json_even_with_a_nan_loss(state_dir):
     line = record.events_path.read_text().splitlines()[0]
     event = json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in events.jsonl"))
     assert event["loss"] == "nan" and event["grad"] == "-inf"
-    from diloco.display import format_any, format_round
+    from diloco.observe.display import format_any, format_round
 
     # what the launcher prints of that round, read back from the record: shown, not a crash
     assert "loss nan" in format_round({"round": 3, "members": 2, "loss": event["loss"]})
@@ -140,8 +140,8 @@ def test_a_recorded_run_is_never_overwritten(state_dir):
 def test_an_error_holding_rich_markup_is_shown_as_text(state_dir):
     from rich.console import Console
 
-    from diloco.display import status_table
-    from diloco.rankstate import RankState
+    from diloco.observe.display import status_table
+    from diloco.runrecord.rankstate import RankState
 
     rank = RankState(0)
     rank.last_error = "ValueError: [/] closed nothing [link=https://evil.example]click[/link]"

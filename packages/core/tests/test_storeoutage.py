@@ -1,4 +1,4 @@
-"""A store that stops answering is waited for (`diloco.storeoutage`): which errors are an outage,
+"""A store that stops answering is waited for (`diloco.store.outage`): which errors are an outage,
 how long it is waited for, the clock the rounds' deadlines read, and the one line past the limit.
 The errors' texts are obstore's own (captured from obstore 0.12 against a closed port, a proxy
 answering 500/503, and moto without the bucket); the clock and the sleeps are fakes."""
@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from diloco.policy import RunState, StoreAway, outcome
-from diloco.storeoutage import Outage, StoreUnreachable, first_line, is_transient
+from diloco.supervise.policy import RunState, StoreAway, outcome
+from diloco.store.outage import Outage, StoreUnreachable, first_line, is_transient
 
 REFUSED = ("Generic S3 error: Error performing PUT http://127.0.0.1:9/b/p/k in 267.3ms, after 2 retries, "
            "max_retries: 2, retry_timeout: 5s  - HTTP error: error sending request\n\nDebug source:\nGeneric {\n"

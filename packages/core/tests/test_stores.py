@@ -12,8 +12,8 @@ import json
 import pytest
 
 from diloco.errors import UserError
-from diloco.rendezvous import check_rendezvous
-from diloco.store import open_store
+from diloco.launching.rendezvous import check_rendezvous
+from diloco.store.objectstore import open_store
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_cloud_uris_are_accepted_for_remote_backends(uri):
 
 
 def test_cloud_credentials_are_treated_as_secrets():
-    from diloco.replicaenv import is_secret_name
+    from diloco.inputs.replicaenv import is_secret_name
 
     for name in ("AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_KEY", "AZURE_CLIENT_SECRET",
                  "GOOGLE_SERVICE_ACCOUNT_KEY", "AZURE_STORAGE_TOKEN"):

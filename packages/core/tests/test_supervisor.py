@@ -119,11 +119,11 @@ def test_launcher_killed_then_resumed_finishes_the_run(cli, project, state_dir):
 
 
 def test_backend_without_rank_relaunch_is_supervised_as_a_gang(tmp_path):
-    from diloco.local import LocalProcessExecutor
-    from diloco.state import RunRecord
+    from diloco.local.executor import LocalProcessExecutor
+    from diloco.runrecord.state import RunRecord
     from diloco.protocol import Capabilities
     from diloco.request import LaunchRequest
-    from diloco.supervisor import Supervisor
+    from diloco.supervise.supervisor import Supervisor
 
     class NoRelaunch(LocalProcessExecutor):
         capabilities = Capabilities(shares_launcher_filesystem=True)
@@ -231,13 +231,13 @@ def test_a_replica_the_platform_retries_itself_is_pending_not_failed(tmp_path):
     """SageMaker keeps a spot-interrupted job InProgress and restarts it: the replica reads running →
     pending → running. The supervisor records why (the executor's optional `status_detail`), and
     neither relaunches it nor spends a restart."""
-    from diloco.local import LocalProcessExecutor
+    from diloco.local.executor import LocalProcessExecutor
     from diloco.protocol import ReplicaStatus
-    from diloco.state import RunRecord
+    from diloco.runrecord.state import RunRecord
     from diloco.protocol import Capabilities
     from diloco.request import LaunchRequest
-    from diloco.policy import RunState
-    from diloco.supervisor import Supervisor
+    from diloco.supervise.policy import RunState
+    from diloco.supervise.supervisor import Supervisor
 
     class SpotLike(LocalProcessExecutor):
         capabilities = Capabilities(shares_launcher_filesystem=True, relaunches_one_rank=True, status_detail=True)
@@ -315,8 +315,8 @@ class _ThrottledControlPlane:
 def test_a_control_plane_that_cannot_answer_for_a_while_does_not_stop_the_launcher(outage, survives):
     from diloco.errors import BackendError
     from diloco.request import LaunchRequest
-    from diloco.state import RunRecord
-    from diloco.supervisor import POLL_OUTAGE_LIMIT, Supervisor
+    from diloco.runrecord.state import RunRecord
+    from diloco.supervise.supervisor import POLL_OUTAGE_LIMIT, Supervisor
 
     now = [1000.0]
     clock = lambda: now[0]  # noqa: E731
@@ -353,11 +353,11 @@ def test_one_groups_silent_backend_is_not_hidden_by_another_that_answers():
     outage is timed on its own, so the launcher stops after POLL_OUTAGE_LIMIT (naming the fix)
     instead of logging poll_failed / poll_recovered every pass forever."""
     from diloco.errors import BackendError
-    from diloco.groupexec import GroupedExecutor
-    from diloco.groups import ReplicaGroup
+    from diloco.launching.groupexec import GroupedExecutor
+    from diloco.spec.groups import ReplicaGroup
     from diloco.request import LaunchRequest
-    from diloco.state import RunRecord
-    from diloco.supervisor import POLL_OUTAGE_LIMIT, Supervisor
+    from diloco.runrecord.state import RunRecord
+    from diloco.supervise.supervisor import POLL_OUTAGE_LIMIT, Supervisor
 
     now = [1000.0]
     clock = lambda: now[0]  # noqa: E731

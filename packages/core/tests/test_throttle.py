@@ -8,8 +8,8 @@ import time
 import pytest
 
 from diloco.errors import UserError
-from diloco.store import open_store
-from diloco.throttle import ThrottledStore, throttled_from_env
+from diloco.store.objectstore import open_store
+from diloco.store.throttle import ThrottledStore, throttled_from_env
 
 
 def test_off_unless_the_environment_asks():

@@ -49,8 +49,8 @@ def recorded(tmp_path_factory):
     root = tmp_path_factory.mktemp("recorded")
     (root / "rounds.py").write_text(
         "def main(ctx):\n"
-        "    from diloco.metrics import RoundMetrics, RoundSummary\n"
-        "    from diloco.runkeys import RunKeys\n"
+        "    from diloco.store.metrics import RoundMetrics, RoundSummary\n"
+        "    from diloco.store.runkeys import RunKeys\n"
         "    row = RoundMetrics(round=1, rank=0, members=[0, 1], loss=1.5, tokens=10)\n"
         "    if ctx.rank == 0:\n"
         "        ctx.store.put(RunKeys(ctx.run_id).summary(1), RoundSummary.from_rows(1, [row]).to_json())\n"
@@ -160,6 +160,6 @@ def test_garbage_in_an_append_only_log_is_skipped(cli, state_dir, finished_run, 
     (b'', False),
 ])
 def test_what_is_an_event(line, kept):
-    from diloco.eventlog import event_of
+    from diloco.runrecord.eventlog import event_of
 
     assert (event_of(line) is not None) is kept

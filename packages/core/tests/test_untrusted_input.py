@@ -111,7 +111,7 @@ def test_dryrun_refuses_an_unset_secret_as_run_does(cli, project, state_dir):
 
 
 def test_settable_diloco_knobs_and_rank_names_for_rank_env_still_work(project):
-    from diloco.spec import parse_spec
+    from diloco.spec.runspec import parse_spec
 
     spec = parse_spec({"backend": "local", "replicas": 2, "entrypoint": "job:main",
                        "env": {"DILOCO_FAULT_CORRUPT": "1", "NCCL_DEBUG": "INFO", "TOKENIZERS_PARALLELISM": "false"},
@@ -127,7 +127,7 @@ def test_settable_diloco_knobs_and_rank_names_for_rank_env_still_work(project):
 
 
 def test_run_ids_carry_64_random_bits_and_stay_dns_labels():
-    from diloco.state import RUN_ID, new_run_id
+    from diloco.runrecord.state import RUN_ID, new_run_id
 
     ids = [new_run_id(name) for name in ("tiny-lm", "x" * 200, "9 lives", "日本語") for _ in range(500)]
     assert len(set(ids)) == len(ids)
@@ -142,7 +142,7 @@ def test_run_ids_carry_64_random_bits_and_stay_dns_labels():
 def _race_for_lease(run_dir: str, start_at: float, queue, everyone_answered) -> None:
     from pathlib import Path
 
-    from diloco.lease import LeaseHeld, SupervisorLease
+    from diloco.supervise.lease import LeaseHeld, SupervisorLease
 
     while time.time() < start_at:
         pass
@@ -176,7 +176,7 @@ def test_of_many_supervisors_started_together_exactly_one_holds_the_lease(tmp_pa
 
 def dead_holders_lease(tmp_path):
     """A run directory whose lease names a process of this host that has exited."""
-    from diloco import lease as lease_mod
+    from diloco.supervise import lease as lease_mod
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -189,8 +189,8 @@ def dead_holders_lease(tmp_path):
 
 
 def test_a_dead_holders_lease_is_taken_over_and_a_live_one_is_not(tmp_path, monkeypatch):
-    from diloco import lease as lease_mod
-    from diloco.lease import LeaseHeld, LeaseHolder, SupervisorLease, current_holder
+    from diloco.supervise import lease as lease_mod
+    from diloco.supervise.lease import LeaseHeld, LeaseHolder, SupervisorLease, current_holder
 
     run_dir, path = dead_holders_lease(tmp_path)
     assert current_holder(run_dir) is None
@@ -227,8 +227,8 @@ def test_a_racer_that_finds_a_takeover_under_way_waits_and_names_the_new_holder(
     to say only "being taken over right now" (CI saw it): it now names who supervises."""
     import threading
 
-    from diloco import lease as lease_mod
-    from diloco.lease import LeaseHeld, SupervisorLease
+    from diloco.supervise import lease as lease_mod
+    from diloco.supervise.lease import LeaseHeld, SupervisorLease
 
     run_dir, path = dead_holders_lease(tmp_path)
     guard = path.with_name(path.name + ".takeover")
@@ -321,7 +321,7 @@ def test_the_python_api_cannot_supervise_a_run_another_launcher_holds(cli, proje
 
 
 def test_user_text_in_records_is_shown_as_text_by_list_and_status(cli, state_dir):
-    from diloco.state import RunRecord
+    from diloco.runrecord.state import RunRecord
 
     spec = {"name": "markup", "backend": "[/][link=http://evil]x", "replicas": 2, "entrypoint": "job:main",
             "workdir": ".", "timeout": 60.0}
@@ -344,9 +344,9 @@ def test_a_planted_round_summary_of_the_wrong_shape_is_skipped_not_a_crash(field
     to reach the launcher's progress code (`round("x", 4)`, `inc.items()`) and crash it."""
     import uuid
 
-    from diloco.metrics import RoundMetrics, RoundReader, RoundSummary
-    from diloco.runkeys import RunKeys
-    from diloco.store import open_store
+    from diloco.store.metrics import RoundMetrics, RoundReader, RoundSummary
+    from diloco.store.runkeys import RunKeys
+    from diloco.store.objectstore import open_store
 
     store = open_store(f"memory://{uuid.uuid4().hex}")
     good = RoundSummary.from_rows(1, [RoundMetrics(round=1, rank=0, members=[0], loss=1.5, tokens=10)])
@@ -360,7 +360,7 @@ def test_a_planted_round_summary_of_the_wrong_shape_is_skipped_not_a_crash(field
 
 
 def test_rows_and_summaries_are_valid_json_with_nan_values():
-    from diloco.metrics import RoundMetrics, RoundSummary
+    from diloco.store.metrics import RoundMetrics, RoundSummary
 
     row = RoundMetrics(round=1, rank=0, members=[0], loss=float("nan"),
                        evals=[[5, float("nan")]])
@@ -376,7 +376,7 @@ def test_a_runspec_built_in_python_is_checked_as_a_parsed_one(project, state_dir
 
     import diloco
     from diloco.errors import SpecError
-    from diloco.spec import parse_spec
+    from diloco.spec.runspec import parse_spec
 
     good = parse_spec({"backend": "local", "replicas": 2, "entrypoint": "job:main"}, base_dir=project)
     assert parse_spec(good.to_table(), base_dir=project) == good

@@ -1,4 +1,4 @@
-"""Wheels of the launcher's own diloco (diloco.wheelhouse), and the replica's version check."""
+"""Wheels of the launcher's own diloco (diloco.shipping.wheelhouse), and the replica's version check."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from diloco.errors import EXIT_CONFIG, UserError
 from diloco.request import LaunchRequest
-from diloco.wheelhouse import build_wheel, dependency_wheels, launcher_wheels, run_versions, wheel_fits
+from diloco.shipping.wheelhouse import build_wheel, dependency_wheels, launcher_wheels, run_versions, wheel_fits
 
 
 def _fake_site(tmp_path, name: str, *, editable: bool, requires: tuple[str, ...] = ()) -> None:
@@ -68,10 +68,10 @@ def test_a_wheel_is_rebuilt_from_an_installed_distribution(tmp_path, on_path, ed
 
 def test_the_launchers_diloco_installs_offline_and_is_the_code_that_runs_here(tmp_path):
     core = build_wheel("diloco-core", tmp_path / "wheels")
-    import diloco.runner
+    import diloco.bootstrap.runner
 
     with zipfile.ZipFile(core) as zf:
-        assert zf.read("diloco/runner.py") == open(diloco.runner.__file__, "rb").read()
+        assert zf.read("diloco/bootstrap/runner.py") == open(diloco.bootstrap.runner.__file__, "rb").read()
         assert zf.read("diloco_core-%s.dist-info/entry_points.txt" % metadata.version("diloco-core"))
     deps = dependency_wheels(tmp_path / "deps", roots=["diloco-core"])
     names = {w.name.split("-")[0].lower() for w in deps}
@@ -81,7 +81,7 @@ def test_the_launchers_diloco_installs_offline_and_is_the_code_that_runs_here(tm
     py = venv / "bin" / "python"
     subprocess.run([py, "-m", "pip", "install", "-q", "--no-index", "--find-links", tmp_path / "deps", core],
                    check=True, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
-    out = subprocess.run([py, "-c", "import diloco.runner as r; print(r.installed_version('diloco-core'))"],
+    out = subprocess.run([py, "-c", "import diloco.bootstrap.runner as r; print(r.installed_version('diloco-core'))"],
                          check=True, capture_output=True, text=True).stdout.strip()
     assert out == metadata.version("diloco-core")
 
@@ -132,7 +132,7 @@ def test_a_replica_holding_another_diloco_stops_in_one_line(tmp_path):
     result = tmp_path / "result.json"
     env = {**os.environ, "DILOCO_ENTRYPOINT": "json:dumps", "REPLICA_RANK": "0", "DILOCO_REPLICAS": "1",
            "DILOCO_RESULT_PATH": str(result), "DILOCO_VERSION": "diloco-core==0.0.1"}
-    proc = subprocess.run([sys.executable, "-m", "diloco.runner"], env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "diloco.bootstrap.runner"], env=env, capture_output=True, text=True)
     assert proc.returncode == EXIT_CONFIG
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "diloco-core 0.0.1" in lines[0] and "diloco-core " + metadata.version("diloco-core") \

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco.local import LocalProcessExecutor
+from diloco.local.executor import LocalProcessExecutor
 from diloco.testing import launch
 
 HERE = Path(__file__).parent

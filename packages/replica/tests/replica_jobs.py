@@ -9,9 +9,9 @@ import zlib
 
 import torch
 
-from diloco.context import ReplicaContext
+from diloco.bootstrap.context import ReplicaContext
 from diloco_replica import DiLoCo
-from diloco_replica.allreduce import StoreAllReduce
+from diloco_replica.round.allreduce import StoreAllReduce
 
 
 def theta_crc(diloco: DiLoCo) -> int:
@@ -84,12 +84,12 @@ def mlp_rounds(ctx: ReplicaContext, steps: int = 12, dim: int = 64, delay_rank: 
     process's. Each inner step counts one token.
     """
     if join_after_round:  # a late start, however slowly the others got going
-        from diloco.runkeys import RunKeys
+        from diloco.store.runkeys import RunKeys
 
         while ctx.store.get(RunKeys(ctx.run_id).metrics(join_after_round, 0)) is None:
             time.sleep(0.05)
     if threads and str(ctx.rank) in threads:
-        from diloco.envvars import ENV_SYNC_THREADS
+        from diloco.inputs.envvars import ENV_SYNC_THREADS
 
         torch.set_num_threads(threads[str(ctx.rank)])
         os.environ[ENV_SYNC_THREADS] = str(threads[str(ctx.rank)])

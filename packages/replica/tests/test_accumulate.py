@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco_replica.finite import Contribution, accumulate
-from diloco_replica.wire import CorruptObject
+from diloco_replica.transport.finite import Contribution, accumulate
+from diloco_replica.transport.wire import CorruptObject
 
 NUMEL = 4_099
 A, B, C = (torch.randn(NUMEL, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3))

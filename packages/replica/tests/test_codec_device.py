@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco_replica.codecdevice import HOST, placement
-from diloco_replica.codecs import INT4_BLOCK, INT8_CHUNK, decode, encode, exact_divisor
-from diloco_replica.feedback import quantise_pieces_with_feedback, quantise_with_feedback
-from diloco_replica.finite import Contribution, accumulate
-from diloco_replica.streaming import WholeDelta
+from diloco_replica.transport.codecdevice import HOST, placement
+from diloco_replica.transport.codecs import INT4_BLOCK, INT8_CHUNK, decode, encode, exact_divisor
+from diloco_replica.round.steps.feedback import quantise_pieces_with_feedback, quantise_with_feedback
+from diloco_replica.transport.finite import Contribution, accumulate
+from diloco_replica.round.streaming import WholeDelta
 
 CUDA = torch.device("cuda:0")
 

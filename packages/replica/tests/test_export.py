@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from diloco.errors import UserError
-from diloco.runkeys import RunKeys
-from diloco.store import open_store
+from diloco.store.runkeys import RunKeys
+from diloco.store.objectstore import open_store
 from diloco_replica.export import export
-from diloco_replica.manifest import BadManifest, Manifest, manifest_of, publish, unwrapped
+from diloco_replica.outer.manifest import BadManifest, Manifest, manifest_of, publish, unwrapped
 
 
 def mlp(dim: int) -> torch.nn.Sequential:

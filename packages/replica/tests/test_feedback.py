@@ -9,13 +9,13 @@ import pytest
 import torch
 from test_streaming import at_once
 
-from diloco.store import open_store
-from diloco_replica import upload as upload_module
-from diloco_replica.allreduce import StoreAllReduce
-from diloco_replica.codecs import decode, encode
-from diloco_replica.feedback import quantise_pieces_with_feedback, quantise_with_feedback
-from diloco_replica.layout import shard_bounds
-from diloco_replica.streaming import LiveDelta
+from diloco.store.objectstore import open_store
+from diloco_replica.round.steps import upload as upload_module
+from diloco_replica.round.allreduce import StoreAllReduce
+from diloco_replica.transport.codecs import decode, encode
+from diloco_replica.round.steps.feedback import quantise_pieces_with_feedback, quantise_with_feedback
+from diloco_replica.round.layout import shard_bounds
+from diloco_replica.round.streaming import LiveDelta
 
 
 def delta_and_residual(numel: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco_replica.codecs import decode, encode
+from diloco_replica.transport.codecs import decode, encode
 
 BLOCK = 256
 

@@ -9,8 +9,8 @@ import weakref
 import pytest
 import torch
 
-from diloco_replica.keptparts import KeptParts
-from diloco_replica.wire import Identity, joined, pack
+from diloco_replica.round.steps.keptparts import KeptParts
+from diloco_replica.transport.wire import Identity, joined, pack
 
 
 def _blob(seed: int, numel: int = 1000) -> tuple[list, torch.Tensor]:

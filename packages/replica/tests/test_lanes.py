@@ -11,9 +11,9 @@ import json
 import pytest
 import torch.multiprocessing as mp
 
-from diloco_replica.lanes import Lanes, Retry
-from diloco_replica.layout import BLOCK
-from diloco_replica.rounderrors import FellBehind, RoundFailed
+from diloco_replica.round.lanes import Lanes, Retry
+from diloco_replica.round.layout import BLOCK
+from diloco_replica.round.errors import FellBehind, RoundFailed
 
 
 def lane_results(executor, handles) -> list[dict]:

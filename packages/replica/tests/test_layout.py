@@ -14,13 +14,13 @@ import uuid
 import pytest
 import torch
 
-from diloco.store import open_store
-from diloco_replica.allreduce import StoreAllReduce
-from diloco_replica import checkpoints as checkpoints_module
-from diloco_replica.checkpoints import Checkpoints
-from diloco_replica.lanes import Lanes
-from diloco_replica.layout import BLOCK, Cut, cover, lane_fragment, lane_range, piece_cuts
-from diloco_replica.outer import digest_of, state_digest
+from diloco.store.objectstore import open_store
+from diloco_replica.round.allreduce import StoreAllReduce
+from diloco_replica.round import checkpoints as checkpoints_module
+from diloco_replica.round.checkpoints import Checkpoints
+from diloco_replica.round.lanes import Lanes
+from diloco_replica.round.layout import BLOCK, Cut, cover, lane_fragment, lane_range, piece_cuts
+from diloco_replica.outer.step import digest_of, state_digest
 
 
 class Hub:
@@ -169,7 +169,7 @@ def test_int8_means_are_equal_on_every_lane_of_every_replica():
 
 
 def test_the_pieces_of_a_replica_of_several_lanes_are_what_the_estimate_bounds():
-    from diloco.estimate import exchange
+    from diloco.spec.estimate import exchange
 
     total = 6 * BLOCK + 1_001
     _, results = mixed_round([3, 3], total, part_mb=0.01)

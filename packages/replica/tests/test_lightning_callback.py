@@ -16,9 +16,9 @@ from torch import nn
 
 L = pytest.importorskip("lightning")
 
-from diloco.context import ReplicaContext  # noqa: E402
+from diloco.bootstrap.context import ReplicaContext  # noqa: E402
 from diloco.errors import UserError  # noqa: E402
-from diloco.store import open_store  # noqa: E402
+from diloco.store.objectstore import open_store  # noqa: E402
 from diloco_replica import DiLoCo  # noqa: E402
 from diloco_replica.export import export  # noqa: E402
 from diloco_replica.integrations.lightning import DiLoCoCallback, first_tensor_elements, replica_seed  # noqa: E402

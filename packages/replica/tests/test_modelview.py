@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco_replica.lanes import Lanes
-from diloco_replica.modelview import model_view
+from diloco_replica.round.lanes import Lanes
+from diloco_replica.loop.modelview import model_view
 
 
 @pytest.mark.parametrize("lanes", [1, 2, 3])

@@ -11,10 +11,10 @@ import uuid
 import pytest
 import torch
 
-from diloco.context import ReplicaContext
+from diloco.bootstrap.context import ReplicaContext
 from diloco.errors import SpecError
-from diloco.settings import DilocoSettings
-from diloco.store import open_store
+from diloco.spec.settings import DilocoSettings
+from diloco.store.objectstore import open_store
 from diloco_replica import DiLoCo
 
 from conftest import Replicas

@@ -14,14 +14,14 @@ import pytest
 import torch
 from test_streaming import at_once
 
-from diloco.estimate import exchange
-from diloco.store import open_store
-from diloco.wiresize import parts_per_shard
-from diloco_replica import reduce as reduce_module
-from diloco_replica.allreduce import StoreAllReduce
-from diloco_replica.rounderrors import RoundFailed
-from diloco_replica.roundstate import Round
-from diloco_replica.storeaccess import reducer_of
+from diloco.spec.estimate import exchange
+from diloco.store.objectstore import open_store
+from diloco.store.wiresize import parts_per_shard
+from diloco_replica.round.steps import reduce as reduce_module
+from diloco_replica.round.allreduce import StoreAllReduce
+from diloco_replica.round.errors import RoundFailed
+from diloco_replica.round.state import Round
+from diloco_replica.round.storeaccess import reducer_of
 
 NUMEL = 12_000
 PART_MB = 4_000 * 4 / 2**20  # 4,000 fp32 values a part

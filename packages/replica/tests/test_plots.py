@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from diloco.metrics import RoundMetrics, RoundSummary
-from diloco_replica.plots import clock_offsets
+from diloco.store.metrics import RoundMetrics, RoundSummary
+from diloco_replica.records.plots import clock_offsets
 
 
 def rounds_of(skew: dict[int, float], ends: list[float], late: dict[tuple[int, int], float] | None = None,

@@ -1,4 +1,4 @@
-"""`diloco_replica.polling.Poll`, the one wait of the round protocol, on a fake clock: when it
+"""`diloco_replica.round.polling.Poll`, the one wait of the round protocol, on a fake clock: when it
 looks, how long it sleeps between looks, when it gives up, and what renew / extend / final_look
 / wake change. Table-tested: each row is a wait and the looks and sleeps it must make."""
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from diloco_replica.polling import GROWTH, JITTER, Poll
+from diloco_replica.round.polling import GROWTH, JITTER, Poll
 
 
 class FakeClock:

@@ -9,9 +9,9 @@ import uuid
 import pytest
 import torch
 
-from diloco.presence import away_name, join_name
-from diloco.store import open_store
-from diloco_replica.quorum import GRACE_FLOOR, Absent, Verdict, expected, grace_seconds, verdict
+from diloco.store.presence import away_name, join_name
+from diloco.store.objectstore import open_store
+from diloco_replica.round.steps.quorum import GRACE_FLOOR, Absent, Verdict, expected, grace_seconds, verdict
 
 
 @pytest.mark.parametrize("roster, kw, want", [
@@ -79,7 +79,7 @@ def test_why_each_absent_rank_is_absent():
 
 
 def _allreduce(store, run, rank, n, **kw):
-    from diloco_replica.allreduce import StoreAllReduce
+    from diloco_replica.round.allreduce import StoreAllReduce
 
     return StoreAllReduce(store, run, rank, n, poll_interval=0.01, poll_max=0.05, **kw)
 
@@ -141,14 +141,14 @@ def test_an_expected_replica_that_never_comes_costs_one_grace_window_not_round_t
 
 
 def _record(run, r, members, nxt):
-    from diloco_replica.wire import Identity, pack_json
+    from diloco_replica.transport.wire import Identity, pack_json
 
     return pack_json(Identity(run, r, "members"), {"members": members, "lanes": [1] * len(members), "next": nxt,
                                                     "incarnations": [0] * len(members)})
 
 
 def _meta(store, key):
-    from diloco_replica.wire import Identity, unpack
+    from diloco_replica.transport.wire import Identity, unpack
 
     run, r = key.split("/")[0], int(key.split("/")[1][1:])
     return unpack(store.get(key), Identity(run, r, "members"), key).meta
@@ -159,7 +159,7 @@ def _train_linear(store, run: str, rank: int, *, total_steps: int, round_timeout
     """One replica of a 2-replica run of a tiny linear model, in this process, to its end: the
     same θ_0 everywhere, each rank's own data. `log` replaces its exchanger's log; `before_step(step)`
     runs before each inner step. Returns the closed `DiLoCo`."""
-    from diloco.context import ReplicaContext
+    from diloco.bootstrap.context import ReplicaContext
     from diloco_replica import DiLoCo
 
     torch.manual_seed(0)
@@ -187,7 +187,7 @@ def test_a_reducer_whose_attempt_ended_is_taken_over_at_once_not_after_round_tim
     shard over within seconds, though round_timeout is 30 s, and end the round on the same bytes."""
     from test_parts import deltas, run
 
-    from diloco_replica import reduce as reduce_module
+    from diloco_replica.round.steps import reduce as reduce_module
 
     original = reduce_module.ShardReducer.reduce
 
@@ -221,7 +221,7 @@ def test_a_straggler_whose_catch_up_meets_a_collected_round_rejoins_instead_of_d
     relaunch. The collection under the replay is the replay's first FellBehind here (the race
     needs a paused process and the collection in the same instant: tests/test_soak.py meets it)."""
     from diloco_replica import FellBehind
-    from diloco_replica.globalstate import GlobalState
+    from diloco_replica.outer.globalstate import GlobalState
 
     replay = GlobalState.catch_up
     collected_under: list[int] = []
@@ -265,8 +265,8 @@ def test_a_non_member_row_never_replaces_the_member_row_of_its_round():
     """Found by the soak: a replica that was a member of round 10, then fell behind and rejoined
     from checkpoint 10, wrote its non-member row of round 10 over its member row, and the round's
     record lost that member's work. A non-member's row goes in only where none is."""
-    from diloco.metrics import RoundMetrics
-    from diloco_replica.recorder import Recorder
+    from diloco.store.metrics import RoundMetrics
+    from diloco_replica.records.recorder import Recorder
 
     store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-rows"
     ar = _allreduce(store, run, 1, 2, round_timeout=1.0)
@@ -286,8 +286,8 @@ def test_a_round_whose_members_all_died_before_their_rows_is_recorded_by_the_rep
     soak's record check meets it). A replica that starts from a round it took no part in writes
     that round's row as a non-member: the round's members, the state's digest; never for round 0,
     and never over a member's row of that round (create-only)."""
-    from diloco.metrics import RoundMetrics
-    from diloco.runkeys import RunKeys
+    from diloco.store.metrics import RoundMetrics
+    from diloco.store.runkeys import RunKeys
 
     store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-rows-of-the-dead"
     keys = RunKeys(run)

@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from diloco.metrics import read_rounds
-from diloco.store import open_store
-from diloco_replica.allreduce import StoreAllReduce
-from diloco_replica.rounderrors import FellBehind
-from diloco_replica.layout import Cut
-from diloco_replica.roundstate import Round
-from diloco_replica.streaming import WholeDelta
-from diloco_replica.outer import outer_step
-from diloco_replica.wire import CorruptObject, Identity, encode_tensor, joined, pack, unpack
+from diloco.store.metrics import read_rounds
+from diloco.store.objectstore import open_store
+from diloco_replica.round.allreduce import StoreAllReduce
+from diloco_replica.round.errors import FellBehind
+from diloco_replica.round.layout import Cut
+from diloco_replica.round.state import Round
+from diloco_replica.round.streaming import WholeDelta
+from diloco_replica.outer.step import outer_step
+from diloco_replica.transport.wire import CorruptObject, Identity, encode_tensor, joined, pack, unpack
 
 
 # -- the outer step is the same floats everywhere ------------------------------------------------
@@ -240,7 +240,7 @@ def test_a_replica_paused_past_the_retained_history_rejoins_instead_of_rewriting
     nobody is left to wait for and its round would be decided at once. It is stopped uploading,
     after it looked for the round's record (then undecided): it once decided that round anew with
     itself alone, trained rounds the others had finished long ago and ended on another model."""
-    from diloco.presence import away_name
+    from diloco.store.presence import away_name
 
     settings = {"sync_every": 2, "round_timeout": 1.0, "checkpoint_every": 2}
     # the others' rounds take 0.2 s, so the run outlasts rank 3's rejoin: no round waits for it
@@ -377,9 +377,9 @@ def test_a_recorder_leaving_does_not_wait_for_a_row_that_may_never_come():
     """A member killed mid-round never writes its row; the recorder (rank 0) waits for it up to
     the round timeout in the background, but closing ends the wait at once: no summary short of a
     row is written, and readers rebuild the round from the rows once it is over."""
-    from diloco.metrics import RoundMetrics, RoundReader
-    from diloco.runkeys import RunKeys
-    from diloco_replica.recorder import Recorder
+    from diloco.store.metrics import RoundMetrics, RoundReader
+    from diloco.store.runkeys import RunKeys
+    from diloco_replica.records.recorder import Recorder
 
     store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-leaving"
     ar = StoreAllReduce(store, run, 0, 2, round_timeout=600.0, poll_interval=0.005, poll_max=0.05)

@@ -10,10 +10,10 @@ import uuid
 import pytest
 import torch
 
-from diloco.store import open_store
-from diloco_replica.allreduce import StoreAllReduce
-from diloco_replica.wire import Identity, unpack
-from diloco.runkeys import RunKeys
+from diloco.store.objectstore import open_store
+from diloco_replica.round.allreduce import StoreAllReduce
+from diloco_replica.transport.wire import Identity, unpack
+from diloco.store.runkeys import RunKeys
 
 from test_untrusted_objects import repacked
 
@@ -77,7 +77,7 @@ def test_a_reader_waits_for_a_live_reducer_to_repair_its_shard_and_voids_a_gone_
     checkpoint is void. Unless someone took the shard over ("taken over": a claim in ``claim/``):
     its publisher may then be that live claimant, holding the mean, so nothing is voided and the
     round fails as before."""
-    from diloco.presence import away_name
+    from diloco.store.presence import away_name
 
     timeout = 1.5
     store, run, n = open_store(f"memory://{uuid.uuid4().hex}"), f"run-paused-{away}", 2
@@ -174,8 +174,8 @@ def test_a_corrupt_shard_whose_reducer_was_killed_is_voided_and_the_run_goes_on(
     import signal
     from pathlib import Path
 
-    from diloco.metrics import read_rounds
-    from diloco.presence import away_name, last_incarnation
+    from diloco.store.metrics import read_rounds
+    from diloco.store.presence import away_name, last_incarnation
 
     settings = {"sync_every": 2, "round_timeout": 2.0, "checkpoint_every": 2}
     env = {"DILOCO_FAULT_WRONG_LENGTH": "reduced:2:1", "DILOCO_FAULT_PHASE_FILE": str(tmp_path / "phase-{rank}"),

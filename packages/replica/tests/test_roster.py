@@ -7,11 +7,11 @@ import uuid
 
 import pytest
 
-from diloco.scaling import roster_body
-from diloco.store import open_store
-from diloco_replica.roster import Rosters, Target, next_roster
-from diloco.runkeys import RunKeys
-from diloco_replica.storeaccess import CountingStore
+from diloco.store.scaling import roster_body
+from diloco.store.objectstore import open_store
+from diloco_replica.round.steps.roster import Rosters, Target, next_roster
+from diloco.store.runkeys import RunKeys
+from diloco_replica.round.storeaccess import CountingStore
 
 
 @pytest.mark.parametrize("current, target, joined, want", [
@@ -62,8 +62,8 @@ def test_a_decider_reads_the_newest_wellformed_target_and_the_join_markers():
     ({"members": [0, 1], "lanes": [1, 2], "next": [0, 1], "incarnations": [0, "1"]}, "an incarnation per member"),
 ])
 def test_a_malformed_membership_record_is_corrupt_not_a_crash(meta, problem):
-    from diloco_replica.allreduce import StoreAllReduce
-    from diloco_replica.wire import CorruptObject, Identity, pack_json
+    from diloco_replica.round.allreduce import StoreAllReduce
+    from diloco_replica.transport.wire import CorruptObject, Identity, pack_json
 
     store, run = open_store(f"memory://{uuid.uuid4().hex}"), "run-members"
     store.put(RunKeys(run).members(3), pack_json(Identity(run, 3, "members"), meta))

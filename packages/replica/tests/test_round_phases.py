@@ -12,10 +12,10 @@ import uuid
 import pytest
 import torch
 
-from diloco.context import ReplicaContext
-from diloco.store import open_store
+from diloco.bootstrap.context import ReplicaContext
+from diloco.store.objectstore import open_store
 from diloco_replica import DiLoCo
-from diloco_replica.syncclient import InThread
+from diloco_replica.exchange.syncclient import InThread
 
 HANDOFF_S = 0.15
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco.wiresize import Traffic
-from diloco_replica.codecs import sparsify
-from diloco_replica.layout import Cut
-from diloco_replica.roundstate import Round
-from diloco_replica.streaming import WholeDelta
-from diloco_replica.wire import decode_tensor, encode_tensor
+from diloco.store.wiresize import Traffic
+from diloco_replica.transport.codecs import sparsify
+from diloco_replica.round.layout import Cut
+from diloco_replica.round.state import Round
+from diloco_replica.round.streaming import WholeDelta
+from diloco_replica.transport.wire import decode_tensor, encode_tensor
 
 DELTA = torch.arange(10, dtype=torch.float32)
 

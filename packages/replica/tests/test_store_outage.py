@@ -1,5 +1,5 @@
 """A store outage against the real client: moto's S3 API behind a proxy that goes down
-(connections refused, then 503 Service Unavailable), talked to by obstore through `diloco.store`.
+(connections refused, then 503 Service Unavailable), talked to by obstore through `diloco.store.objectstore`.
 The whole run through an outage is tests/test_store_outage.py's; here, one process's requests."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from diloco.store import open_store
-from diloco.storeoutage import StoreUnreachable
+from diloco.store.objectstore import open_store
+from diloco.store.outage import StoreUnreachable
 from diloco.testing.s3proxy import FaultyS3Proxy
 from diloco.testing.s3server import moto_s3
 

@@ -1,7 +1,7 @@
 """A round streamed shard by shard gives the very bits of the whole-vector round.
 
 The all-reduce reads Δ from a `DeltaSource` a shard at a time and hands each shard's mean to a
-sink as it arrives (`diloco_replica.streaming`; the exchanger applies the outer step there); the
+sink as it arrives (`diloco_replica.round.streaming`; the exchanger applies the outer step there); the
 replicas' agreement rests on every replica computing the same floats, so the streamed path must
 equal the whole-vector one bit for bit, and must never materialise Δ or the mean whole.
 """
@@ -14,11 +14,11 @@ import uuid
 
 import torch
 
-from diloco.store import open_store
-from diloco_replica.allreduce import StoreAllReduce
-from diloco_replica.outer import outer_step
-from diloco_replica.layout import shard_bounds
-from diloco_replica.streaming import LiveDelta
+from diloco.store.objectstore import open_store
+from diloco_replica.round.allreduce import StoreAllReduce
+from diloco_replica.outer.step import outer_step
+from diloco_replica.round.layout import shard_bounds
+from diloco_replica.round.streaming import LiveDelta
 
 
 def at_once(n: int, go) -> dict[int, BaseException]:
@@ -89,9 +89,9 @@ def test_a_replica_on_the_thread_reads_its_model_in_slices_and_holds_no_snapshot
     """A round on the training process's thread reads θ_local where it is (`LiveDelta`): no host
     copy of the lane beside θ_global (an FSDP2 lane, whose values other processes hold, still
     snapshots them); its Δ is the same subtraction, slice by slice."""
-    from diloco.context import ReplicaContext
+    from diloco.bootstrap.context import ReplicaContext
     from diloco_replica import DiLoCo
-    from diloco_replica.modelview import ReplicatedView, ShardedView
+    from diloco_replica.loop.modelview import ReplicatedView, ShardedView
 
     model = torch.nn.Linear(8, 8)
     diloco = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), ReplicaContext(0, 1, "run-live"),
@@ -180,8 +180,8 @@ def test_an_error_applying_the_own_shard_fails_the_round():
 def test_an_overlapped_rounds_merge_in_the_parameters_gives_the_bits_of_the_flat_merge():
     """θ_now + θ_global_new − θ_at_sync added into fp32 parameters in place (`ModelView.merge_part`)
     rounds as the flat copy did; bf16 parameters keep the flat merge (one rounding at the end)."""
-    from diloco_replica.lanes import Lanes
-    from diloco_replica.modelview import model_view
+    from diloco_replica.round.lanes import Lanes
+    from diloco_replica.loop.modelview import model_view
 
     def model(dtype):
         torch.manual_seed(3)

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from diloco_replica.codecs import INT4_BLOCK, TOPK_BLOCK
+from diloco_replica.transport.codecs import INT4_BLOCK, TOPK_BLOCK
 
 # Overlap with fragments and fp32 is checked round by round in test_untrusted_objects.py (a
 # replica gone NaN, [overlap+fragments]), and here with topk.

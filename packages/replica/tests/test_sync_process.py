@@ -16,7 +16,7 @@ SETTINGS = {"sync_every": 2, "checkpoint_every": 4, "round_timeout": 30, "exchan
 
 def sync_children(pid: int) -> list[psutil.Process]:
     try:
-        return [c for c in psutil.Process(pid).children(recursive=True) if "diloco_replica.syncproc" in " ".join(c.cmdline())]
+        return [c for c in psutil.Process(pid).children(recursive=True) if "diloco_replica.exchange.syncproc" in " ".join(c.cmdline())]
     except psutil.NoSuchProcess:
         return []
 
@@ -26,7 +26,7 @@ def syncprocs_of(parent: int) -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "diloco_replica.syncproc" in cmd and cmd[-1] == str(parent):
+        if "diloco_replica.exchange.syncproc" in cmd and cmd[-1] == str(parent):
             found.append(p)
     return found
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from diloco.errors import SpecError
-from diloco.settings import DilocoSettings
-from diloco.store import open_store
-from diloco_replica.allreduce import StoreAllReduce
-from diloco_replica.upload import Uploader
+from diloco.spec.settings import DilocoSettings
+from diloco.store.objectstore import open_store
+from diloco_replica.round.allreduce import StoreAllReduce
+from diloco_replica.round.steps.upload import Uploader
 
 
 def run_rounds(store, run: str, deltas: list[torch.Tensor], steps: list[int], *, cap: int = 10, codec: str = "fp32",
@@ -135,7 +135,7 @@ def time_one_round(stall: str) -> float:
     evaluation (`report_eval`) or one slow step (a checkpoint save). Returns round 1's compute time."""
     import time
 
-    from diloco.context import ReplicaContext
+    from diloco.bootstrap.context import ReplicaContext
     from diloco_replica import DiLoCo
 
     store = open_store(f"memory://{uuid.uuid4().hex}")

@@ -18,9 +18,9 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from diloco.context import ReplicaContext  # noqa: E402
+from diloco.bootstrap.context import ReplicaContext  # noqa: E402
 from diloco.errors import UserError  # noqa: E402
-from diloco.store import open_store  # noqa: E402
+from diloco.store.objectstore import open_store  # noqa: E402
 from diloco_replica import DiLoCo  # noqa: E402
 from diloco_replica.export import export  # noqa: E402
 from diloco_replica.integrations.transformers import DiLoCoCallback  # noqa: E402

@@ -15,18 +15,18 @@ import pytest
 import xxhash
 import torch
 
-from diloco.context import ReplicaContext
+from diloco.bootstrap.context import ReplicaContext
 from diloco.errors import UserError
-from diloco.metrics import read_rounds
-from diloco.store import open_store
-from diloco_replica.allreduce import StoreAllReduce
-from diloco_replica.codecs import sparsify
-from diloco_replica.globalstate import GlobalState
-from diloco_replica.layout import Cut
-from diloco_replica.roundstate import Round
-from diloco.runkeys import RunKeys
-from diloco_replica.streaming import WholeDelta
-from diloco_replica.wire import Identity, encode_tensor, joined, pack, unpack
+from diloco.store.metrics import read_rounds
+from diloco.store.objectstore import open_store
+from diloco_replica.round.allreduce import StoreAllReduce
+from diloco_replica.transport.codecs import sparsify
+from diloco_replica.outer.globalstate import GlobalState
+from diloco_replica.round.layout import Cut
+from diloco_replica.round.state import Round
+from diloco.store.runkeys import RunKeys
+from diloco_replica.round.streaming import WholeDelta
+from diloco_replica.transport.wire import Identity, encode_tensor, joined, pack, unpack
 
 from test_wire_and_faults import run_round
 

@@ -1,4 +1,4 @@
-"""Replicas forked from a warm template (`diloco.warmstart`) are what fresh ones would be: their
+"""Replicas forked from a warm template (`diloco.local.warmstart`) are what fresh ones would be: their
 own process group, rank, environment, directory, argv, random streams, log and exit status;
 the template is reused by a launch's replicas and relaunches, a template that cannot come up
 costs nothing but the warm start, and replicas outlive the template as they outlive a launcher."""
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from diloco import warmstart
-from diloco.local import LocalProcessExecutor
+from diloco.local import warmstart
+from diloco.local.executor import LocalProcessExecutor
 from diloco.testing import launch, request_for, wait_for_status
 
 HERE = Path(__file__).parent
@@ -42,7 +42,7 @@ def test_forked_replicas_are_what_fresh_ones_would_be(executor, tmp_path):
     assert all(g["pid"] == g["pgid"] == h.metadata["pid"] for g, h in zip(got, handles))  # cancel kills its group
     assert len({g["ppid"] for g in got}) == 1 and got[0]["ppid"] != os.getpid()  # one template, not the launcher
     assert all(g["torch_loaded"] and g["stdin"] == "" and g["cwd"] == str(HERE) for g in got)
-    assert all(g["argv0"].endswith(os.path.join("diloco", "runner.py")) for g in got)
+    assert all(g["argv0"].endswith(os.path.join("diloco", "bootstrap", "runner.py")) for g in got)
     assert len({g["numpy"] for g in got}) == 3 and len({g["random"] for g in got}) == 3  # streams of their own
     deadline = time.monotonic() + 30
     while not all(warmstart.read_returncode(h.metadata["stem"]) == 0 for h in handles):
@@ -109,7 +109,7 @@ def test_nothing_the_template_imports_reads_a_per_replica_variable():
                     read.append(key)
                 return super().__getitem__(key)
         os.environ.__class__ = Watched
-        from diloco import warmstart
+        from diloco.local import warmstart
         import diloco_replica.preload
         bad = [k for k in read if k in warmstart.PER_REPLICA or k.startswith(warmstart.PER_REPLICA_PREFIX)]
         print(bad)

@@ -8,10 +8,10 @@ import uuid
 import pytest
 import torch
 
-from diloco.store import open_store
-from diloco_replica.allreduce import FellBehind, RoundFailed, StoreAllReduce
-from diloco.runkeys import RunKeys
-from diloco_replica.wire import CorruptObject, Identity, encode_tensor, encoded_nbytes, joined, pack, unpack
+from diloco.store.objectstore import open_store
+from diloco_replica.round.allreduce import FellBehind, RoundFailed, StoreAllReduce
+from diloco.store.runkeys import RunKeys
+from diloco_replica.transport.wire import CorruptObject, Identity, encode_tensor, encoded_nbytes, joined, pack, unpack
 
 ID = Identity("run-a", 3, "scatter", 1, 2)
 
@@ -148,7 +148,7 @@ def test_a_replica_behind_the_retained_history_is_told_to_rejoin():
 
 
 def test_int4_round_trip_and_size():
-    from diloco_replica.codecs import INT4_BLOCK
+    from diloco_replica.transport.codecs import INT4_BLOCK
 
     x = torch.randn(50_001)
     got = unpack(blob_of(x, "int4"), ID, "k").tensor()
@@ -159,7 +159,7 @@ def test_int4_round_trip_and_size():
 
 
 def test_topk_keeps_the_largest_of_each_block_and_sends_only_them():
-    from diloco_replica.codecs import TOPK_BLOCK, sparsify
+    from diloco_replica.transport.codecs import TOPK_BLOCK, sparsify
 
     x = torch.randn(3 * TOPK_BLOCK + 100)
     kept = sparsify(x, 0.01)
@@ -175,7 +175,7 @@ def test_topk_keeps_the_largest_of_each_block_and_sends_only_them():
 
 
 def test_a_topk_payload_with_inconsistent_counts_is_corrupt():
-    from diloco_replica.codecs import sparsify
+    from diloco_replica.transport.codecs import sparsify
 
     parts = encode_tensor(sparsify(torch.randn(5000), 0.01), "topk")
     counts = bytearray(parts[1])

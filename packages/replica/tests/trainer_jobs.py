@@ -69,8 +69,8 @@ def accumulated_bf16_rows(out: str, sync_every: int) -> list[dict]:
     import uuid
     from dataclasses import asdict
 
-    from diloco.context import ReplicaContext
-    from diloco.store import open_store
+    from diloco.bootstrap.context import ReplicaContext
+    from diloco.store.objectstore import open_store
     from diloco_replica.integrations.transformers import DiLoCoCallback
 
     callback = DiLoCoCallback(ReplicaContext(0, 1, "hf-accumulate"), store=open_store(f"memory://{uuid.uuid4().hex}"),

@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from diloco.errors import UserError
-from diloco.replicaenv import Entrypoint
+from diloco.inputs.replicaenv import Entrypoint
 from diloco.procgroup import replica_command
-from diloco.envvars import ENV_RANK
+from diloco.inputs.envvars import ENV_RANK
 
 from .gpus import GpuRequest, resolve_gpu
 from .k8s_values import dns_label

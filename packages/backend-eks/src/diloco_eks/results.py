@@ -1,11 +1,11 @@
-"""Why a replica's pod failed, in words: the cause first (the rule in `diloco.failures`)."""
+"""Why a replica's pod failed, in words: the cause first (the rule in `diloco.bootstrap.failures`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from diloco.errors import EXIT_TIME_LIMIT
-from diloco.failures import cause_from_log, signal_cause
+from diloco.bootstrap.failures import cause_from_log, signal_cause
 
 
 def exit_cause(code: int | None, reason: str | None) -> str:

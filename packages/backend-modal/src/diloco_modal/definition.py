@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from diloco.errors import UserError
-from diloco.replicaenv import REDACTED
-from diloco.shipping import select_files
+from diloco.inputs.replicaenv import REDACTED
+from diloco.shipping.workdir import select_files
 
 from . import wheels
 from .options import ModalOptions
@@ -62,7 +62,7 @@ def image_definition(opts: ModalOptions, workdir: str | None) -> dict[str, Any]:
     """The container image, as data: a registry image (which must hold diloco-replica), or
     debian_slim with the launcher's own diloco as wheels (`wheels`, never from an index); then
     the user's packages; then the workdir's shipped files at CODE_DIR (`shipment`: what
-    `diloco.shipping.select_files` chose, summarized). `steps` are the build steps, in order."""
+    `diloco.shipping.workdir.select_files` chose, summarized). `steps` are the build steps, in order."""
     out: dict[str, Any] = {}
     steps: list[dict[str, str]] = []
     if opts.image:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from diloco.envvars import ENV_PREEMPTION_SIGNAL
+from diloco.inputs.envvars import ENV_PREEMPTION_SIGNAL
 from diloco.errors import UserError
 from diloco.procgroup import replica_command
 from diloco.request import LaunchRequest

@@ -33,11 +33,11 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from diloco import envvars
+from diloco.inputs import envvars
 from diloco.errors import EXIT_PREEMPTED
-from diloco.failures import cause
+from diloco.bootstrap.failures import cause
 from diloco.procgroup import replica_command
-from diloco.runner import RESULT_PREFIX
+from diloco.bootstrap.runner import RESULT_PREFIX
 
 
 class ReplicaFailed(RuntimeError):

@@ -1,6 +1,6 @@
 """Reading how a replica ended on Modal: the exit code and the cause line of a failure.
 
-A failure's error starts with its cause (the rule in `diloco.failures`), then the dashboard URL,
+A failure's error starts with its cause (the rule in `diloco.bootstrap.failures`), then the dashboard URL,
 then the last lines of output (`logtail`). A call's status is read in `calls`, never by `get()`,
 and its exit code from its output record, never from its output's text.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from diloco.failures import cause_from_log, signal_cause
+from diloco.bootstrap.failures import cause_from_log, signal_cause
 
 
 _REPLICA_FAILED = re.compile(r"ReplicaFailed\((['\"]).*\(exit code (-?\d{1,3})\)\1\)", re.DOTALL)
@@ -25,7 +25,7 @@ def replica_exit_code(exception: str) -> int | None:
 
 
 def exit_cause(code: int | None, object_id: str) -> str:
-    """The cause first (the rule in `diloco.failures`) when the replica printed none."""
+    """The cause first (the rule in `diloco.bootstrap.failures`) when the replica printed none."""
     if code == 124:
         return f"{object_id} timed out (exit code 124)"
     killed = signal_cause(code)

@@ -3,7 +3,7 @@
 A replica must run the diloco that planned its run, byte for byte: an index may not hold the
 launcher's version (an editable install, a local change, a release not yet published), and one
 that does could serve a different build. So the default image copies wheels built here, from the distributions
-installed where `diloco run` runs (`diloco.wheelhouse.launcher_wheels`), into the image
+installed where `diloco run` runs (`diloco.shipping.wheelhouse.launcher_wheels`), into the image
 (`Image.add_local_file(..., copy=True)`) and pip-installs them from those paths.
 
 The plan names each wheel with its sha256 (wheels are reproducible: the same installation gives
@@ -29,7 +29,7 @@ WHEEL_DIR = "/opt/diloco/wheels"  # where the wheels land in the image
 
 
 def _build(dest: Path) -> list[Path]:
-    from diloco.wheelhouse import launcher_wheels  # loaded when planning the default image only
+    from diloco.shipping.wheelhouse import launcher_wheels  # loaded when planning the default image only
 
     return launcher_wheels(dest)
 

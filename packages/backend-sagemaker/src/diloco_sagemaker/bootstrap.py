@@ -80,9 +80,9 @@ def resolve_secrets(refs: dict[str, str], region: str | None) -> dict[str, str]:
 
 
 def describe(code: int, lines: list[str]) -> str:
-    """The failure's cause, cause-first as diloco.failures reads it."""
+    """The failure's cause, cause-first as diloco.bootstrap.failures reads it."""
     try:
-        from diloco.failures import cause_from_log, signal_cause
+        from diloco.bootstrap.failures import cause_from_log, signal_cause
     except ImportError:  # an image without diloco-core
         found = killed = None
     else:

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from diloco.errors import UserError
-from diloco.failures import cause_from_log
+from diloco.bootstrap.failures import cause_from_log
 from diloco.options import options_from
 from diloco.protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
 from diloco.request import LaunchPlan, LaunchRequest

@@ -5,7 +5,7 @@ diloco is not on a package index, a replica must run the diloco that planned its
 in a VPC without NAT has no internet. So for `pytorch_version` the image's URI comes from
 sagemaker-core's image list (the optional `images` extra), and diloco-core, diloco-replica and
 what they need beyond the image's own torch and numpy are shipped as wheels built from the
-launcher's installation (`diloco.wheelhouse`), which the bootstrap installs with
+launcher's installation (`diloco.shipping.wheelhouse`), which the bootstrap installs with
 `pip install --no-index --find-links` at every start.
 
 The image's Python is known from `py_version` or from the image tag (`…-py312-…`): a wheel
@@ -60,7 +60,7 @@ def _build(dest: Path, python: str | None) -> list[Path]:
     Python is swapped for the index's build of the same version for the image's Python."""
     from packaging.utils import parse_wheel_filename
 
-    from diloco.wheelhouse import dependency_wheels, fetch_wheel, launcher_wheels, wheel_fits
+    from diloco.shipping.wheelhouse import dependency_wheels, fetch_wheel, launcher_wheels, wheel_fits
 
     out = []
     for path in [*launcher_wheels(dest), *dependency_wheels(dest, exclude=IMAGE_HOLDS)]:
@@ -95,7 +95,7 @@ def check_python(python: str | None, opts: SageMakerOptions) -> None:
 
 def check_fits(wheels: list[Path], python: str | None) -> None:
     """One line for the first wheel the image cannot install (a native wheel of another platform)."""
-    from diloco.wheelhouse import wheel_fits
+    from diloco.shipping.wheelhouse import wheel_fits
 
     for path in wheels:
         if not wheel_fits(path, python=python or "3.11", platform=PLATFORM):
@@ -117,7 +117,7 @@ def planned_wheels(opts: SageMakerOptions, image: str) -> dict[str, Any] | None:
         wheels = _build(Path(tmp), python)
         check_fits(wheels, python)
         listing = [{"file": p.name, "bytes": p.stat().st_size} for p in wheels]
-    from diloco.replicaenv import pinned_requirement
+    from diloco.inputs.replicaenv import pinned_requirement
 
     return {"python": python, "files": listing,
             "install": [pinned_requirement("diloco-core"), pinned_requirement("diloco-replica")]}

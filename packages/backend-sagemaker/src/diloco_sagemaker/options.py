@@ -62,8 +62,8 @@ class SageMakerOptions:
                             "drop one of them")
         if bool(self.subnets) != bool(self.security_groups):
             raise UserError("[backend] VPC config needs both `subnets` and `security_groups`")
-        from diloco.specvalues import check_uri
-        from diloco.variables import check_variable
+        from diloco.inputs.specvalues import check_uri
+        from diloco.inputs.variables import check_variable
 
         for prefix_key in ("s3_prefix", "output_path"):
             value = getattr(self, prefix_key)

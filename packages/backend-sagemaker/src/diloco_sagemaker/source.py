@@ -3,7 +3,7 @@
 SageMaker downloads that prefix to /opt/ml/input/data/diloco/ before the container starts:
 
 - `bootstrap.py` and `secretsreader.py` (standard library only: the container's first steps);
-- `source.tar.gz`: the workdir's shipped files, chosen by `diloco.shipping` exactly as the plan
+- `source.tar.gz`: the workdir's shipped files, chosen by `diloco.shipping.workdir` exactly as the plan
   showed them (never `.env*`, `.aws/`, keys or credentials at any depth; `.gitignore` honoured);
 - `env-<hash>.json`: environment values longer than SageMaker allows (`environment`);
 - `wheels/`: diloco and what an official PyTorch image lacks (`officialimage`).
@@ -46,7 +46,7 @@ def upload_code(s3: Any, code: dict[str, Any], ignore: list[str]) -> None:
     files = {BOOTSTRAP_FILE: Path(bootstrap.__file__).read_bytes(),
              SECRETS_READER_FILE: Path(secretsreader.__file__).read_bytes()}
     if code.get("workdir"):
-        from diloco.shipping import select_files
+        from diloco.shipping.workdir import select_files
 
         files[bootstrap.ARCHIVE] = select_files(code["workdir"], ignore=ignore).tar_bytes()
     for name, values in (code.get("env_files") or {}).items():

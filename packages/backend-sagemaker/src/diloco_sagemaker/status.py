@@ -18,7 +18,7 @@ map onto the protocol's five statuses:
   time limit instead.
 - Stopped + MaxRuntimeExceeded (the spec's timeout) and Stopped + MaxWaitTimeExceeded (spot
   capacity did not come back within max_wait) → failed, exit 124: a time limit, relaunched
-  without spending the failure budgets (`diloco.failures.is_time_limit`).
+  without spending the failure budgets (`diloco.bootstrap.failures.is_time_limit`).
 - Stopped (someone called StopTrainingJob) → cancelled: unless `diloco cancel` asked, the
   supervisor relaunches that rank as cancelled outside diloco (`detail` says so).
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from diloco.failures import signal_cause
+from diloco.bootstrap.failures import signal_cause
 from diloco.protocol import ReplicaStatus
 
 RUNNING_SECONDARY = {"Training", "Uploading", "Updating"}

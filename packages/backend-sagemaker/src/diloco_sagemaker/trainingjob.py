@@ -131,11 +131,11 @@ def bootstrap_env(refs: dict[str, str], packages: list[str], wheels: dict[str, A
 
 
 def shipped_workdir(opts: SageMakerOptions, request: LaunchRequest) -> dict[str, Any] | None:
-    """What of the workdir is shipped (`diloco.shipping`: never credentials, .gitignore honoured,
+    """What of the workdir is shipped (`diloco.shipping.workdir`: never credentials, .gitignore honoured,
     `[backend] ignore` added), as `diloco dryrun` shows it; None when nothing is shipped."""
     if not (opts.include_workdir and request.workdir):
         return None
-    from diloco.shipping import select_files
+    from diloco.shipping.workdir import select_files
 
     shipment = select_files(request.workdir, ignore=opts.ignore)
     if shipment.total_bytes > MAX_ARCHIVE_BYTES:

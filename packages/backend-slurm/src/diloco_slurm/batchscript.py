@@ -20,7 +20,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from diloco import envvars
+from diloco.inputs import envvars
 from diloco.errors import UserError
 from diloco.procgroup import gpu_count, replica_command
 from diloco.request import LaunchRequest
@@ -98,7 +98,7 @@ trap on_notice "${preempt_signal#SIG}"
 trap on_term TERM
 rm -f -- "$stem.result.json" "$stem.exit"  # left by this job's run before a requeue
 echo "diloco: job $SLURM_JOB_ID on $(hostname) (restart ${SLURM_RESTART_COUNT:-0})"
-export DILOCO_RERUN="${SLURM_RESTART_COUNT:-0}"  # a requeued job's run: a new incarnation (diloco.presence)
+export DILOCO_RERUN="${SLURM_RESTART_COUNT:-0}"  # a requeued job's run: a new incarnation (diloco.store.presence)
 "$@" &
 child=$!
 while kill -0 "$child" 2>/dev/null; do wait "$child"; done

@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from diloco.errors import BackendError, UserError
-from diloco.failures import cause_from_log
+from diloco.bootstrap.failures import cause_from_log
 from diloco.options import options_from
 from diloco.protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
 from diloco.request import LaunchPlan, LaunchRequest
-from diloco.statedir import state_dir
+from diloco.host.statedir import state_dir
 from diloco.submitting import start_each
 from diloco.waiting import LastStatus, poll_until_terminal, unless_failed
 

@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from diloco.failures import signal_cause
+from diloco.bootstrap.failures import signal_cause
 from diloco.protocol import ReplicaStatus
 
 WAITING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "STOPPED"}

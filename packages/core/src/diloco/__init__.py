@@ -5,7 +5,7 @@ any process (see `diloco.api`).
 
 Importing this package loads no plugin, no torch and no cloud SDK, and almost nothing else:
 every replica imports it on start, so names are resolved lazily (PEP 562). Backends are
-discovered on first use (`diloco.plugins.backends()`).
+discovered on first use (`diloco.plugins.discovery.backends()`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import importlib
 
 _EXPORTS = {
     "Run": "api", "attach": "api", "launch": "api", "runs": "api",
-    "ReplicaContext": "context",
+    "ReplicaContext": "bootstrap.context",
     "BackendError": "errors", "DilocoError": "errors", "SpecError": "errors", "UserError": "errors",
     "hookimpl": "hookspecs",
     "Capabilities": "protocol", "Executor": "protocol", "ReplicaHandle": "protocol", "ReplicaResult": "protocol",

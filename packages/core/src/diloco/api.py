@@ -34,14 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UserError
-from .liveness import launcher_alive, live_statuses, per_group
-from .state import FINAL_STATES, RunRecord
+from .observe.liveness import launcher_alive, live_statuses, per_group
+from .runrecord.state import FINAL_STATES, RunRecord
 
 
 def load(spec: str | Path | Mapping[str, Any], *, base_dir: str | Path | None = None) -> Any:
     """A `RunSpec` from a spec file's path or from a dict shaped like the TOML (relative paths in
     it resolve against `base_dir`, default the working directory)."""
-    from .spec import RunSpec, load_spec, parse_spec
+    from .spec.runspec import RunSpec, load_spec, parse_spec
 
     if isinstance(spec, RunSpec):  # built in Python, not parsed: checked as a parsed one is
         return parse_spec(spec.to_table(), source=spec.source, base_dir=Path(base_dir) if base_dir else None)
@@ -55,7 +55,7 @@ def launch(spec: str | Path | Mapping[str, Any], *, base_dir: str | Path | None 
     """Validate the spec, record the run and (with `background`) launch and supervise it in a
     daemon thread; returns once the replicas are launched. `background=False` only records the
     run: call `supervise()` to launch and supervise in the calling thread."""
-    from .launcher import new_run
+    from .launching.launcher import new_run
 
     sup = new_run(load(spec, base_dir=base_dir))
     run = Run(sup.record.run_id, root=sup.record.dir.parent.parent)
@@ -81,7 +81,7 @@ def attach(run_id: str) -> Run:
 def runs(limit: int | None = None) -> list[Run]:
     """Recorded runs, newest first; a run whose run.json is damaged too (reading its `record` or
     `state` raises `diloco.errors.DamagedRecord`, which `diloco list` shows in its row)."""
-    from .state import iter_run_ids
+    from .runrecord.state import iter_run_ids
 
     out = []
     for run_id in iter_run_ids():
@@ -127,7 +127,7 @@ class Run:
         return self.state in FINAL_STATES
 
     def ranks(self) -> list[Any]:
-        """Each rank's `diloco.rankstate.RankState`: status, attempt handle, restarts, last error, result,
+        """Each rank's `diloco.runrecord.rankstate.RankState`: status, attempt handle, restarts, last error, result,
         and (in a run with [[group]] tables) `group`, the name of the group it runs in."""
         return self.record.ranks
 
@@ -139,18 +139,18 @@ class Run:
         return self.record.events()
 
     def rounds(self) -> list[Any]:
-        """Each completed round's `diloco.metrics.RoundSummary`, read from the run's store."""
+        """Each completed round's `diloco.store.metrics.RoundSummary`, read from the run's store."""
         return self._rounds_of(self.record)
 
     @staticmethod
     def _rounds_of(record: RunRecord) -> list[Any]:
-        from .metrics import read_rounds
+        from .store.metrics import read_rounds
 
         return read_rounds(record.rendezvous, record.run_id, cache_dir=record.dir, final=record.ended)
 
     def progress(self) -> Any:
-        """`diloco.progress.Progress`: global step / total, round, rate, ETA, members, restarts."""
-        from .progress import progress_of
+        """`diloco.observe.progress.Progress`: global step / total, round, rate, ETA, members, restarts."""
+        from .observe.progress import progress_of
 
         record = self.record
         return progress_of(record.data, record.events(), time.time())
@@ -162,7 +162,7 @@ class Run:
     # -- the backend --------------------------------------------------------------------------
 
     def executor(self) -> Any:
-        from .launcher import executor_for
+        from .launching.launcher import executor_for
 
         return executor_for(self.record)
 
@@ -175,7 +175,7 @@ class Run:
         return record.handles
 
     def groups(self) -> list[Any]:
-        """The run's `diloco.groups.ReplicaGroup`s: name, backend, ranks (one group for a spec without them)."""
+        """The run's `diloco.spec.groups.ReplicaGroup`s: name, backend, ranks (one group for a spec without them)."""
         return self.record.spec.replica_groups()
 
     def live(self) -> dict[int, str]:
@@ -212,7 +212,7 @@ class Run:
         """One rank's last `lines` of output (latest attempt by default; `rank` may be left out
         in a run of one replica), then what it prints, chunk by chunk, until the replica ends:
         what `diloco logs --follow` prints."""
-        from .follow import follow_output
+        from .observe.follow import follow_output
 
         handles = self.log_handles(rank, attempt)
         if len(handles) != 1:
@@ -224,7 +224,7 @@ class Run:
 
         The supervising launcher, if any, sees the request and records STOPPED; with none, the
         record is marked STOPPED here."""
-        from .launcher import executor_for
+        from .launching.launcher import executor_for
 
         record = self.record
         record.request_cancel()
@@ -244,18 +244,18 @@ class Run:
         return len(handles)
 
     def scale(self, replicas: int, *, group: str | None = None) -> dict[str, Any]:
-        """Resize the running run (`diloco.scaling`): `group` (needed where it has several) to
+        """Resize the running run (`diloco.store.scaling`): `group` (needed where it has several) to
         `replicas` replicas. Its launcher applies it, or `resume` does where none runs."""
-        from .scaling import request_scale
+        from .store.scaling import request_scale
 
         req = request_scale(self.record, replicas, group)
         by = "launcher" if self.supervisor is not None or launcher_alive(self.record) else "resume"
         return {"run": self.id, "group": req.group, "replicas": req.replicas, "request": req.name, "applied_by": by}
 
     def export(self, out: str | Path, *, round_: int | None = None) -> dict[str, Any]:
-        """Write the run's global model to ``<out>/model.safetensors`` (`diloco.exporting`): the
+        """Write the run's global model to ``<out>/model.safetensors`` (`diloco.observe.exporting`): the
         newest complete checkpoint, or round `round_`'s. Returns what was written."""
-        from .exporting import export_model
+        from .observe.exporting import export_model
 
         record = self.record
         return export_model(record.run_id, out, round_=round_, store=record.rendezvous or None)
@@ -265,14 +265,14 @@ class Run:
     def supervise(self, on_tick: Callable[[Any], None] | None = None) -> str:
         """Launch (if not yet launched) and supervise the run in this thread until it ends; take
         over a run whose launcher died. Returns the final state; raises RunFailed on failure."""
-        from .launcher import resume_run
-        from .policy import RunState
+        from .launching.launcher import resume_run
+        from .supervise.policy import RunState
 
         if self.supervisor is None:
             record = self.record
             if record.ended:
                 raise UserError(f"run {self.id} already ended ({record.state}); nothing to resume")
-            from .lease import LEASE_FILE
+            from .supervise.lease import LEASE_FILE
 
             # With a lease file the lease decides and its refusal names the live holder (run.json's
             # launcher is the one that died); records from before the lease have only the heartbeat.
@@ -298,8 +298,8 @@ class Run:
         process: its record re-read from disk every `interval` seconds, each a `RunRecord` of its
         own (`state`, `ranks`, `events_after(offset)` for what is new), the last one final.
         Raises UserError when no launcher supervises the run and its record has stopped changing:
-        it would never end by itself (`diloco resume RUN` takes over). See `diloco.follow`."""
-        from .follow import follow_record
+        it would never end by itself (`diloco resume RUN` takes over). See `diloco.observe.follow`."""
+        from .observe.follow import follow_record
 
         # from disk, not self.record: a supervisor in this process changes that one in place
         return follow_record(lambda: RunRecord.load(self.id, self._root), launcher_alive, interval=interval)
@@ -307,7 +307,7 @@ class Run:
     def wait(self, timeout: float | None = None, *, poll: float = 1.0) -> str:
         """Block until the run ends; return its final state. Raises RunFailed if it failed,
         TimeoutError after `timeout` seconds. Works on attached runs too (it follows the record)."""
-        from .supervisor import RunFailed
+        from .supervise.supervisor import RunFailed
 
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._thread is not None:
@@ -337,8 +337,8 @@ class Run:
 
     def view(self) -> dict[str, Any]:
         """`status()` plus the rounds as `RoundSummary` objects (`rounds_objects`), for renderers."""
-        from .estimate import estimate_view
-        from .progress import progress_of, timeline_rows
+        from .spec.estimate import estimate_view
+        from .observe.progress import progress_of, timeline_rows
 
         record = self.record  # read once: every part below describes the same moment
         try:

@@ -1,5 +1,5 @@
 """The `diloco` command line. Thin: each command parses, calls the Python API (`diloco.api`),
-and prints what `diloco.display` renders.
+and prints what `diloco.observe.display` renders.
 
 A `UserError` anywhere becomes one line on stderr and exit code 2; a failed run exits 1.
 """
@@ -40,12 +40,12 @@ def backends(name: str | None, as_json: bool) -> None:
     """List installed backends; with NAME, that backend's [backend] options (name, type, default, help)."""
     from rich.console import Console
 
-    from .display import backends_table, options_table
-    from .plugins import backends as found, broken_plugins, get_backend
+    from .observe.display import backends_table, options_table
+    from .plugins.discovery import backends as found, broken_plugins, get_backend
 
     console = Console(width=140, highlight=False)
     if name:
-        from .plugins import backend_options
+        from .plugins.discovery import backend_options
 
         info = get_backend(name)
         options = backend_options(info.cls)
@@ -75,9 +75,9 @@ def backends(name: str | None, as_json: bool) -> None:
 def dryrun(spec_path: str, fmt: str) -> None:
     """Print exactly what `diloco run SPEC` would submit, secrets redacted; then (on stderr) what the
     run will cost: bytes, store requests and money at list prices."""
-    from .estimate import estimate, format_estimate
-    from .launcher import plan_run
-    from .spec import load_spec
+    from .spec.estimate import estimate, format_estimate
+    from .launching.launcher import plan_run
+    from .spec.runspec import load_spec
 
     spec = load_spec(spec_path)
     plan = plan_run(spec)
@@ -90,8 +90,8 @@ def _supervise(handle, on_interrupt: str, printer) -> None:
     the run's outcome."""
     from rich.console import Console
 
-    from .display import print_failed, print_succeeded
-    from .supervisor import RunFailed
+    from .observe.display import print_failed, print_succeeded
+    from .supervise.supervisor import RunFailed
 
     console = Console(highlight=False, soft_wrap=True)
     run_id = handle.id
@@ -140,8 +140,8 @@ _INTERRUPT = click.option("--on-interrupt", type=click.Choice(["ask", "cancel", 
 def run(spec_path: str, on_interrupt: str) -> None:
     """Launch a run from SPEC, supervise it, and wait for it to end."""
     from . import api
-    from .display import ProgressPrinter
-    from .estimate import estimate, format_estimate
+    from .observe.display import ProgressPrinter
+    from .spec.estimate import estimate, format_estimate
 
     spec = api.load(spec_path)
     handle = api.launch(spec, background=False)
@@ -158,7 +158,7 @@ def run(spec_path: str, on_interrupt: str) -> None:
 def resume(run_id: str, on_interrupt: str) -> None:
     """Reattach to a run whose launcher died or detached, and supervise it to the end."""
     from . import api
-    from .display import ProgressPrinter
+    from .observe.display import ProgressPrinter
 
     handle = api.attach(run_id)
     printer = ProgressPrinter(handle.record)
@@ -179,8 +179,8 @@ def status(run_id: str, as_json: bool, n_events: int, timeline: bool, n_rounds: 
     from rich.console import Console
 
     from . import api
-    from .display import print_status, print_timeline
-    from .liveness import launcher_alive
+    from .observe.display import print_status, print_timeline
+    from .observe.liveness import launcher_alive
 
     handle = api.attach(run_id)
     if follow:
@@ -190,7 +190,7 @@ def status(run_id: str, as_json: bool, n_events: int, timeline: bool, n_rounds: 
     if view["live_error"]:
         click.echo(f"warning: cannot poll replicas live ({view['live_error']}); showing recorded statuses", err=True)
     if as_json:
-        from .statedir import to_json
+        from .host.statedir import to_json
 
         view.pop("rounds_objects")
         click.echo(to_json(view, indent=2, default=str))  # valid JSON always: no NaN for scripts to choke on
@@ -204,7 +204,7 @@ def status(run_id: str, as_json: bool, n_events: int, timeline: bool, n_rounds: 
 
 def _follow_run(handle) -> None:
     """`status --follow`: the run's events and live progress (`diloco.api.Run.follow`) until it ends."""
-    from .display import ProgressPrinter
+    from .observe.display import ProgressPrinter
 
     record = handle.record
     printer = ProgressPrinter(record)
@@ -285,7 +285,7 @@ def scale(run_id: str, replicas: int, group: str | None) -> None:
 def export(run_id: str, out_dir: str, round_: int | None, store: str | None) -> None:
     """Write a run's global model as named tensors (safetensors), from any shell that reaches its store."""
     from . import api
-    from .exporting import export_model
+    from .observe.exporting import export_model
 
     out = export_model(run_id, out_dir, round_=round_, store=store) if store else \
         api.attach(run_id).export(out_dir, round_=round_)
@@ -302,7 +302,7 @@ def list_runs(limit: int) -> None:
     from rich.console import Console
 
     from . import api
-    from .display import runs_table
+    from .observe.display import runs_table
 
     Console(width=140, highlight=False).print(runs_table(api.runs(limit)))
 

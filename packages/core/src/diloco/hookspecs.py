@@ -33,7 +33,7 @@ def diloco_register_executors() -> list[type]:
     :func:`diloco.options.option` fields), and is selected by its ``backend_name`` class attribute.
     A class missing any of them, or two plugins returning the same name, is an error naming the
     distribution. Core builds it as ``cls(options)``, ``options`` an ``Options`` instance checked
-    against the spec's ``[backend]`` table (``diloco.plugins.make_executor``).
+    against the spec's ``[backend]`` table (``diloco.plugins.discovery.make_executor``).
 
     Keep this hook cheap: return classes, do not import cloud SDKs or contact any API.
     """
@@ -41,10 +41,10 @@ def diloco_register_executors() -> list[type]:
 
 @hookspec
 def diloco_register_metric_sinks() -> list[type]:
-    """Return metric sink classes this plugin provides (see `diloco.sinks`).
+    """Return metric sink classes this plugin provides (see `diloco.plugins.sinks`).
 
     Each class has a ``sink_name``; a spec's ``[metrics] sinks`` picks sinks by that name and
     ``[metrics.<name>]`` gives its keyword options. The launcher calls ``write(summary)`` with
-    each new `diloco.metrics.RoundSummary` and ``close()`` at the end. Import SDKs (mlflow,
+    each new `diloco.store.metrics.RoundSummary` and ``close()`` at the end. Import SDKs (mlflow,
     wandb) inside the class, not at module level.
     """

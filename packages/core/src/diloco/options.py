@@ -1,5 +1,5 @@
 """Tables declared once as dataclasses, validated here: a backend's `[backend]` options, the
-spec's own tables (`diloco.schema`), `[restart]` (`RestartSettings`) and `[diloco]` (`DilocoSettings`).
+spec's own tables (`diloco.spec.schema`), `[restart]` (`RestartSettings`) and `[diloco]` (`DilocoSettings`).
 
 Each key is a field made with `option(...)`: its type, default, help, bounds and choices in one
 place, read by the one check (`check_table`, `check_option`) and by the listings (`describe_options`).
@@ -201,7 +201,7 @@ def check_table(where: str, table: Mapping[str, Any], declared: type, *, prefix:
 def check_secret_keys(where: str, name: str, f: dataclasses.Field, value: Any) -> None:
     """Refuse a secret-looking key at any depth of one option's value (`labels = { api_token = ... }`):
     options are recorded in run.json and shown by `dryrun`, so its value would land in both."""
-    from .specvalues import secret_key_path
+    from .inputs.specvalues import secret_key_path
 
     allowed = f.metadata.get("not_secrets", ())
     if allowed is True:
@@ -216,7 +216,7 @@ def check_secret_keys(where: str, name: str, f: dataclasses.Field, value: Any) -
 def parse_options(options_type: type, table: dict[str, Any], *, source: str = "<spec>", backend: str) -> Any:
     """The spec's `[backend]` table (without `name`) as an instance of `options_type`, or one
     `SpecError` line naming the first thing wrong; the line names `backend`, so it is required."""
-    from .specvalues import check_values
+    from .inputs.specvalues import check_values
 
     check_values(source, table, root="backend")  # sizes, depth, NUL, non-finite, credentials in URIs
     values = check_table(source, table, options_type, prefix="backend.", context=f" for backend {backend!r}",

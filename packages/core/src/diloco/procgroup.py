@@ -19,7 +19,7 @@ from __future__ import annotations
 from .errors import SpecError
 
 TORCHRUN_WRAPPER = "diloco_replica.torchrun"
-RUNNER = "diloco.runner"
+RUNNER = "diloco.bootstrap.runner"
 MAX_PROCESSES = 64
 
 

@@ -18,7 +18,7 @@ The rules:
   can poll, stream, cancel a handle made by another process;
 - what a backend can do is declared once, in `capabilities` (`Capabilities`), never sniffed.
 
-The request and plan types live in `diloco.request`; the variables' names in `diloco.envvars`.
+The request and plan types live in `diloco.request`; the variables' names in `diloco.inputs.envvars`.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class Capabilities:
         requeue: the same job, Restarts + 1): the executor has `reruns(handle) -> int | None`, how
         many re-runs of the attempt the platform has started or scheduled (None: cannot tell now),
         and each run's replica gets its number as DILOCO_RERUN. The launcher then marks the run
-        that ended away at once (`diloco.presence`), so no round waits for it.
+        that ended away at once (`diloco.store.presence`), so no round waits for it.
     log_files: the executor has `log_path(handle) -> Path`, an absolute path on this machine of a
         file the replica's output grows in; `diloco logs --follow` tails it instead of re-reading `stream_logs`.
     cloud: the cloud whose network the replicas run in ("aws", "gcp", "azure"), so the estimate

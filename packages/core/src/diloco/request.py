@@ -25,8 +25,8 @@ from typing import Any
 
 from .errors import BackendError, UserError
 from .options import check_fields, option
-from .replicaenv import REDACTED, Entrypoint, check_entrypoint_args, is_secret_name, parse_entrypoint, replica_env
-from .variables import is_cloud
+from .inputs.replicaenv import REDACTED, Entrypoint, check_entrypoint_args, is_secret_name, parse_entrypoint, replica_env
+from .inputs.variables import is_cloud
 from .procgroup import MAX_PROCESSES
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -102,7 +102,7 @@ class LaunchRequest:
     `env` never holds a secret: secret-looking names given in `env` are moved to `secrets`.
     `ranks` defaults to every rank; `attempt` counts relaunches of those ranks (0 first).
     `diloco_version` is the diloco the run was launched with ('diloco-core==X diloco-replica==Y',
-    `diloco.wheelhouse.run_versions`), recorded with the run: a replica holding another stops.
+    `diloco.shipping.wheelhouse.run_versions`), recorded with the run: a replica holding another stops.
     """
 
     # The plain values are declared with `option()` and checked by the one validator (`check_fields`).
@@ -124,7 +124,7 @@ class LaunchRequest:
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen: normalise once, here
         if self.diloco_version is None:
-            from .wheelhouse import run_versions
+            from .shipping.wheelhouse import run_versions
 
             set_("diloco_version", run_versions())
         check_fields(self, "launch request")
@@ -158,7 +158,7 @@ class LaunchRequest:
         return self.ranks == tuple(range(self.n_replicas))
 
     def replica_env(self, rank: int) -> dict[str, str]:
-        """The environment of one rank, without secrets (see `diloco.replicaenv.replica_env`)."""
+        """The environment of one rank, without secrets (see `diloco.inputs.replicaenv.replica_env`)."""
         return replica_env(rank=rank, n_replicas=self.n_replicas, run_id=self.run_id, attempt=self.attempt,
                            entrypoint=self.entrypoint, entrypoint_args=self.args, rendezvous=self.rendezvous,
                            timeout=self.timeout, env=self.env, processes=self.processes_per_replica,
@@ -204,7 +204,7 @@ class LaunchPlan:
     request: LaunchRequest
     body: Any
     format: str = "json"
-    # A run with replica groups (`diloco.groupexec`): each group's own plan, what `submit` submits,
+    # A run with replica groups (`diloco.launching.groupexec`): each group's own plan, what `submit` submits,
     # and a title for each ("group k8s: 2 × eks, ranks 0-1"); `body` then lists them as plain data.
     parts: tuple[LaunchPlan, ...] = field(default=(), compare=False, repr=False)
     part_titles: tuple[str, ...] = field(default=(), compare=False, repr=False)

@@ -1,7 +1,7 @@
 """`diloco-replica [module:function]` / `python -m diloco_replica`: the container entrypoint.
 
 Runs the training function named on the command line (or in DILOCO_ENTRYPOINT) through the same
-bootstrap every backend uses (`diloco.runner`): it gets a ReplicaContext built from the
+bootstrap every backend uses (`diloco.bootstrap.runner`): it gets a ReplicaContext built from the
 environment (REPLICA_RANK, DILOCO_REPLICAS, DILOCO_RENDEZVOUS, DILOCO_RUN_ID, DILOCO_ATTEMPT), its
 timeout is enforced, and its result or traceback is recorded.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import sys
 
-from diloco import envvars
-from diloco.runner import main as run_entrypoint
+from diloco.inputs import envvars
+from diloco.bootstrap.runner import main as run_entrypoint
 
 
 def main(argv: list[str] | None = None) -> int:

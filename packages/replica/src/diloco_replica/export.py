@@ -35,17 +35,17 @@ from typing import Any
 import torch
 
 from diloco.errors import UserError
-from diloco.runkeys import RunKeys
+from diloco.store.runkeys import RunKeys
 
-from .checkpoints import Checkpoints
-from .lanes import Lanes
-from .manifest import BadManifest, Manifest
-from .manifest import read as read_manifest
-from .modelconfig import CONFIG_FILE, BadConfig
-from .modelconfig import read as read_config
-from .outer import blocks_digest
-from .roundio import RoundIO
-from .storeaccess import CountingStore
+from .round.checkpoints import Checkpoints
+from .round.lanes import Lanes
+from .outer.manifest import BadManifest, Manifest
+from .outer.manifest import read as read_manifest
+from .outer.modelconfig import CONFIG_FILE, BadConfig
+from .outer.modelconfig import read as read_config
+from .outer.step import blocks_digest
+from .round.io import RoundIO
+from .round.storeaccess import CountingStore
 
 FILE = "model.safetensors"
 READ_TIMEOUT = 60.0  # seconds; export polls nothing, the round settings only fill RoundIO
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="the directory to write model.safetensors (and config.json) into")
     parser.add_argument("--round", dest="round_", type=int, default=None)
     args = parser.parse_args(argv)
-    from diloco.store import open_store
+    from diloco.store.objectstore import open_store
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     try:

@@ -1,9 +1,9 @@
-"""What a warm template imports before it forks replicas (`diloco.warmstart`).
+"""What a warm template imports before it forks replicas (`diloco.local.warmstart`).
 
 The replica runtime and what every replica's first steps import anyway: torch, and
 torch._dynamo, which torch's optimizers import at their first `step()` (torch/optim/optimizer.py)
 whatever the optimizer — about as long as torch itself. Nothing here may read a variable that
-differs between replicas (`diloco.warmstart.PER_REPLICA`), start a thread, or initialise CUDA: a
+differs between replicas (`diloco.local.warmstart.PER_REPLICA`), start a thread, or initialise CUDA: a
 forked child cannot use its parent's CUDA context, so a template that finds one refuses to fork.
 """
 
@@ -15,7 +15,7 @@ import numpy
 import torch
 import torch._dynamo  # noqa: F401 - what torch.optim's first step imports
 
-from . import diloco  # noqa: F401 - the runtime: DiLoCo and its exchange
+from .loop import diloco  # noqa: F401 - the runtime: DiLoCo and its exchange
 
 if torch.cuda.is_initialized():
     raise RuntimeError("CUDA was initialised while preloading: replicas must start fresh")

@@ -20,10 +20,10 @@ import os
 import signal
 import sys
 
-from diloco import envvars
+from diloco.inputs import envvars
 from diloco.errors import EXIT_PREEMPTED
-from diloco.failures import CAUSE_PREFIX, PREEMPTED_CAUSE
-from diloco.runner import lane_result_path, preemption_signal, write_text_atomic
+from diloco.bootstrap.failures import CAUSE_PREFIX, PREEMPTED_CAUSE
+from diloco.bootstrap.runner import lane_result_path, preemption_signal, write_text_atomic
 
 
 def _read(path: str) -> dict | None:

@@ -32,7 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from diloco.plugins import backend_options
+from diloco.plugins.discovery import backend_options
 from diloco.protocol import Capabilities, Executor, ReplicaHandle, ReplicaStatus
 from diloco.request import LaunchPlan, LaunchRequest, Secrets
 
@@ -41,7 +41,7 @@ FAIL_ON = "diloco.testing.entrypoints:fail_on"
 SLEEP = "diloco.testing.entrypoints:sleep"
 SECRET_VALUE = "conformance-secret-value-7f3a"
 GUIDE = "docs/writing-a-backend.md"
-CLOUDS = ("aws", "gcp", "azure")  # the clouds `diloco.estimate` has prices for
+CLOUDS = ("aws", "gcp", "azure")  # the clouds `diloco.spec.estimate` has prices for
 
 
 def require(ok: object, broken: str, section: str) -> None:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from diloco.envvars import ENV_FAULT_CLOCK_SKEW as ENV_CLOCK_SKEW
+from diloco.inputs.envvars import ENV_FAULT_CLOCK_SKEW as ENV_CLOCK_SKEW
 
 
 Jump = float | Path | None  # seconds after start, a file whose existence jumps it, or never

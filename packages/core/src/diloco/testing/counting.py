@@ -6,7 +6,7 @@ from typing import Any
 
 
 class RequestCounter:
-    """Wraps a `diloco.store.Store` (or anything with get/list); counts GETs and LIST calls."""
+    """Wraps a `diloco.store.objectstore.Store` (or anything with get/list); counts GETs and LIST calls."""
 
     def __init__(self, store: Any):
         self.store, self.gets, self.lists = store, 0, 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from diloco.context import ReplicaContext
+from diloco.bootstrap.context import ReplicaContext
 
 
 def report(ctx: ReplicaContext, marker: str = "") -> dict:

@@ -5,7 +5,7 @@ in this repository's tests) and can misbehave the way S3-compatible stores do:
 
 - ``ignore_conditional=True``: strips If-None-Match / If-Match, like stores that do not
   implement conditional puts (every "first writer wins" decision then silently has two
-  winners; `diloco.store.verify_store` must refuse such a store);
+  winners; `diloco.store.objectstore.verify_store` must refuse such a store);
 - ``error_rate=p``: answers a fraction p of requests with S3's own throttling and server
   errors (503 SlowDown, 500 InternalError) instead of forwarding them, as S3 does under load;
   clients are expected to retry (obstore does, with backoff);

@@ -58,10 +58,10 @@ except ImportError:  # one line, naming the fix
     raise ImportError('diloco_replica.integrations.lightning needs lightning: pip install "diloco-replica[lightning]"'
                       ) from None
 
-from diloco.context import ReplicaContext
+from diloco.bootstrap.context import ReplicaContext
 from diloco.errors import UserError
 
-from ..diloco import DiLoCo
+from ..loop.diloco import DiLoCo
 
 FINAL_DIR = "diloco-final"  # under the Trainer's default_root_dir: replica 0's final global model
 SEED_STRIDE = 100_003       # a relaunch at global step G draws from seed + SEED_STRIDE · G

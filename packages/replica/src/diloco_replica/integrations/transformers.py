@@ -54,12 +54,12 @@ except ImportError:  # one line, naming the fix
     raise ImportError('diloco_replica.integrations.transformers needs transformers and accelerate: '
                       'pip install "diloco-replica[transformers]"') from None
 
-from diloco.context import ReplicaContext
+from diloco.bootstrap.context import ReplicaContext
 from diloco.errors import UserError
-from diloco.runkeys import RunKeys
+from diloco.store.runkeys import RunKeys
 
-from ..diloco import DiLoCo
-from ..modelconfig import publish as publish_config
+from ..loop.diloco import DiLoCo
+from ..outer.modelconfig import publish as publish_config
 from .resume import write_resume_dir
 
 FINAL_DIR = "diloco-final"  # under the Trainer's output_dir: replica 0's final global model

@@ -1,0 +1,1 @@
+"""Plugins: finding backends and metric sinks through the `diloco` entry-point group, and the sinks."""

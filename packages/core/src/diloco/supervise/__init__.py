@@ -1,0 +1,1 @@
+"""The supervisor and its parts: the lease, the restart policy, reactions to a rank, resizing."""

@@ -1,0 +1,1 @@
+"""The exchange beside the training loop: the exchanger, the sync process and its wire, shared buffers."""
