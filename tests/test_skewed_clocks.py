@@ -1,5 +1,5 @@
 """Replicas whose wall clocks disagree by a minute, and one whose clock jumps mid-run, on real
-local runs (`diloco.testing.clockskew`: rank 0 is 30 s ahead, rank 1 30 s behind, rank 2 right
+local runs (`diloco.bootstrap.clockskew`: rank 0 is 30 s ahead, rank 1 30 s behind, rank 2 right
 until the test has seen three rounds and then 45 s ahead, as NTP stepping a clock does; a
 jump at seconds after start landed before the first round on an idle machine and in the
 last rounds under load). Under fixed H and under
@@ -18,7 +18,7 @@ import time
 import pytest
 
 from conftest import record_of, tiny_spec
-from diloco.testing.clockskew import ENV_CLOCK_SKEW
+from diloco.bootstrap.clockskew import ENV_CLOCK_SKEW
 
 JUMP_AFTER_ROUND = 3
 

@@ -118,6 +118,84 @@ def test_a_rounds_data_flows_one_way_the_repair_desk_reached_from_the_allreduce_
     assert "diloco_replica.round.allreduce" not in graph["diloco_replica.round.steps.gather"] | graph["diloco_replica.round.steps.reduce"]
 
 
+# The layers of each package, bottom to top: a module may import its own layer and those below,
+# never one above (a module's layer is its longest prefix here). The folder tree is the diagram:
+# core's top level holds the backend contract (the public modules a backend author imports), its
+# sub-packages what core does with it; a round's driver (round.allreduce) sits above its steps
+# (round.steps), which sit above the round's own state, I/O and layout (round).
+LAYERS = {
+    "diloco": [
+        ["diloco.errors"],
+        ["diloco.inputs"],
+        ["diloco.host"],
+        ["diloco.shipping"],
+        ["diloco.options", "diloco.records", "diloco.protocol", "diloco.request", "diloco.procgroup",
+         "diloco.backendapi", "diloco.hookspecs", "diloco.submitting", "diloco.waiting"],
+        ["diloco.store"],
+        ["diloco.plugins"],
+        ["diloco.spec"],
+        ["diloco.bootstrap"],
+        ["diloco.local"],
+        ["diloco.runrecord"],
+        ["diloco.supervise"],
+        ["diloco.launching"],
+        ["diloco.observe"],
+        ["diloco.api", "diloco.cli", "diloco.__main__", "diloco"],
+        ["diloco.testing"],
+    ],
+    "diloco_replica": [
+        ["diloco_replica.transport"],
+        ["diloco_replica.round"],
+        ["diloco_replica.round.steps"],
+        ["diloco_replica.round.allreduce"],
+        ["diloco_replica.outer"],
+        ["diloco_replica.records"],
+        ["diloco_replica.exchange"],
+        ["diloco_replica.loop"],
+        ["diloco_replica.export", "diloco_replica.preload", "diloco_replica.torchrun", "diloco_replica.__main__",
+         "diloco_replica"],
+        ["diloco_replica.integrations"],
+    ],
+}
+
+
+def layer_of(module: str) -> tuple[str, int] | None:
+    """(package, layer index) of a module of diloco or diloco_replica, by its longest prefix in LAYERS."""
+    package = module.split(".")[0]
+    best = None
+    for index, prefixes in enumerate(LAYERS.get(package, [])):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[0]:
+                    best = (len(prefix), index)
+    return None if best is None else (package, best[1])
+
+
+def test_the_layer_finder_reads_the_longest_prefix():
+    assert layer_of("diloco_replica.round.steps.reduce") == ("diloco_replica", 2)
+    assert layer_of("diloco_replica.round.allreduce") == ("diloco_replica", 3)
+    assert layer_of("diloco_replica.round.io") == ("diloco_replica", 1)
+    assert layer_of("diloco") == ("diloco", 14) and layer_of("diloco.waiting") == ("diloco", 4)
+    assert layer_of("diloco_eks.executor") is None
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_every_module_has_a_layer_and_imports_none_above_its_own(package):
+    known = modules()
+    mine = [name for name in known if name.split(".")[0] == package]
+    assert len(mine) > 40
+    unplaced = [name for name in mine if layer_of(name) is None]
+    assert not unplaced, f"modules in no layer (add their sub-package to LAYERS): {unplaced}"
+    upward = []
+    for name in mine:
+        here = layer_of(name)[1]
+        for target in imports_of(name, known[name], known):
+            there = layer_of(target)
+            if there is not None and there[0] == package and there[1] > here:
+                upward.append(f"{name} (layer {here}) imports {target} (layer {there[1]})")
+    assert not upward, "imports that point up a layer:\n" + "\n".join(sorted(upward))
+
+
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.parent.name)
 def test_no_module_over_400_lines(src):
     over = {}

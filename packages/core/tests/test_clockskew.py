@@ -1,4 +1,4 @@
-"""The skewed wall clock tests give replicas (`diloco.testing.clockskew`): read as written, loud when not."""
+"""The skewed wall clock tests give replicas (`diloco.bootstrap.clockskew`): read as written, loud when not."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ from diloco.inputs import envvars
 from diloco.errors import EXIT_PREEMPTED
 from diloco.bootstrap.failures import cause
 from diloco.procgroup import replica_command
-from diloco.bootstrap.runner import RESULT_PREFIX
+from diloco.inputs.resultline import RESULT_PREFIX
 
 
 class ReplicaFailed(RuntimeError):

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from .backendapi import outdated
+from .inputs.resultline import result_from_log
 from .protocol import ReplicaHandle, ReplicaResult, ReplicaStatus
 
 
@@ -43,8 +44,6 @@ def collect_results(executor, handles: Sequence[ReplicaHandle], *, timeout: floa
     """`collect` for a backend whose replicas report through their logs: each handle polled until
     it ends (or `timeout`), its result read as `unless_failed` says, and `failure(handle, status)`
     asked only for a replica that failed, which the backend explains in its platform's words."""
-    from .bootstrap.runner import result_from_log
-
     statuses = poll_until_terminal(executor, handles, timeout=timeout, interval=interval)
     return [unless_failed(h, s, lambda h=h: result_from_log(executor.stream_logs(h, n_lines=20))) or failure(h, s)
             for h, s in zip(handles, statuses)]

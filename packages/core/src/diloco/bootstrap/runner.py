@@ -24,6 +24,7 @@ import time
 
 
 from ..inputs import envvars as v
+from ..inputs.resultline import RESULT_PREFIX
 from .context import ReplicaContext
 from .failures import CAUSE_PREFIX, PREEMPTED_CAUSE, TIME_LIMIT_CAUSE, USER_ERROR_PREFIX
 
@@ -130,22 +131,6 @@ def _run_command(cmd: list[str], outcome: _Outcome) -> int:
         return 0
     outcome.write("failed", code, f"command {' '.join(cmd)!r} exited with code {code}")
     return 1
-
-
-RESULT_PREFIX = "diloco: replica result: "
-
-
-def result_from_log(tail: str) -> object:
-    """The entrypoint's return value a replica without a result file printed last (JSON, never pickle)."""
-    import json
-
-    for line in reversed(tail.splitlines()):
-        if line.startswith(RESULT_PREFIX):
-            try:
-                return json.loads(line[len(RESULT_PREFIX):]).get("result")
-            except (ValueError, AttributeError):
-                return None
-    return None
 
 
 def failure_cause(exc: BaseException, ctx: ReplicaContext) -> str:
@@ -257,8 +242,8 @@ def main() -> int:
     timeout = float(os.environ.get(v.ENV_TIMEOUT) or 0)
     if timeout > 0:
         _start_watchdog(timeout, outcome)
-    if os.environ.get(v.ENV_FAULT_CLOCK_SKEW):  # a test's skewed wall clock (diloco.testing.clockskew)
-        from ..testing.clockskew import install_from_env
+    if os.environ.get(v.ENV_FAULT_CLOCK_SKEW):  # a test's skewed wall clock (diloco.bootstrap.clockskew)
+        from .clockskew import install_from_env
 
         install_from_env(ctx.rank)
     # SIGTERM (cancel) becomes a clean exit so `finally` blocks in user code run.

@@ -17,7 +17,7 @@ ENV_RERUN = "DILOCO_RERUN"  # the run of the attempt (0: its first), set by a ba
 ENV_ENTRYPOINT = "DILOCO_ENTRYPOINT"
 ENV_ENTRYPOINT_ARGS = "DILOCO_ENTRYPOINT_ARGS"
 ENV_SETTINGS = "DILOCO_SETTINGS"
-# A test's skewed wall clock for this rank (`diloco.testing.clockskew`), installed by the runner.
+# A test's skewed wall clock for this rank (`diloco.bootstrap.clockskew`), installed by the runner.
 ENV_FAULT_CLOCK_SKEW = "DILOCO_FAULT_CLOCK_SKEW"
 ENV_TIMEOUT = "DILOCO_TIMEOUT"
 ENV_RESULT_PATH = "DILOCO_RESULT_PATH"

@@ -67,8 +67,8 @@ def serve(conn: Connection, parent: int) -> int:
     ctx = ReplicaContext(int(c["rank"]), int(c["world_size"]), str(c["run_id"]), int(c["attempt"]),
                          str(c["rendezvous"]), lane=int(c["lane"]), lanes=int(c["lanes"]), rerun=int(c["rerun"]),
                          settings=settings.to_dict())  # its store waits out outages as the spec says
-    if os.environ.get(ENV_FAULT_CLOCK_SKEW):  # a test's skewed wall clock (diloco.testing.clockskew)
-        from diloco.testing.clockskew import install_from_env
+    if os.environ.get(ENV_FAULT_CLOCK_SKEW):  # a test's skewed wall clock (diloco.bootstrap.clockskew)
+        from diloco.bootstrap.clockskew import install_from_env
 
         install_from_env(ctx.rank)
     lanes = Lanes()
