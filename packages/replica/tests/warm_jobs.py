@@ -28,4 +28,5 @@ def whoami(ctx, code: int = 0, sleep_s: float = 0.0, mark: str = "") -> dict:
         os.kill(os.getpid(), 9)
     return {"pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0), "rank": os.environ.get("REPLICA_RANK"),
             "attempt": ctx.attempt, "argv0": sys.argv[0], "cwd": os.getcwd(), "numpy": float(numpy.random.rand()),
-            "random": random.random(), "torch_loaded": "torch" in sys.modules, "stdin": sys.stdin.read()}
+            "random": random.random(), "torch_loaded": "torch" in sys.modules, "stdin": sys.stdin.read(),
+            "crc32c_sw_mode": os.environ.get("CRC32C_SW_MODE")}

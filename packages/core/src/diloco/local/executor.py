@@ -129,7 +129,12 @@ class LocalOptions:
 class LocalProcessExecutor:
     """Runs each replica as a local subprocess, in its own process group, started in the
     request's workdir (prepended to PYTHONPATH so `module:function` entrypoints next to the spec
-    import; the current directory if the request has none)."""
+    import; the current directory if the request has none).
+
+    Every replica starts with the launcher's environment as it was when the executor was made,
+    plus its own: what the launcher's process sets later (tensorboardX, imported when the first
+    round reaches the metric sink, sets CRC32C_SW_MODE) reaches no relaunch, so a relaunch is
+    what attempt 0 was and forks from attempt 0's warm template instead of warming another."""
 
     backend_name = "local"
     Options = LocalOptions
@@ -142,6 +147,7 @@ class LocalProcessExecutor:
         self.devices = [str(d) for d in self.options.devices]
         self._state_dir = Path(self.options.state_dir) if self.options.state_dir else None
         self._procs: dict[tuple[str, int, int], subprocess.Popen] = {}
+        self._launcher_env = dict(os.environ)  # see the class's docstring
         self._templates = warmstart.Templates()
         weakref.finalize(self, self._templates.close)  # the templates end with the executor
 
@@ -168,7 +174,7 @@ class LocalProcessExecutor:
         if ep.function:
             check_function_exists(ep.function, [workdir, *sys.path])
         run_dir = self._run_dir(request.run_id)
-        pythonpath = os.pathsep.join(x for x in [workdir, os.environ.get("PYTHONPATH", "")] if x)
+        pythonpath = os.pathsep.join(x for x in [workdir, self._launcher_env.get("PYTHONPATH", "")] if x)
         warm = bool(self.options.warm_start) and warmstart.supported(function_entrypoint=bool(ep.function),
                                                                        processes=processes)
         rows = []
@@ -196,7 +202,7 @@ class LocalProcessExecutor:
             stem = row["log"].removesuffix(".log")
             for path in (stem + ".result.json", stem + ".started.json", stem + ".cancelled", warmstart.exit_path(stem)):
                 Path(path).unlink(missing_ok=True)
-            env = {**os.environ, **row["env"], **secrets}
+            env = {**self._launcher_env, **row["env"], **secrets}
             with private_file(Path(row["log"]), "ab") as log:  # all the replica prints, 0600
                 pid = self._templates.fork(env, row["cwd"], row["log"], warmstart.exit_path(stem),
                                            per_replica=per_replica) if row.get("warm") else None
