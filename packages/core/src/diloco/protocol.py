@@ -17,6 +17,10 @@ The rules:
 - handles are durable (`to_json` / `from_json`) and hold no secret: any fresh executor instance
   can poll, stream, cancel a handle made by another process;
 - what a backend can do is declared once, in `capabilities` (`Capabilities`), never sniffed.
+- the supervisor submits a relaunch on a worker thread while it polls, cancels and collects the
+  other ranks on its own (`diloco.supervise.launches`): `plan`/`submit` may run beside those
+  calls, never beside each other, so an executor's shared state must allow that (SDK clients
+  that are thread-safe, or a lock).
 
 The request and plan types live in `diloco.request`; the variables' names in `diloco.inputs.envvars`.
 """

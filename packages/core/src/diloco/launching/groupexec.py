@@ -15,6 +15,7 @@ started are cancelled before the error is raised, as `diloco.submitting.start_ea
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -39,6 +40,7 @@ class GroupedExecutor:
         self.groups = [g for g, _ in parts]
         self._build = {g.name: build for g, build in parts}
         self._built: dict[str, Any] = {}
+        self._building = threading.Lock()  # the supervisor's thread and its launch worker both ask
         self._added: dict[int, ReplicaGroup] = {}  # ranks `diloco scale` added to a group
 
     def assign(self, rank: int, group: str) -> None:
@@ -46,9 +48,10 @@ class GroupedExecutor:
         self._added[rank] = next(g for g in self.groups if g.name == group)
 
     def executor_for_group(self, name: str) -> Any:
-        if name not in self._built:
-            self._built[name] = self._build[name]()
-        return self._built[name]
+        with self._building:
+            if name not in self._built:
+                self._built[name] = self._build[name]()
+            return self._built[name]
 
     @property
     def executors(self) -> dict[str, Any]:

@@ -4,7 +4,8 @@ Each completed round's summary (`diloco.store.metrics.RoundSummary`, from the st
 ``round`` event; a summary whose replicas disagree on θ becomes ``diverged``, a corrupt object a
 replica met becomes ``incident``, and a run whose rounds all had a single member although it has
 several replicas gets ``training_alone`` (the replicas are not meeting). Each new summary also
-goes to the spec's metric sinks (`diloco.plugins.sinks`; TensorBoard by default).
+goes to the spec's metric sinks (`diloco.plugins.sinks`; TensorBoard by default), written on a
+thread of their own (`diloco.runrecord.sinkwriter`).
 
 Being the launcher's one regular reader of the store, it also says when the store stops
 answering or taking writes (`store_unreachable`, and `store_back` when it answers again; `health`
@@ -28,6 +29,7 @@ import time
 
 from ..bootstrap.failures import shorten
 from ..store.runkeys import RunKeys
+from .sinkwriter import SinkWriter
 from .state import RunRecord
 from ..store.outage import first_line
 
@@ -54,7 +56,7 @@ class RoundWatcher:
         self._away_since: float | None = None  # `clock` time the store stopped answering, while it does not
         self._next_write = 0.0  # when to prove next that the store still takes writes
         self._probe = RunKeys(run_id).probe("launcher")
-        self._sinks: list[Any] | None = None  # the spec's metric sinks, opened at the first round
+        self.sinks = SinkWriter(record, run_id)  # the spec's metric sinks, beside the supervisor's loop
 
     @property
     def alone(self) -> bool:
@@ -101,7 +103,7 @@ class RoundWatcher:
         from ..store.metrics import RoundCache
 
         RoundCache(self.record.dir).append(new)
-        self._write_sinks(new)
+        self.sinks.write(new)
         for rnd in new:
             self.record.event("round", round=rnd.round, members=rnd.members, loss=_rounded(rnd.loss),
                               tokens_per_s=round(rnd.tokens_per_s or 0), sync_share=_rounded(rnd.sync_share),
@@ -150,34 +152,9 @@ class RoundWatcher:
         self.record.event("store_back", after_seconds=round(away, 1))
         return True
 
-    def _write_sinks(self, summaries: list[Any]) -> None:
-        """Each new round to every metric sink; a sink that fails is reported once and dropped."""
-        if not summaries:
-            return
-        if self._sinks is None:
-            from ..plugins.sinks import open_sinks
-
-            metrics = (self.record.data.get("spec") or {}).get("metrics") or {}
-            try:
-                self._sinks = open_sinks(metrics, self.run_id, self.record.dir)
-            except Exception as exc:
-                self.record.event("sink_failed", sink="*", error=shorten(str(exc)))
-                self._sinks = []
-        for sink in list(self._sinks):
-            try:
-                for summary in summaries:
-                    sink.write(summary)
-            except Exception as exc:
-                self.record.event("sink_failed", sink=getattr(sink, "sink_name", "?"), error=shorten(str(exc)))
-                self._sinks.remove(sink)
-
     def close(self) -> None:
-        for sink in self._sinks or []:
-            try:
-                sink.close()
-            except Exception:
-                pass
-        self._sinks = None
+        """Write the rounds still queued for the sinks, and close them."""
+        self.sinks.close()
 
     def _check_alone(self, round_: int, members: list[int]) -> None:
         """A run of several replicas whose every round had one member is N unrelated trainings."""
