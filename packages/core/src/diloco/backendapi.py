@@ -26,6 +26,7 @@ NAMES: dict[str, tuple[str, ...]] = {
     "diloco": ("Capabilities", "Executor", "LaunchPlan", "LaunchRequest", "ReplicaHandle", "ReplicaResult",
                "ReplicaStatus", "Secrets", "BackendError", "UserError", "SpecError", "hookimpl", "option"),
     "diloco.options": ("option", "options_from"),
+    "diloco.protocol": ("DescribesPending", "NumbersReruns", "HasLogFiles", "OPTIONAL_METHODS"),
     "diloco.submitting": ("start_each", "start_all"),
     "diloco.waiting": ("poll_until_terminal", "collect_results", "unless_failed", "LastStatus"),
     "diloco.procgroup": ("replica_command", "gpu_count"),

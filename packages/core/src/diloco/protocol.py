@@ -16,7 +16,9 @@ The rules:
 - `cancel` is best effort and idempotent: it never raises for a replica that already ended;
 - handles are durable (`to_json` / `from_json`) and hold no secret: any fresh executor instance
   can poll, stream, cancel a handle made by another process;
-- what a backend can do is declared once, in `capabilities` (`Capabilities`), never sniffed.
+- what a backend can do is declared once, in `capabilities` (`Capabilities`), never sniffed; a
+  capability that promises a method (`status_detail`, `numbered_reruns`, `log_files`) comes with
+  the method its Protocol below declares (`DescribesPending`, `NumbersReruns`, `HasLogFiles`);
 - the supervisor submits a relaunch on a worker thread while it polls, cancels and collects the
   other ranks on its own (`diloco.supervise.launches`): `plan`/`submit` may run beside those
   calls, never beside each other, so an executor's shared state must allow that (SDK clients
@@ -31,6 +33,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .records import from_record, to_record
@@ -214,3 +217,43 @@ class Executor(Protocol):
                 timeout: float | None = None) -> list[ReplicaResult]:
         """Wait for every handle to end (up to `timeout`) and return their results."""
         ...
+
+
+# The optional methods: an executor whose `capabilities` flag promises one has it (the conformance
+# kit checks), and core calls it only then.
+
+
+@runtime_checkable
+class DescribesPending(Protocol):
+    """`Capabilities.status_detail`: the platform's words for why a replica is pending again."""
+
+    def status_detail(self, handle: ReplicaHandle) -> str | None:
+        """Why the replica is pending again ("Interrupted: spot capacity was reclaimed"), or None."""
+        ...
+
+
+@runtime_checkable
+class NumbersReruns(Protocol):
+    """`Capabilities.numbered_reruns`: the platform runs an attempt again in place and numbers the runs."""
+
+    def reruns(self, handle: ReplicaHandle) -> int | None:
+        """How many re-runs of the attempt the platform has started or scheduled (0 for one that ran
+        once); None when it cannot tell now."""
+        ...
+
+
+@runtime_checkable
+class HasLogFiles(Protocol):
+    """`Capabilities.log_files`: each replica's output grows in a file on the launcher's machine."""
+
+    def log_path(self, handle: ReplicaHandle) -> Path:
+        """The absolute path of the file the replica's output grows in (`diloco logs --follow` tails it)."""
+        ...
+
+
+OPTIONAL_METHODS: dict[str, tuple[type, str]] = {
+    "status_detail": (DescribesPending, "status_detail"),
+    "numbered_reruns": (NumbersReruns, "reruns"),
+    "log_files": (HasLogFiles, "log_path"),
+}
+"""Each capability flag that promises a method: the Protocol declaring it, and the method's name."""

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco.plugins.discovery import backend_options
-from diloco.protocol import Capabilities, Executor, ReplicaHandle, ReplicaStatus
+from diloco.protocol import OPTIONAL_METHODS, Capabilities, Executor, ReplicaHandle, ReplicaStatus
 from diloco.request import LaunchPlan, LaunchRequest, Secrets
 
 REPORT = "diloco.testing.entrypoints:report"
@@ -184,10 +184,10 @@ class ExecutorConformance(abc.ABC):
                 f"preemption_signal {caps.preemption_signal!r} is not a signal name such as 'SIGINT'", "#capabilities")
         require(caps.cloud is None or caps.cloud in CLOUDS, f"cloud {caps.cloud!r} is not one of {CLOUDS} or None",
                 "#capabilities")
-        for flag, method in (("status_detail", "status_detail"), ("numbered_reruns", "reruns"),
-                             ("log_files", "log_path")):
-            require(not getattr(caps, flag) or callable(getattr(executor, method, None)),
-                    f"capabilities.{flag} is true but the executor has no `{method}(handle)`", "#capabilities")
+        for flag, (declared, method) in OPTIONAL_METHODS.items():
+            require(not getattr(caps, flag) or isinstance(executor, declared),
+                    f"capabilities.{flag} is true but the executor has no `{method}(handle)` "
+                    f"(diloco.protocol.{declared.__name__})", "#capabilities")
         if caps.status_detail or caps.numbered_reruns:
             handles = self.launch(executor, REPORT, n=1)
             detail = executor.status_detail(handles[0]) if caps.status_detail else None
