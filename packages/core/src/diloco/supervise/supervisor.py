@@ -178,6 +178,16 @@ class Supervisor:
         self.launches.wait(INLINE_WAIT_S)
         self._launched()
 
+    def _finish_launches(self) -> bool:
+        """Wait for the relaunches in flight and record them; True if any was. One that raised
+        left no attempt: it is reported (`launch_failed`) and the rest goes on."""
+        self.launches.wait(None)
+        try:
+            return self._launched()
+        except Exception as exc:  # noqa: BLE001 - reported; nothing of it to record or cancel
+            self.event("launch_failed", error=shorten(str(exc)))
+            return False
+
     def _launched(self) -> bool:
         """Record the relaunches that returned; True if any. A rank no longer waiting for its
         relaunch (the run ended, `diloco scale` retired it) has its new attempt cancelled at once."""
@@ -293,11 +303,7 @@ class Supervisor:
     def stop_all(self) -> None:
         """Cancel every live attempt, a relaunch in flight included once it returns; each reads
         `cancelled_by_supervisor` from here on."""
-        self.launches.wait(None)
-        try:
-            self._launched()
-        except Exception as exc:  # noqa: BLE001 - that launch left nothing to cancel; the rest still is
-            self.event("launch_failed", error=shorten(str(exc)))
+        self._finish_launches()
         for st in self.ranks:
             if st.handle is not None and st.status.live:
                 self.executor.cancel(st.handle)
@@ -350,6 +356,10 @@ class Supervisor:
                                f"`diloco resume {self.record.run_id}`") from None
         finally:
             self.rounds.close()  # the sinks get the last rounds
+            # a relaunch in flight as supervision ends (Ctrl-C, an error) is recorded, so `diloco
+            # resume` and `diloco cancel` find its attempt; not over a launcher that took over
+            if self._finish_launches() and not self.lease.lost:
+                self.save()
             self.launches.close()
             self.lease.release()
             self.lease = None
