@@ -92,3 +92,10 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.05) -> bool
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def one_line_error(proc, expected: str) -> None:
+    """The CLI refused in one line: exit 2, a single `error: ...` line on stderr that holds `expected`."""
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr

@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-from conftest import wait_until, write_spec
+from conftest import one_line_error, wait_until, write_spec
 
 NEARBY_PLUGIN = '''
 from diloco import hookimpl
@@ -100,12 +100,6 @@ def gone(pid: int) -> bool:
         return False
     except ProcessLookupError:
         return True
-
-
-def one_line_error(proc, expected: str) -> None:
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and expected in lines[0], proc.stderr
 
 
 # -- the spec -------------------------------------------------------------------------------------

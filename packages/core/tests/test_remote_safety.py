@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import write_spec
+from conftest import one_line_error, write_spec
 
 # A third-party backend that says nothing about filesystems: it must be treated as remote.
 REMOTE_PLUGIN = '''
@@ -37,12 +37,6 @@ def diloco_register_executors():
 def remote_env(project):
     (project / "faraway_plugin.py").write_text(REMOTE_PLUGIN)
     return {"DILOCO_PLUGINS": "faraway_plugin", "PYTHONPATH": str(project), "DILOCO_CONFIG": str(project / "none.toml")}
-
-
-def one_line_error(proc, expected: str) -> None:
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr
 
 
 def test_file_rendezvous_refused_for_a_backend_on_other_machines(cli, project, remote_env, state_dir):
