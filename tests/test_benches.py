@@ -30,6 +30,7 @@ BENCHES = {
     "uneven.py": ["rows", "targets", "round_seconds_vs_fixed", "mixed_rows", "mixed_vs_uniform", "resize_rows"],
     "gone.py": ["rows", "gone_vs_alone", "targets"],
     "recovery.py": ["rows"],
+    "relaunch.py": ["rows", "targets"],
     "gpu_sync.py": ["rows", "targets"],
     "peers.py": ["rows", "diloco_vs_torchft", "targets"],
     "trainers.py": ["rows", "callback_vs_wrapper_s_per_round", "lightning_callback_vs_wrapper_s_per_round", "trainer_vs_loop"],
