@@ -125,7 +125,7 @@ def test_a_rounds_data_flows_one_way_the_repair_desk_reached_from_the_allreduce_
 # (round.steps), which sit above the round's own state, I/O and layout (round).
 LAYERS = {
     "diloco": [
-        ["diloco.errors"],
+        ["diloco.errors", "diloco.lazyexports"],
         ["diloco.inputs"],
         ["diloco.host"],
         ["diloco.shipping"],

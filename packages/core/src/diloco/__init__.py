@@ -10,7 +10,7 @@ discovered on first use (`diloco.plugins.discovery.backends()`).
 
 from __future__ import annotations
 
-import importlib
+from .lazyexports import lazy_exports
 
 _EXPORTS = {
     "Run": "api", "attach": "api", "launch": "api", "runs": "api",
@@ -25,11 +25,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'diloco' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"diloco.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)

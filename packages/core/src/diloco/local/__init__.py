@@ -7,16 +7,9 @@ load the executor.
 
 from __future__ import annotations
 
-import importlib
+from ..lazyexports import lazy_exports
 
 _EXPORTS = {"LocalProcessExecutor": "executor", "tail_text": "executor"}
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'diloco.local' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"diloco.local.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
