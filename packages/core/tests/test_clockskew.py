@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco.testing import clockskew
+from diloco.bootstrap import clockskew
 
 
 def test_offsets_and_jumps_are_read_per_rank():

@@ -125,7 +125,7 @@ def test_the_plan_a_dry_run_prints_is_the_plan_run_submits(project, monkeypatch)
 
     monkeypatch.setattr(LocalProcessExecutor, "submit", spy)
     sup = launcher.new_run(spec)
-    first_plan = sup.first_plan
+    first_plan = sup.launcher.first_plan
     sup.start()
     try:
         assert submitted == [first_plan]  # the object planned before the record existed, not a re-plan

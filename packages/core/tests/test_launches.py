@@ -1,4 +1,4 @@
-"""Relaunches beside the supervisor's loop (`diloco.supervise.launches`): a slow launch never
+"""Relaunches beside the supervisor's loop (`diloco.supervise.ranklauncher`, `.launches`): a slow launch never
 blinds the supervisor, a relaunch starts when it falls due, and a launch still in flight when
 the run ends is cancelled once it returns.
 
@@ -55,7 +55,7 @@ def test_a_slow_relaunch_never_blinds_the_supervisor_to_the_other_ranks():
     sup, record = supervised(ex)
     ex.now[(0, 0)] = KILLED
     sup.tick()  # rank 0's relaunch starts, and does not return
-    assert ex.submitting.is_set() and sup.launches.in_flight() == {0}
+    assert ex.submitting.is_set() and sup.launcher.in_flight() == {0}
     assert sup.ranks[0].handle.attempt == 0 and not events(record, "launch")[1:]
 
     ex.now[(1, 0)] = KILLED  # a second rank ends while the first one's launch hangs
@@ -64,10 +64,10 @@ def test_a_slow_relaunch_never_blinds_the_supervisor_to_the_other_ranks():
     assert [e["rank"] for e in events(record, "relaunch_scheduled")] == [0, 1]
     saved = RunRecord.load("slow-launch")  # what another shell reads: rank 1's failure is on disk
     assert [r["status"] for r in saved.data["ranks"]][:2] == ["failed", "failed"]
-    assert sup.launches.in_flight() == {0, 1}  # rank 1's relaunch queued behind rank 0's
+    assert sup.launcher.in_flight() == {0, 1}  # rank 1's relaunch queued behind rank 0's
 
     ex.gate.set()
-    sup.launches.wait(30)
+    sup.launcher.background.wait(30)
     sup.tick()
     assert [st.handle.attempt for st in sup.ranks] == [1, 1, 0]
     assert [(e["ranks"], e["attempt"]) for e in events(record, "launch")] == [([0, 1, 2], 0), ([0], 1), ([1], 1)]
@@ -80,12 +80,12 @@ def test_a_relaunch_in_flight_when_the_run_is_cancelled_is_cancelled_when_it_ret
     sup, record = supervised(ex, n=2)
     ex.now[(0, 0)] = KILLED
     sup.tick()
-    assert sup.launches.in_flight() == {0}
+    assert sup.launcher.in_flight() == {0}
     record.request_cancel()
     threading.Timer(0.3, ex.gate.set).start()
     assert sup.tick() is RunState.STOPPED
     assert sorted(ex.cancelled) == [(0, 1), (1, 0)]  # the late attempt did not outlive the run
-    assert not sup.launches.in_flight()
+    assert not sup.launcher.in_flight()
 
 
 def test_a_relaunch_that_raises_raises_on_the_supervisors_thread():

@@ -65,8 +65,7 @@ def launch(spec: str | Path | Mapping[str, Any], *, base_dir: str | Path | None 
         try:
             sup.start()  # launch errors surface here, in the caller's thread
         except BaseException:
-            sup.lease.release()
-            sup.lease = None
+            sup.release_lease()
             raise
         run._thread = threading.Thread(target=run._supervise_quietly, name=f"diloco-{run.id}", daemon=True)
         run._thread.start()

@@ -4,8 +4,9 @@ A launch can take seconds: a warm template coming up, a cloud API call that retr
 scheduler that answers slowly. While the supervisor waited on one, it polled no other rank: a
 second rank's failure went unseen, its relaunch unscheduled, the run's record unsaved. So a
 relaunch is submitted on a worker thread (one at a time, in the order they fell due, as the
-executor saw them before) and the supervisor goes on watching; it records the new attempt's
-handles on the pass after the launch returns. A launch that returns within `INLINE_WAIT_S` is
+executor saw them before) and the supervisor goes on watching; its `RankLauncher`
+(`diloco.supervise.ranklauncher`) records the new attempt's handles on the pass after the launch
+returns. A launch that returns within `INLINE_WAIT_S` is
 recorded on the same pass, as before (most do: a fork, a local process, a fast API).
 
 Executors are therefore called from two threads: `plan`/`submit` of the relaunched ranks on the

@@ -13,13 +13,14 @@ the run, and the supervisor checks for it itself (`RunRecord.cancel_requested`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ..bootstrap.failures import shorten
-from .policy import (Action, Ending, Failure, Peer, Spend, cancelled_everywhere, decide, spent_on_decision,
-                     ALL_CANCELLED_WINDOW)
-from ..protocol import ReplicaStatus
+from .policy import (Action, Ending, Failure, Peer, RestartSettings, RunState, Spend, cancelled_everywhere, decide,
+                     spent_on_decision, ALL_CANCELLED_WINDOW)
+from ..protocol import Capabilities, Executor, ReplicaResult, ReplicaStatus
 from ..runrecord.rankstate import RankState, RankStatus
+from ..runrecord.state import RunRecord
 
 # on_presence(rank, attempt, present, reason, rerun): `present` False when the launcher learns that
 # the rank's attempt `attempt` is not running (reason: the event that said so: "failed",
@@ -34,11 +35,35 @@ def no_presence(rank: int, attempt: int, present: bool, reason: str, rerun: int 
     """An `on_presence` that tells nobody (a supervisor whose rounds need no presence markers)."""
 
 
-class Reactions:
-    """`sup`: the `diloco.supervise.supervisor.Supervisor` it works for (its ranks, record, settings,
-    executor, budgets and public methods)."""
+class ReactionHost(Protocol):
+    """What the reactions need of the supervisor they work for (`diloco.supervise.supervisor.Supervisor`):
+    what they read, the run's two budgets they pay from (`restarts_used`, `preemptions_used`), and
+    what they ask of it. They change the run only through these and the `RankState` records."""
 
-    def __init__(self, sup: Any):
+    ranks: list[RankState]
+    record: RunRecord
+    executor: Executor  # its optional `status_detail` / `reruns` only where `capabilities` says so
+    capabilities: Capabilities
+    settings: RestartSettings
+    restarts_used: int
+    preemptions_used: int
+    on_presence: Presence
+
+    def event(self, kind: str, **fields: Any) -> None: ...
+
+    def fail(self, reason: str) -> RunState: ...
+
+    def stop(self, *, by: str, reason: str | None = None) -> RunState: ...
+
+    def stop_all(self) -> None: ...
+
+    def rank_result(self, st: RankState) -> ReplicaResult: ...
+
+
+class Reactions:
+    """Carries out what `diloco.supervise.policy` decides for the supervisor `sup` (`ReactionHost`)."""
+
+    def __init__(self, sup: ReactionHost):
         self.sup = sup
 
     # -- a new status ----------------------------------------------------------------------

@@ -5,7 +5,7 @@ preemption, a time limit, a cancel from outside diloco: what `diloco.supervise.p
 spends), asks `diloco.supervise.policy.outcome` where the run stands, and carries out the rest: launches,
 and the run's end. Only `diloco cancel` / `Run.cancel()` (the record's cancel marker) ends the run
 as cancelled. A relaunch is scheduled, not slept on, so one rank's backoff never holds up watching
-the others, and submitted beside the loop (`diloco.supervise.launches`), so a slow launch never
+the others, and submitted beside the loop (`diloco.supervise.ranklauncher`), so a slow launch never
 does either. Rounds are watched by `diloco.runrecord.roundwatch.RoundWatcher` (events, metric sinks,
 `training_alone`), `diloco scale` requests carried out by `diloco.supervise.resizer.Resizer`.
 
@@ -28,14 +28,14 @@ from ..inputs.envvars import ENV_SETTINGS
 from ..errors import BackendError, StateDirFull
 from ..bootstrap.failures import shorten
 from .policy import RestartSettings, RunState, StoreAway, outcome, spent_on_relaunch
-from ..protocol import Executor, ReplicaHandle, ReplicaResult, ReplicaStatus
+from ..protocol import Executor, ReplicaResult, ReplicaStatus
 from ..runrecord.rankstate import RankState, RankStatus
 from .reactions import Presence, Reactions
 from ..request import LaunchPlan, LaunchRequest
 from ..runrecord.roundwatch import RoundWatcher
 from ..spec.settings import DilocoSettings
 from ..host.procinfo import started_at
-from .launches import INLINE_WAIT_S, BackgroundLaunches, by_attempt
+from .ranklauncher import RankLauncher
 from .resizer import Resizer
 from ..runrecord.state import RunRecord
 
@@ -69,7 +69,6 @@ class Supervisor:
         self.capabilities = executor.capabilities
         self.record = record
         self.request = request
-        self.first_plan = first_plan
         self.settings = RestartSettings.from_table(restart, request.n_replicas,
                                                    relaunches_one_rank=self.capabilities.relaunches_one_rank)
         self.on_tick = on_tick
@@ -96,7 +95,7 @@ class Supervisor:
         self.on_presence: Presence = self._mark_presence
         self._outage_since: dict[str, float] = {}  # by group: one backend's outage is timed on its own
         self.lease: Any = None  # a diloco.supervise.lease.SupervisorLease while this supervisor runs
-        self.launches = BackgroundLaunches(self._submit)  # relaunches, beside this loop
+        self.launcher = RankLauncher(self, first_plan)  # relaunches beside this loop
 
     def _mark_presence(self, rank: int, attempt: int, present: bool, reason: str, rerun: int | None = None) -> None:
         problem = self.away.on_presence(rank, attempt, present, reason, rerun)
@@ -148,58 +147,7 @@ class Supervisor:
 
     def launch(self, ranks: list[int], attempt_of: dict[int, int]) -> None:
         """Plan and submit `ranks`, each as attempt `attempt_of[rank]`, and record their handles."""
-        for attempt, group in by_attempt(ranks, attempt_of):
-            self._record_launch(group, attempt, self._submit(group, attempt))
-        self.save()
-
-    def _submit(self, ranks: list[int], attempt: int) -> list[ReplicaHandle]:
-        """The executor's handles for `ranks` as `attempt` (the plan `diloco run` made, the first time)."""
-        plan = self.first_plan
-        if plan is None or (plan.request.ranks, plan.request.attempt) != (tuple(ranks), attempt):
-            plan = self.executor.plan(self.request.for_ranks(ranks, attempt))
-        self.first_plan = None  # submitted once: relaunches are planned anew
-        return self.executor.submit(plan)
-
-    def _record_launch(self, ranks: list[int], attempt: int, handles: list[ReplicaHandle]) -> None:
-        for h in handles:
-            st = self.ranks[h.rank]
-            st.handle, st.status, st.relaunch_at = h, RankStatus.PENDING, None
-            st.launched_at = self.clock()
-            st.attempts.append(h.to_dict())
-        self.event("launch", ranks=ranks, attempt=attempt)
-
-    def _relaunch(self, due: list[RankState]) -> None:
-        """Start the due ranks' next attempts beside the loop; record those that return soon."""
-        for st in due:
-            self.reactions.spend(st, spent_on_relaunch(self.settings.policy, paid=st.relaunch_paid))
-            st.relaunch_paid = False
-        for attempt, group in by_attempt([st.rank for st in due], {st.rank: st.handle.attempt + 1 for st in due}):
-            self.launches.start(group, attempt)
-        self.launches.wait(INLINE_WAIT_S)
-        self._launched()
-
-    def _finish_launches(self) -> bool:
-        """Wait for the relaunches in flight and record them; True if any was. One that raised
-        left no attempt: it is reported (`launch_failed`) and the rest goes on."""
-        self.launches.wait(None)
-        try:
-            return self._launched()
-        except Exception as exc:  # noqa: BLE001 - reported; nothing of it to record or cancel
-            self.event("launch_failed", error=shorten(str(exc)))
-            return False
-
-    def _launched(self) -> bool:
-        """Record the relaunches that returned; True if any. A rank no longer waiting for its
-        relaunch (the run ended, `diloco scale` retired it) has its new attempt cancelled at once."""
-        done = self.launches.finished()
-        for launch, handles in done:
-            wanted = [h for h in handles if self.ranks[h.rank].relaunch_at is not None]
-            for h in handles:
-                if h not in wanted:
-                    self.executor.cancel(h)
-            if wanted:
-                self._record_launch([h.rank for h in wanted], launch.attempt, wanted)
-        return bool(done)
+        self.launcher.launch(ranks, attempt_of)
 
     def start(self) -> None:
         """First launch of every rank, attempt 0."""
@@ -246,7 +194,7 @@ class Supervisor:
     def tick(self) -> RunState:
         """One monitor pass: poll every rank, react to changes, relaunch what is due."""
         now = self.clock()
-        changed = self._launched()
+        changed = self.launcher.record_returned()
         changed = self.rounds.poll() or changed
         changed = self.resizer.apply_pending() or changed
         for st in self.ranks:
@@ -265,9 +213,12 @@ class Supervisor:
                 break  # every rank restarts or gives up: the other ranks' statuses are moot
         if self.record.cancel_requested() and not self.state.is_final:  # only `diloco cancel` ends the run so
             return self.stop(by="diloco cancel")
-        due = [st for st in self._awaiting() if st.relaunch_at <= now]
+        due = [st for st in self.launcher.awaiting() if st.relaunch_at <= now]
         if due:
-            self._relaunch(due)
+            for st in due:
+                self.reactions.spend(st, spent_on_relaunch(self.settings.policy, paid=st.relaunch_paid))
+                st.relaunch_paid = False
+            self.launcher.relaunch(due)
             changed = True
         succeeded = sum(r.status is RankStatus.SUCCEEDED and not r.retired for r in self.ranks)  # a retired one left
         size = self.resizer.size()  # `diloco scale` moves the run's size: min_replicas follows it down
@@ -287,11 +238,6 @@ class Supervisor:
             self.save()
         return self.state
 
-    def _awaiting(self) -> list[RankState]:
-        """Ranks with a relaunch scheduled and not started yet."""
-        started = self.launches.in_flight()
-        return [st for st in self.ranks if st.relaunch_at is not None and st.rank not in started]
-
     def _store_away(self) -> StoreAway | None:
         """The store not answering the launcher, if it is not (`RoundWatcher.store_gone_for`)."""
         gone = self.rounds.store_gone_for()
@@ -303,7 +249,7 @@ class Supervisor:
     def stop_all(self) -> None:
         """Cancel every live attempt, a relaunch in flight included once it returns; each reads
         `cancelled_by_supervisor` from here on."""
-        self._finish_launches()
+        self.launcher.finish()
         for st in self.ranks:
             if st.handle is not None and st.status.live:
                 self.executor.cancel(st.handle)
@@ -343,6 +289,13 @@ class Supervisor:
 
             self.lease = SupervisorLease.acquire(self.record.dir, run_id=self.record.run_id)
 
+    def release_lease(self) -> None:
+        """Give the run's lease up (another launcher may then supervise it): at the end of `run`, or
+        by a caller that took it and could not start."""
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
     def run(self, *, start: bool = True) -> RunState:
         """Launch (unless resuming) and supervise until the run ends, holding the run's lease."""
         self.take_lease()
@@ -358,11 +311,10 @@ class Supervisor:
             self.rounds.close()  # the sinks get the last rounds
             # a relaunch in flight as supervision ends (Ctrl-C, an error) is recorded, so `diloco
             # resume` and `diloco cancel` find its attempt; not over a launcher that took over
-            if self._finish_launches() and not self.lease.lost:
+            if self.launcher.finish() and not self.lease.lost:
                 self.save()
-            self.launches.close()
-            self.lease.release()
-            self.lease = None
+            self.launcher.close()
+            self.release_lease()
 
     def _run(self, *, start: bool) -> RunState:
         if start and self.state is RunState.INIT:
@@ -383,7 +335,7 @@ class Supervisor:
                 self.save()  # the heartbeat: other shells tell a live launcher from a dead one by it
                 last_beat = self.clock()
             # a relaunch starts when it falls due, not at the next look
-            due_in = [st.relaunch_at - self.clock() for st in self._awaiting()]
+            due_in = [st.relaunch_at - self.clock() for st in self.launcher.awaiting()]
             time.sleep(max(0.0, min([self.settings.monitor_interval, *due_in])))
         if state is RunState.FAILED:
             raise RunFailed(self.record.failure or "run failed", self.errors())
