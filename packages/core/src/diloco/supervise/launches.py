@@ -71,9 +71,6 @@ class BackgroundLaunches:
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def __repr__(self) -> str:
-        return f"BackgroundLaunches(in_flight={sorted(self.in_flight())})"
-
 
 def by_attempt(ranks: list[int], attempt_of: dict[int, int]) -> list[tuple[int, list[int]]]:
     """`ranks` grouped by the attempt each starts, lowest attempt first: one submission each."""
