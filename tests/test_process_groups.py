@@ -146,44 +146,8 @@ name = "local"
 """
 
 
-# FSDP2 here; DDP beside a one-process replica is the "mixed" kill test below (every round's model
-# on every process compared there too), and bench/uneven.py's mixed rows
-@pytest.mark.parametrize("parallel", ["fsdp"])
-def test_a_replica_of_two_processes_and_one_of_one_hold_the_same_model_after_every_round(
-        tmp_path, lanes_env, state_dir, single_process_baseline, parallel):
-    trace = tmp_path / "trace"
-    trace.mkdir()
-    store = (tmp_path / "store").as_uri()
-    settings = "\n".join(f"{k} = {v}" for k, v in SETTINGS.items())
-    spec = tmp_path / "diloco.toml"
-    spec.write_text(f"""
-name = "pg-mixed-{parallel}"
-entrypoint = "lane_jobs:train_traced"
-workdir = "{Path(__file__).parent}"
-rendezvous = "{store}"
-timeout = 600
-[args]
-trace_dir = "{trace}"
-steps = 40
-parallel = "{parallel}"
-[diloco]
-{settings}
-{'exchange = "process"' if parallel == "fsdp" else ""}
-{MIXED_GROUPS}""")
-    proc = subprocess.run([sys.executable, "-m", "diloco", "run", str(spec)], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    traces = [json.loads(p.read_text()) for p in sorted(trace.glob("*.json"))]
-    assert sorted((t["rank"], t["lane"]) for t in traces) == [(0, 0), (1, 0), (1, 1)]
-    for r in ("1", "2", "3", "4"):  # all three processes, the whole model, bit for bit
-        assert len({t["hashes"][r] for t in traces}) == 1, (r, [t["hashes"][r] for t in traces])
-    assert len({t["final"] for t in traces}) == 1
-    rows = read_rounds(store, proc.stdout.split()[1].rstrip(":"))  # the run's id, as `diloco run` names it
-    assert [r.members for r in rows] == [[0, 1]] * 4
-    for row in rows:  # one digest of the whole state, the same for a replica of one lane and of two
-        assert len({x.state_digest for x in row.rows}) == 1 and row.diverged is None
-    base = single_process_baseline[0][0]["eval_loss"]
-    assert abs(traces[0]["eval_loss"] - base) / base < 0.02, (traces[0]["eval_loss"], base)
+# A replica of two processes beside one of one process, on FSDP2 with sync processes: see
+# tests/test_multinode.py, where the larger replica is also two nodes (1 + 2 × 2 processes).
 
 
 def test_killing_one_process_relaunches_its_replica_which_rejoins(tmp_path, lanes_env, state_dir):

@@ -29,7 +29,7 @@ NAMES: dict[str, tuple[str, ...]] = {
     "diloco.protocol": ("DescribesPending", "NumbersReruns", "HasLogFiles", "OPTIONAL_METHODS"),
     "diloco.submitting": ("start_each", "start_all"),
     "diloco.waiting": ("poll_until_terminal", "collect_results", "unless_failed", "LastStatus"),
-    "diloco.procgroup": ("replica_command", "gpu_count"),
+    "diloco.procgroup": ("replica_command", "gpu_count", "node_env", "NODE_PORT"),
     "diloco.local": ("tail_text",),
     "diloco.testing": ("ExecutorConformance", "launch", "plan_for"),
 }

@@ -139,6 +139,9 @@ class Capabilities:
     relaunches_one_rank: one rank can be started alone while the others run (`LaunchRequest.ranks`);
         False: the supervisor restarts the whole gang.
     process_groups: a replica can be several processes (`processes_per_replica` > 1, torchrun).
+    multi_node: a replica can be several machines (`nodes` > 1): the platform places them together,
+        starts `replica_command(P, K)` on each with `diloco.procgroup.node_env` (its node rank and
+        the first node's address), and ends them all, as one attempt, when one of them ends.
     inter_replica_network: replicas can open connections to each other (DiLoCo never needs it).
     preemption_signal: the signal the platform announces a preemption with, if it sends one; the
         backend exports it to replicas as DILOCO_PREEMPTION_SIGNAL and the runner turns it into exit 75.
@@ -158,6 +161,7 @@ class Capabilities:
     shares_launcher_filesystem: bool = False
     relaunches_one_rank: bool = False
     process_groups: bool = False
+    multi_node: bool = False
     inter_replica_network: bool = False
     preemption_signal: str | None = None
     status_detail: bool = False

@@ -27,7 +27,7 @@ from .errors import BackendError, UserError
 from .options import check_fields, option
 from .inputs.replicaenv import REDACTED, Entrypoint, check_entrypoint_args, is_secret_name, parse_entrypoint, replica_env
 from .inputs.variables import is_cloud
-from .procgroup import MAX_PROCESSES
+from .procgroup import MAX_NODES, MAX_PROCESSES
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 MIN_SECRET_CHECK = 6  # shorter values ("1", "true") would match plain text by chance
@@ -114,7 +114,8 @@ class LaunchRequest:
     secrets: Secrets = field(default_factory=Secrets)
     rendezvous: str | None = option(None, help="where the replicas meet (a store URI)")
     timeout: float = option(3600.0, help="seconds per replica attempt (a backend bounds it further)", min=0)
-    processes_per_replica: int = option(1, help="processes in each replica", min=1, max=MAX_PROCESSES)
+    processes_per_replica: int = option(1, help="processes on each node of a replica", min=1, max=MAX_PROCESSES)
+    nodes: int = option(1, help="machines in each replica", min=1, max=MAX_NODES)
     gpu: str | None = option(None, help="the GPU per replica, as the spec names it")
     workdir: str | None = option(None, help="where the replicas' code lives")
     ranks: tuple[int, ...] = ()
@@ -157,11 +158,16 @@ class LaunchRequest:
         """Whether this launch starts the whole world (a first launch or a gang restart)."""
         return self.ranks == tuple(range(self.n_replicas))
 
+    @property
+    def replica_processes(self) -> int:
+        """The processes of one replica: `processes_per_replica` on each of its `nodes`."""
+        return self.processes_per_replica * self.nodes
+
     def replica_env(self, rank: int) -> dict[str, str]:
         """The environment of one rank, without secrets (see `diloco.inputs.replicaenv.replica_env`)."""
         return replica_env(rank=rank, n_replicas=self.n_replicas, run_id=self.run_id, attempt=self.attempt,
                            entrypoint=self.entrypoint, entrypoint_args=self.args, rendezvous=self.rendezvous,
-                           timeout=self.timeout, env=self.env, processes=self.processes_per_replica,
+                           timeout=self.timeout, env=self.env, processes=self.replica_processes,
                            diloco_version=self.diloco_version)
 
     def for_ranks(self, ranks: Sequence[int], attempt: int) -> LaunchRequest:
@@ -177,7 +183,8 @@ class LaunchRequest:
                 "entrypoint": ep.function if ep.function else list(ep.command or ()),
                 "args": dict(self.args), "env": dict(self.env), "secret_names": self.secrets.names,
                 "rendezvous": self.rendezvous, "timeout": self.timeout,
-                "processes_per_replica": self.processes_per_replica, "gpu": self.gpu, "workdir": self.workdir,
+                "processes_per_replica": self.processes_per_replica, "nodes": self.nodes, "gpu": self.gpu,
+                "workdir": self.workdir,
                 "diloco_version": self.diloco_version}
 
     @classmethod
@@ -186,7 +193,8 @@ class LaunchRequest:
         return cls(run_id=data["run_id"], n_replicas=data["n_replicas"], entrypoint=data["entrypoint"],
                    args=data.get("args") or {}, env=data.get("env") or {},
                    secrets=Secrets(secrets), rendezvous=data.get("rendezvous"), timeout=data.get("timeout", 3600.0),
-                   processes_per_replica=data.get("processes_per_replica", 1), gpu=data.get("gpu"),
+                   processes_per_replica=data.get("processes_per_replica", 1), nodes=data.get("nodes", 1),
+                   gpu=data.get("gpu"),
                    workdir=data.get("workdir"), diloco_version=data.get("diloco_version"))
 
 

@@ -59,14 +59,17 @@ class ReplicaContext:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ReplicaContext:
         env = os.environ if environ is None else environ
+        # torchrun's group of the replica's processes, when there is one (a one-process replica may
+        # carry its rank in RANK through `rank_env`: that is not a lane)
+        lanes = int(env.get(v.ENV_LANES) or "1") if env.get(v.ENV_REPLICAS) else 1
         ctx = cls(
             rank=int(env.get(v.ENV_RANK, "0")),
             world_size=int(env.get(v.ENV_REPLICAS) or "1"),
             run_id=env.get(v.ENV_RUN_ID, "local"),
             attempt=int(env.get(v.ENV_ATTEMPT, "0")),
             rendezvous=env.get(v.ENV_RENDEZVOUS) or None,
-            lane=int(env.get(v.ENV_LANE) or "0") if env.get(v.ENV_REPLICAS) else 0,
-            lanes=int(env.get(v.ENV_LANES) or "1") if env.get(v.ENV_REPLICAS) else 1,
+            lane=int(env.get(v.ENV_LANE) or "0") if lanes > 1 else 0,
+            lanes=lanes,
             rerun=_count(env, v.ENV_RERUN),
         )
         ctx._raw_settings = env.get(v.ENV_SETTINGS) or "{}"

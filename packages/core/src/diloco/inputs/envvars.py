@@ -6,8 +6,8 @@ every millisecond here is paid once per replica start.
 
 ENV_RANK = "REPLICA_RANK"
 ENV_REPLICAS = "DILOCO_REPLICAS"  # the number of replicas (WORLD_SIZE is torch's: torchrun's group, or unset)
-ENV_LANE = "LOCAL_RANK"  # set by torchrun: this process's index within its replica
-ENV_LANES = "LOCAL_WORLD_SIZE"  # set by torchrun: processes per replica
+ENV_LANE = "RANK"  # set by torchrun: this process's index within its replica, across all its nodes
+ENV_LANES = "WORLD_SIZE"  # set by torchrun: processes per replica (nodes × processes per node)
 ENV_RENDEZVOUS = "DILOCO_RENDEZVOUS"
 ENV_RUN_ID = "DILOCO_RUN_ID"
 ENV_GROUP = "DILOCO_GROUP"  # the replica's group, in a run with [[group]] tables (diloco.spec.groups)

@@ -36,14 +36,14 @@ PLUMBING_NAMES = frozenset({
 # The rank contract (docs/design.md#environment) and torchrun's: `rank_env` may name one of
 # these (a script that reads its rank from LOCAL_RANK), nothing else may set them.
 RANK_NAMES = frozenset({
-    envvars.ENV_RANK, "WORLD_SIZE", envvars.ENV_LANE, envvars.ENV_LANES, "RANK", "GROUP_RANK",
+    envvars.ENV_RANK, "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "GROUP_RANK",
     "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
 })
 # What `rank_env` may name among them: variables that hold a rank. Never a size, an address or
 # the devices (`rank_env = "CUDA_VISIBLE_DEVICES"` once gave every replica the GPU of its rank number).
-RANK_VALUED_NAMES = frozenset({envvars.ENV_RANK, envvars.ENV_LANE, "RANK", "GROUP_RANK", "ROLE_RANK"})
+RANK_VALUED_NAMES = frozenset({envvars.ENV_RANK, "LOCAL_RANK", "RANK", "GROUP_RANK", "ROLE_RANK"})
 RESERVED_NAMES = PLUMBING_NAMES | RANK_NAMES
-RESERVED_PREFIXES = ("LD_", "DYLD_", "DILOCO_", "TORCHELASTIC_", "KUBERNETES_", "PYTHON")
+RESERVED_PREFIXES = ("LD_", "DYLD_", "DILOCO_", "TORCHELASTIC_", "PET_", "KUBERNETES_", "PYTHON")
 # DILOCO_* variables a user sets on purpose: fault injection for tests and soaks, the store
 # throttles of bench/, and the signal a platform announces preemption with.
 USER_DILOCO = ("DILOCO_FAULT_", "DILOCO_STORE_LATENCY_S", "DILOCO_STORE_BYTES_PER_S",

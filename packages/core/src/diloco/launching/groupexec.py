@@ -86,7 +86,8 @@ class GroupedExecutor:
         withheld = {n for g in self.groups for n in g.secrets} - set(group.secrets)
         secrets = Secrets({k: v for k, v in request.secrets.reveal().items() if k not in withheld})
         return replace(request, ranks=tuple(ranks), gpu=group.gpu, timeout=group.timeout,
-                       processes_per_replica=group.processes_per_replica, env=env, secrets=secrets)
+                       processes_per_replica=group.processes_per_replica, nodes=group.nodes, env=env,
+                       secrets=secrets)
 
     # -- the contract ------------------------------------------------------------------------
 

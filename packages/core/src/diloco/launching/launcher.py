@@ -76,10 +76,15 @@ def launch_request(spec: RunSpec, run_id: str, executor: Executor, secrets: Secr
             raise SpecError(f"{spec.source}: backend {g.backend!r} cannot start several processes per replica "
                             f"(processes_per_replica = {g.processes_per_replica}); use processes_per_replica = 1 "
                             f"or a backend that supports it (local, eks, modal, sagemaker)")
+        if g.nodes > 1 and not e.capabilities.multi_node:
+            raise SpecError(f"{spec.source}: backend {g.backend!r} cannot place several machines together as one "
+                            f"replica (nodes = {g.nodes}); use nodes = 1 or a backend that can (local, slurm, eks, "
+                            f"sagemaker, modal)")
     try:
         return LaunchRequest(run_id=run_id, n_replicas=spec.replicas, entrypoint=spec.entrypoint,
                              args=dict(spec.args), env=env, secrets=secrets, rendezvous=rendezvous,
-                             timeout=spec.timeout, processes_per_replica=spec.processes_per_replica, gpu=spec.gpu,
+                             timeout=spec.timeout, processes_per_replica=spec.processes_per_replica, nodes=spec.nodes,
+                             gpu=spec.gpu,
                              workdir=spec.workdir)
     except UserError as exc:
         raise SpecError(f"{spec.source}: {exc}") from None

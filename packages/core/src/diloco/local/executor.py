@@ -4,6 +4,8 @@ Every replica attempt is `python -m diloco.bootstrap.runner` in its own session 
 process-group id and cancel/timeout kill the whole tree) with stdout+stderr in its own log file.
 With `processes_per_replica` L > 1 it is torchrun over L runners (`diloco.procgroup`): cancel's
 SIGTERM reaches torchrun, which stops its processes; they also die with it if it is SIGKILLed.
+With `nodes` K > 1 it is K torchrun agents on loopback under `diloco.local.island`, which stops
+the other nodes when one fails, as a platform ends a multi-node job.
 All state lives in files under the run's work directory — pid and process start time, a
 "started" marker, the runner's result JSON, a "cancelled" marker — so any process holding a
 handle (a second shell, a resumed launcher) can poll, stream logs and cancel. The start time
@@ -118,7 +120,7 @@ class LocalOptions:
     grace_period: float = option(5.0, help="seconds between SIGTERM and SIGKILL when a replica is cancelled", min=0,
                                  max=3600)
     devices: list[int | str] = option([], help="GPU ids to spread ranks over (rank r gets CUDA_VISIBLE_DEVICES="
-                                          "devices[r % len]; with processes_per_replica = L, L of them)")
+                                          "devices[r % len]; with K nodes of L processes, K × L of them)")
     state_dir: str | None = option(None, help="where logs and result files live (default: diloco's state dir)")
     warm_start: bool = option(True, help="fork each one-process replica with a function entrypoint from a process "
                                          "that imported torch and the replica runtime once (Linux; "
@@ -139,7 +141,7 @@ class LocalProcessExecutor:
     backend_name = "local"
     Options = LocalOptions
     capabilities = Capabilities(shares_launcher_filesystem=True, relaunches_one_rank=True, process_groups=True,
-                                inter_replica_network=True, log_files=True)
+                                multi_node=True, inter_replica_network=True, log_files=True)
 
     def __init__(self, options: LocalOptions | None = None, /, **overrides: Any):
         self.options = options_from(type(self), options, overrides)
@@ -148,6 +150,12 @@ class LocalProcessExecutor:
         self._state_dir = Path(self.options.state_dir) if self.options.state_dir else None
         self._procs: dict[tuple[str, int, int], subprocess.Popen] = {}
         self._launcher_env = dict(os.environ)  # see the class's docstring
+        # Whether torchrun can start here, looked up once: a relaunch is planned on the supervisor's
+        # launch thread while its sink thread may be importing tensorboardX with torch hidden from
+        # sys.modules (diloco.plugins.sinks), where find_spec("torch") says None.
+        from importlib.util import find_spec
+
+        self._torchrun_here = find_spec("torch") is not None and find_spec("diloco_replica") is not None
         self._templates = warmstart.Templates()
         weakref.finalize(self, self._templates.close)  # the templates end with the executor
 
@@ -163,14 +171,11 @@ class LocalProcessExecutor:
 
     def plan(self, request: LaunchRequest) -> LaunchPlan:
         """One process per rank: its argv, directory, log file and environment (secrets REDACTED)."""
-        ep, processes = request.entrypoint, request.processes_per_replica
+        ep, processes = request.entrypoint, request.replica_processes
         workdir = str(Path(request.workdir or os.getcwd()).resolve())
-        if processes > 1:
-            from importlib.util import find_spec
-
-            if find_spec("torch") is None or find_spec("diloco_replica") is None:
-                raise UserError(f"processes_per_replica = {processes} starts each replica with torchrun, which needs "
-                                f"torch and diloco-replica in this environment: pip install diloco-replica")
+        if processes > 1 and not self._torchrun_here:
+            raise UserError(f"{processes} processes per replica start with torchrun, which needs "
+                            f"torch and diloco-replica in this environment: pip install diloco-replica")
         if ep.function:
             check_function_exists(ep.function, [workdir, *sys.path])
         run_dir = self._run_dir(request.run_id)
@@ -184,12 +189,21 @@ class LocalProcessExecutor:
             env.update({envvars.ENV_RESULT_PATH: f"{stem}.result.json", envvars.ENV_STARTED_PATH: f"{stem}.started.json",
                         "PYTHONPATH": pythonpath})
             if self.devices:  # a replica of L processes gets L devices: rank r takes the r-th block of L
+                # (with K nodes, L = K × processes per node, node k the k-th part: diloco.local.island)
                 picked = [self.devices[(rank * processes + k) % len(self.devices)] for k in range(processes)]
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(picked)
             env.update(request.secrets.redacted())
-            rows.append({"rank": rank, "argv": replica_command(processes, python=sys.executable), "cwd": workdir,
-                         "log": f"{stem}.log", "env": env, "warm": warm})
+            rows.append({"rank": rank, "argv": self._argv(request), "cwd": workdir, "log": f"{stem}.log", "env": env,
+                         "warm": warm})
         return LaunchPlan(self.backend_name, request, {"run_id": request.run_id, "processes": rows})
+
+    @staticmethod
+    def _argv(request: LaunchRequest) -> list[str]:
+        """One replica's command: its node command, or K of them on loopback (`diloco.local.island`)."""
+        node = replica_command(request.processes_per_replica, request.nodes, python=sys.executable)
+        if request.nodes <= 1:
+            return node
+        return [sys.executable, "-m", "diloco.local.island", str(request.nodes), *node]
 
     def submit(self, plan: LaunchPlan) -> list[ReplicaHandle]:
         request = plan.request

@@ -60,7 +60,9 @@ class TensorBoardSink:
     def __init__(self, run_id: str, run_dir: Path, *, logdir: str | None = None):
         self.logdir = Path(logdir) if logdir else run_dir / "tensorboard"
         # tensorboardX imports torch at import when it can (seconds, hundreds of MB in the launcher);
-        # scalars need none of it, so it is imported with torch hidden.
+        # scalars need none of it, so it is imported with torch hidden. This runs on the sink thread
+        # (diloco.runrecord.sinkwriter) beside the supervisor's: nothing there may look torch up in
+        # sys.modules meanwhile (the local executor learns whether torchrun can start once, when built).
         hidden = "torch" not in sys.modules
         if hidden:
             sys.modules["torch"] = None  # type: ignore[assignment]

@@ -72,7 +72,7 @@ def load_prices(cloud: str = "aws") -> dict[str, Any]:
 @dataclass
 class Estimate:
     replicas: int
-    lanes: int         # processes per replica; where groups differ, the most (the figures are its bound)
+    lanes: int         # processes per replica (all its nodes'); where groups differ, the most (the figures' bound)
     fewest_lanes: int  # where groups differ, the fewest (else = lanes)
     transport: str
     fragments: int
@@ -90,6 +90,14 @@ class Estimate:
     prices: dict[str, Any] = field(default_factory=dict)
     rendezvous: str | None = None
     groups: list[GroupCost] = field(default_factory=list)  # a run with [[group]] tables: each group's share
+    nodes: list[int] = field(default_factory=lambda: [1])  # the machines per replica of the run's groups, distinct
+
+    def per_node(self, nodes: int) -> Traffic | None:
+        """One node's share of a replica's round: its lanes carry 1/K of the replica's bytes (each
+        node's network card its own share), and their requests."""
+        if self.round is None:
+            return None
+        return self.round.times(1 / nodes)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -188,7 +196,7 @@ def estimate(spec: Any, *, parameters: int | None = None, parameters_from: str |
         parameters, parameters_from = int(d["parameters"]), "spec"
     # the most processes any group's replicas run: its lane boundaries cut the most pieces (an upper bound)
     n, k = spec.replicas, int(d["fragments"])
-    counts = [max(1, int(g.processes_per_replica)) for g in spec.replica_groups()]
+    counts = [max(1, int(g.processes_per_replica)) * max(1, int(g.nodes)) for g in spec.replica_groups()]
     lanes = max(counts)
     total = d.get("total_steps")
     rounds = None if total is None else int(total) // (int(d["sync_every"]) // k)
@@ -198,7 +206,8 @@ def estimate(spec: Any, *, parameters: int | None = None, parameters_from: str |
                    parameters=parameters, parameters_from=parameters_from if parameters else None,
                    total_steps=total, rounds=rounds,
                    prices=prices if prices is not None else load_prices(cloud_of(uri)),
-                   poll_max=float(d.get("poll_max") or poll_defaults(uri)[1]), rendezvous=uri)
+                   poll_max=float(d.get("poll_max") or poll_defaults(uri)[1]), rendezvous=uri,
+                   nodes=sorted({max(1, int(g.nodes)) for g in spec.replica_groups()}))
     if not parameters:
         return est
     numel = parameters / k
@@ -285,7 +294,9 @@ def format_groups(e: Estimate) -> list[str]:
 def format_estimate(e: Estimate) -> str:
     """The estimate as `diloco dryrun` and the first lines of `diloco run` print it."""
     lanes = f"{e.fewest_lanes}–{e.lanes}" if e.fewest_lanes != e.lanes else str(e.lanes)
-    head = (f"estimate: {e.replicas} replicas × {lanes} process{'es' if e.lanes > 1 else ''}, {e.transport}, "
+    nodes = "–".join(str(k) for k in (e.nodes[0], e.nodes[-1]) if k) if len(e.nodes) > 1 else str(e.nodes[0])
+    island = f" on {nodes} nodes" if e.nodes[-1] > 1 else ""
+    head = (f"estimate: {e.replicas} replicas × {lanes} process{'es' if e.lanes > 1 else ''}{island}, {e.transport}, "
             f"H={e.sync_every}" + (f", {e.fragments} fragments" if e.fragments > 1 else ""))
     if not e.parameters:
         return (f"{head}\n  model size unknown: set [diloco] parameters = N for an estimate now; otherwise the "
@@ -296,6 +307,10 @@ def format_estimate(e: Estimate) -> str:
              f"  per replica per round  up {_size(r.bytes_up)}, down {_size(r.bytes_down)}; {r.request_count:,.0f} requests "
              f"({r.puts:,.0f} PUT, {r.gets:,.0f} GET, {r.lists:,.0f} LIST)",
              f"  per round (all)        {r.request_count * e.replicas:,.0f} requests, {_size(r.bytes_down * e.replicas)} read"]
+    for k in (k for k in e.nodes if k > 1):
+        t = e.per_node(k)
+        lines.insert(2, f"  per node per round     up {_size(t.bytes_up)}, down {_size(t.bytes_down)} with {k} nodes a "
+                        f"replica (each node's lanes move 1/{k} of it, on its own link)")
     if e.run is None:
         lines.append("  whole run              set [diloco] total_steps for the run's totals and cost")
     else:

@@ -52,6 +52,7 @@ class ReplicaGroup:
     first_rank: int
     timeout: float
     processes_per_replica: int = 1
+    nodes: int = 1
     gpu: str | None = None
     region: str | None = None
     env: dict[str, str] = field(default_factory=dict)
@@ -69,7 +70,8 @@ class ReplicaGroup:
     def describe(self) -> str:
         last = self.first_rank + self.replicas - 1
         ranks = f"rank {self.first_rank}" if self.replicas == 1 else f"ranks {self.first_rank}-{last}"
-        return f"group {self.name}: {self.replicas} × {self.backend}{f' ({self.gpu})' if self.gpu else ''}, {ranks}"
+        island = ", ".join(x for x in (f"{self.nodes} nodes" if self.nodes > 1 else "", self.gpu or "") if x)
+        return f"group {self.name}: {self.replicas} × {self.backend}{f' ({island})' if island else ''}, {ranks}"
 
     def to_dict(self) -> dict[str, Any]:
         return to_record(self)
@@ -81,7 +83,7 @@ class ReplicaGroup:
     def to_table(self) -> dict[str, Any]:
         """The group as its `[[group]]` table (every value explicit, so nothing is re-inherited)."""
         table: dict[str, Any] = {"name": self.name, "replicas": self.replicas, "timeout": self.timeout,
-                                 "processes_per_replica": self.processes_per_replica,
+                                 "processes_per_replica": self.processes_per_replica, "nodes": self.nodes,
                                  "backend": {"name": self.backend, **self.backend_options}}
         for key in ("gpu", "region"):
             if getattr(self, key) is not None:

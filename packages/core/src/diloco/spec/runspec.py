@@ -39,7 +39,7 @@ from .groups import ReplicaGroup, check_groups
 from ..options import check_table, describe_value
 from .schema import INHERITED, SpecTable
 from ..inputs.replicaenv import check_entrypoint_args
-from ..procgroup import resolve_processes
+from ..procgroup import check_layout, resolve_nodes, resolve_processes
 from ..store.objectstore import SCHEMES, scheme_list
 from .settings import DilocoSettings, RestartSettings
 from ..plugins.sinks import check_metrics
@@ -73,6 +73,7 @@ class RunSpec:
     timeout: float
     gpu: str | None = None
     processes_per_replica: int = 1
+    nodes: int = 1
     rendezvous: str | None = None
     secrets: list[str] = field(default_factory=list)
     args: dict[str, Any] = field(default_factory=dict)
@@ -91,7 +92,7 @@ class RunSpec:
         if self.groups:
             return list(self.groups)
         return [ReplicaGroup(name="g0", backend=self.backend, replicas=self.replicas, first_rank=0,
-                             timeout=self.timeout, processes_per_replica=self.processes_per_replica, gpu=self.gpu,
+                             timeout=self.timeout, processes_per_replica=self.processes_per_replica, nodes=self.nodes, gpu=self.gpu,
                              secrets=list(self.secrets), backend_options=dict(self.backend_options))]
 
     def secret_names(self) -> list[str]:
@@ -167,15 +168,17 @@ def parse_spec(data: Mapping[str, Any], *, source: str = "<spec>", base_dir: Pat
     if grouped:
         backend_name = "+".join(dict.fromkeys(g.backend for g in groups))
         options: dict[str, Any] = {}
-        processes = groups[0].processes_per_replica
+        processes, nodes = groups[0].processes_per_replica, groups[0].nodes
     else:
         backend = top["backend"] if isinstance(top["backend"], dict) else {"name": top["backend"]}
         backend_name, options = backend["name"], {k: v for k, v in backend.items() if k != "name"}
         processes = resolve_processes(top["processes_per_replica"], top["gpu"], source=where)
+        nodes = resolve_nodes(top["nodes"], source=where)
+        check_layout(processes, top["gpu"], source=where)
     return RunSpec(
         name=top["name"] or name_default, backend=backend_name, replicas=total,
         entrypoint=top["entrypoint"], workdir=str(workdir), timeout=top["timeout"], gpu=top["gpu"],
-        processes_per_replica=processes, rendezvous=top["rendezvous"], secrets=list(top["secrets"]),
+        processes_per_replica=processes, nodes=nodes, rendezvous=top["rendezvous"], secrets=list(top["secrets"]),
         args=dict(top["args"]), env={k: str(v) for k, v in top["env"].items()}, backend_options=options,
         restart=restart, diloco=diloco, metrics=check_metrics(where, top["metrics"]), region=top["region"],
         store_region=top["store_region"], groups=groups, source=source)
@@ -207,11 +210,14 @@ def _groups(where: str, top: Mapping[str, Any]) -> list[ReplicaGroup]:
     groups, first = [], 0
     for t in tables:
         gw = f"{where}: group {t['name']!r}"
+        processes = resolve_processes(t["processes_per_replica"], t["gpu"], source=gw)
+        check_layout(processes, t["gpu"], source=gw)
         backend = t["backend"] if isinstance(t["backend"], dict) else {"name": t["backend"]}
         groups.append(ReplicaGroup(
             name=t["name"], backend=backend["name"], replicas=t["replicas"], first_rank=first,
             timeout=t["timeout"],
-            processes_per_replica=resolve_processes(t["processes_per_replica"], t["gpu"], source=gw),
+            processes_per_replica=processes,
+            nodes=resolve_nodes(t["nodes"], source=gw),
             gpu=t["gpu"], region=t["region"], env=_check_env(gw, "group.env", t["env"] or {}),
             secrets=_check_secrets(gw, "group.secrets", t["secrets"] or []),
             backend_options={k: v for k, v in backend.items() if k != "name"}))

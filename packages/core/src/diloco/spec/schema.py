@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import UserError
 from ..options import option
-from ..procgroup import MAX_PROCESSES
+from ..procgroup import MAX_NODES, MAX_PROCESSES
 from ..inputs.replicaenv import parse_entrypoint
 
 
@@ -46,6 +46,7 @@ def runnable(value: Any) -> str | None:
 BACKEND = 'a backend name or a [backend] table with name = "..."'
 # Bounds the top level and a group share.
 RANGE = {"replicas": {"min": 1, "max": 4096}, "processes": {"min": 1, "max": MAX_PROCESSES},
+         "nodes": {"min": 1, "max": MAX_NODES},
          "timeout": {"min": 1, "max": 30 * 86400}}
 
 
@@ -61,9 +62,12 @@ class SpecTable:
                                          want="'module:function' or an array of strings")
     workdir: str | None = option(None, help="where the code lives, relative to the spec (default: its folder)",
                                  check=nonempty)
-    gpu: str | None = option(None, help="logical GPU name and count per replica, e.g. H100:8", check=nonempty)
+    gpu: str | None = option(None, help="logical GPU name and count per node, e.g. H100:8", check=nonempty)
     processes_per_replica: int | None = option(
-        None, help="processes inside each replica, started by torchrun (default: the GPU count)", **RANGE["processes"])
+        None, help="processes on each node of a replica, started by torchrun (default: the node's GPU count)",
+        **RANGE["processes"])
+    nodes: int | None = option(None, help="machines in each replica, one torch process group across them (default 1)",
+                               **RANGE["nodes"])
     timeout: float = option(3600.0, help="seconds per replica attempt", **RANGE["timeout"])
     rendezvous: str | None = option(None, help="the store's URI (default: DILOCO_RENDEZVOUS or the config)",
                                     check=nonempty)
@@ -92,6 +96,7 @@ class GroupTable:
                                            want=BACKEND, check=named)
     gpu: str | None = option(None, help="as the top-level `gpu`", check=nonempty)
     processes_per_replica: int | None = option(None, help="as the top-level key", **RANGE["processes"])
+    nodes: int | None = option(None, help="as the top-level key", **RANGE["nodes"])
     timeout: float | None = option(None, help="as the top-level key", **RANGE["timeout"])
     region: str | None = option(None, help="where the group runs, for pricing its reads of the store", check=nonempty)
     env: dict[str, Any] | None = option(None, help="over the top-level [env]")
@@ -100,4 +105,4 @@ class GroupTable:
                    "`secrets`): e.g. AWS keys meant for a Modal group kept from SageMaker jobs, which have a role")
 
 
-INHERITED = ("gpu", "processes_per_replica", "timeout", "secrets")  # `region`: see diloco.spec.estimate.placement
+INHERITED = ("gpu", "processes_per_replica", "nodes", "timeout", "secrets")  # `region`: see diloco.spec.estimate.placement

@@ -26,7 +26,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from multiprocessing.connection import Connection
@@ -127,10 +126,15 @@ class SyncProcess:
         numel = lane_numel(total, lanes)
         theta_path, self.theta = sharedbuf.create(numel, "theta")
         snapshot_path, self.snapshot = sharedbuf.create(numel, "snapshot")
-        lanes_file = None
-        if lanes.count > 1:  # the lanes' sync processes meet over a file lane 0 names
-            lanes_file = lanes.exchange(os.path.join(tempfile.mkdtemp(prefix="diloco-lanes-"), "group")
-                                        if lanes.leader else None)[0]
+        self._meeting = None
+        lanes_at = None
+        if lanes.count > 1:  # the lanes' sync processes meet at a store lane 0's process holds (on node 0)
+            if lanes.leader:
+                from torch.distributed import TCPStore
+
+                self._meeting = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+                lanes_at = f"{os.environ.get('MASTER_ADDR') or '127.0.0.1'}:{self._meeting.port}"
+            lanes_at = lanes.exchange(lanes_at)[0]
         ours, theirs = socket.socketpair()
         threads = threads or sync_threads(lanes.count)
         # idle OpenMP threads sleep rather than spin: they share the host with the training processes
@@ -144,7 +148,7 @@ class SyncProcess:
         self.conn = Connection(ours.detach())
         self._in_flight = False
         try:
-            self._send("start", total=total, theta=theta_path, snapshot=snapshot_path, lanes_file=lanes_file,
+            self._send("start", total=total, theta=theta_path, snapshot=snapshot_path, lanes_at=lanes_at,
                  threads=threads, settings=asdict(settings),
                  ctx={"rank": ctx.rank, "world_size": ctx.world_size, "run_id": ctx.run_id, "attempt": ctx.attempt,
                       "rerun": ctx.rerun, "rendezvous": ctx.rendezvous, "lane": ctx.lane, "lanes": ctx.lanes})

@@ -75,8 +75,9 @@ def serve(conn: Connection, parent: int) -> int:
     if ctx.lanes > 1:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"file://{start['lanes_file']}", rank=ctx.lane,
-                                world_size=ctx.lanes)
+        host, _, port = str(start["lanes_at"]).rpartition(":")
+        meeting = dist.PrefixStore("diloco-sync", dist.TCPStore(host, int(port), is_master=False))
+        dist.init_process_group("gloo", store=meeting, rank=ctx.lane, world_size=ctx.lanes)
         lanes = Lanes.join(ctx.lanes, ctx.lane, ctx.log.info)
     exchanger = Exchanger(ctx, settings, ctx.store, total, lanes, log=ctx.log.info, theta_out=theta)
     while True:
