@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, events_of, on_s3, one_global_model, record_of, tiny_spec, wait_for_round
+from conftest import ROOT, events_of, on_s3, one_global_model, placed_by_groups, record_of, tiny_spec, wait_for_round
 from diloco.testing.scenarios import StandIn, killed_launcher_is_resumed
 
 pytest.importorskip("diloco_modal")
@@ -182,3 +182,82 @@ def test_function_mode_preemption_restarts_the_input_and_the_replica_rejoins(tmp
     logs = modal_cli(cloud, state, "logs", run_id, "--rank", "1").stdout
     joined = [line for line in logs.splitlines() if "joined at round" in line]
     assert joined and int(joined[-1].split("joined at round ")[1].split()[0]) >= 2, logs[-2000:]
+
+
+ISLAND_APP = """
+import modal
+import modal.experimental
+
+import diloco_modal
+
+app = modal.App("tiny-lm-island")
+image = diloco_modal.replica_image().add_local_python_source("tiny_lm")
+clustered = getattr(modal, "clustered", None) or modal.experimental.clustered  # modal 1.6, and 1.5
+
+
+@app.function(image=image, gpu="H100:8", timeout=3600)
+@clustered(size=2)
+def island(rank: int, **launch):
+    return diloco_modal.run_replica(rank, **launch)
+"""
+
+
+def island_spec(tmp_path, s3, work):
+    """Replica 0 on the local backend, replica 1 a clustered Modal call of two containers."""
+    spec = on_s3(tiny_spec(tmp_path, steps=80, sync_every=20, restart="backoff = 0.2"), s3)
+    text = placed_by_groups(spec).replace(str(ROOT / "examples" / "tiny-lm"), str(work))
+    text = text.replace("round_timeout = 120", "round_timeout = 10\ncheckpoint_every = 1")
+    spec.write_text(text + """
+[[group]]
+name = "here"
+replicas = 1
+[group.backend]
+name = "local"
+
+[[group]]
+name = "island"
+replicas = 1
+nodes = 2
+[group.backend]
+name = "modal"
+function = "tiny_lm_island:island"
+deploy = true
+""")
+    return spec
+
+
+def test_a_replica_of_two_containers_loses_one_and_rejoins_as_one_attempt(tmp_path, cloud, s3):
+    """`nodes = 2` on Modal: the replica is one call of a clustered function, its two containers
+    one gloo group (torch's static rendezvous on container 0). Container 1 is killed mid-run: Modal
+    ends the call with container 0, the supervisor relaunches the replica once (a new call, both
+    containers), and it rejoins from the store while replica 0 trains on; both end with the same
+    θ, the island's read from its container 0's result."""
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(ROOT / "examples" / "tiny-lm" / "tiny_lm.py", work / "tiny_lm.py")
+    (work / "tiny_lm_island.py").write_text(ISLAND_APP)
+    state = tmp_path / "state"
+    spec = island_spec(tmp_path, s3, work)
+    dry = modal_cli(cloud, state, "dryrun", str(spec))
+    assert dry.returncode == 0, dry.stderr
+    plan = json.loads(dry.stdout[dry.stdout.index("{", dry.stdout.index("# group island")):])
+    assert plan["cluster_size"] == 2 and [(s["rank"], s["nodes"]) for s in plan["spawn"]] == [(1, 2)]
+    launcher, run_id = start(cloud, state, "run", str(spec))
+    wait_for_round(state, run_id, 1)
+    lost = record_of(state, run_id)["ranks"][1]["handle"]["metadata"]["id"]
+    assert [m["rank"] for m in cloud.members(lost)] == [0, 1]
+    assert cloud.kill(lost, signal.SIGKILL, node=1)  # container 1's machine is gone, with all it ran
+    out, _ = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, out
+    record = record_of(state, run_id)
+    one_global_model(record)  # bit-identical θ; the island's read from its container 0's result line
+    ranks = record["ranks"]
+    assert ranks[0]["restarts"] == 0 and ranks[1]["restarts"] == 1  # one attempt lost, counted once
+    again = ranks[1]["handle"]["metadata"]
+    assert again["attempt"] == 1 and again["id"] != lost and len(cloud.members(again["id"])) == 2
+    assert cloud.exit(lost)["node"] == 1  # the call failed for container 1, and took container 0 with it
+    failed = [e for e in events_of(state, run_id) if e["event"] == "failed"]
+    assert [e["rank"] for e in failed] == [1], failed
+    logs = modal_cli(cloud, state, "logs", run_id, "--rank", "1", "--attempt", "1").stdout
+    joined = [line for line in logs.splitlines() if "joined at round" in line]
+    assert joined and int(joined[0].split("joined at round ")[1].split()[0]) >= 1, logs[-2000:]

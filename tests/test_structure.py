@@ -231,6 +231,11 @@ PRIVATE_REACHES = {
     ("diloco_replica.exchange.syncproc", "os._exit"): "a forked sync process ends without its parent's handlers (public)",
     ("diloco.local.warmstart", "os._exit"): "a forked replica that could not take its place ends without the template's "
                                       "handlers (public)",
+    **{("diloco_modal.testing.call", x): "the stand-in sets the cluster info Modal's runtime sets in the SDK "
+                                         "(no public setter)"
+       for x in ("from modal import _cluster", "from modal import _clustered_functions")},
+    ("diloco_modal.testing.rpc_functions", "d._experimental_group_size"): "a clustered function's size: the "
+        "service's own proto field, which Modal names with a leading underscore",
     **{("diloco_modal.functions", x): "the secrets a deployed function holds: modal has no public reader"
        for x in ("synchronizer._translate_in", "synchronizer._translate_out", "raw._spec",
                  "modal.Secret._new_hydrated", "function._client", "function._client._stub",

@@ -16,7 +16,10 @@ Two modes, one executor:
   `diloco_modal.run_replica`. The spec's forwarded `secrets` are one ephemeral Modal secret
   attached with `fn.with_options(secrets=[the function's own..., that one])`, never the call's
   input, which Modal keeps for the call's lifetime (`functions`). A call's status is its output
-  record (`calls`), never `get()`, and never the best-effort call graph alone.
+  record (`calls`), never `get()`, and never the best-effort call graph alone. A replica of
+  `nodes = K` machines is one call of a function decorated with `@modal.clustered(size=K)`: Modal
+  starts its K containers together and each runs its node of the replica (`cluster`); the call
+  is the replica's one attempt, ended by Modal when one of its containers fails.
 
 `plan` builds the body (`diloco_modal.plans`) and `submit` hands exactly that to Modal, adding
 the secret values only there, as Modal secrets in both modes. Durable handles hold only ids
@@ -67,7 +70,7 @@ class ModalExecutor:
     backend_name = "modal"
     Options = ModalOptions
     capabilities = Capabilities(shares_launcher_filesystem=False, relaunches_one_rank=True, process_groups=True,
-                                inter_replica_network=False, preemption_signal=PREEMPTION_SIGNAL)
+                                multi_node=True, inter_replica_network=False, preemption_signal=PREEMPTION_SIGNAL)
 
     def __init__(self, options: ModalOptions | None = None, /, **overrides: Any):
         self._function_obj = None
@@ -165,10 +168,9 @@ class ModalExecutor:
         by_rank = {row["rank"]: row for row in plan.body["spawn"]}
 
         def spawn(rank: int) -> str:
-            row = by_rank[rank]
+            row = by_rank[rank]  # exactly the planned keywords: `nodes` only for a clustered call
             with _cbor_payloads():
-                call_ = self._call(f"spawn rank {rank}", fn.spawn, rank=rank, diloco_env=row["diloco_env"],
-                                   processes_per_replica=row["processes_per_replica"])
+                call_ = self._call(f"spawn rank {rank}", fn.spawn, **row)
             self._objects[call_.object_id] = call_
             return call_.object_id
         return spawn
@@ -202,11 +204,13 @@ class ModalExecutor:
     def _failure(self, handle: ReplicaHandle, status: ReplicaStatus) -> ReplicaResult:
         md = _metadata(handle)
         tail = self.stream_logs(handle, n_lines=20).strip()
+        said = ""
         if md["mode"] == "sandbox":
             code = self._call(f"poll {md['id']}", self._object(md).poll)
         else:  # from the call's output record (run_replica's exception), never from its log text
-            code = self._call(f"poll {md['id']}", calls.outcome, self._object(md)).exit_code
-        error = results.failure_error(tail, code, md["id"], dashboard_url(md["id"]))
+            outcome = self._call(f"poll {md['id']}", calls.outcome, self._object(md))
+            code, said = outcome.exit_code, outcome.exception
+        error = results.failure_error(tail, code, md["id"], dashboard_url(md["id"]), said)
         return ReplicaResult.failed(handle, status, error, code)
 
     # -- stopping ------------------------------------------------------------------------------

@@ -4,9 +4,12 @@ Modal's `logs.tail(n)` returns the last n *entries*, and an entry is a raw chunk
 the container's pipe delivered it: a line can be split over several entries, and an entry can
 end one line and start the next. Counting entries as lines cuts the result line (`…JSON`) or the
 cause line (`preempted: …`) in half, or leaves them outside the window. So the text is rebuilt:
-the chunks of each source (stdout, stderr, system) are joined in order and split on newlines,
-each line stamped with the time its first chunk arrived, and the sources merged by that time;
-the window widens until it holds `n_lines` whole lines or the whole output.
+the chunks of each stream (one container's stdout, stderr or system output) are joined in order
+and split on newlines, each line stamped with the time its first chunk arrived, and the streams
+merged by that time; the window widens until it holds `n_lines` whole lines or the whole output.
+A stream is per container (an entry's last context id, its container's), because the containers
+of a clustered call write at the same time: joined per source alone, one container's chunk
+landed inside another's line, and the result line (written by container 0) could be cut so.
 """
 
 from __future__ import annotations
@@ -36,16 +39,17 @@ def _source_lines(chunks: list[Any]) -> list[tuple[Any, str]]:
 
 
 def lines_of(entries: Iterable[Any], *, whole: bool) -> list[str]:
-    """The output lines of `entries` (oldest first), in time order across sources. Unless `whole`
-    (the window starts at the output's beginning), each source's first line may be the end of
+    """The output lines of `entries` (oldest first), in time order across streams. Unless `whole`
+    (the window starts at the output's beginning), each stream's first line may be the end of
     an older line, and is dropped."""
-    by_source: dict[str, list[Any]] = {}
+    by_stream: dict[tuple[str, str], list[Any]] = {}
     for entry in entries:
-        by_source.setdefault(getattr(entry, "source", "stdout"), []).append(entry)
+        container = (getattr(entry, "context_ids", None) or [""])[-1]
+        by_stream.setdefault((str(container), str(getattr(entry, "source", "stdout"))), []).append(entry)
     stamped = []
-    for source, chunks in by_source.items():
+    for stream, chunks in by_stream.items():
         lines = _source_lines(chunks)[0 if whole else 1:]
-        stamped += [(ts, source, i, text) for i, (ts, text) in enumerate(lines)]
+        stamped += [(ts, stream, i, text) for i, (ts, text) in enumerate(lines)]
     stamped.sort(key=lambda s: (s[0], s[1], s[2]))
     return [text for *_, text in stamped]
 

@@ -8,7 +8,13 @@ moment, as one `modal.Secret.from_dict` per sandbox, or one attached to the func
 - sandbox mode: `{"mode": "sandbox", "app", "environment", "image", "sandboxes": [one
   `Sandbox.create` call per rank]}`;
 - function mode: `{"mode": "function", "function", "deploy", "environment", "secrets":
-  {"forwarded": {name: REDACTED}}, "spawn": [one `fn.spawn` call per rank]}`.
+  {"forwarded": {name: REDACTED}}, "spawn": [one `fn.spawn` call per rank]}`, and with `nodes`
+  K > 1 `"cluster_size": K`: each call runs on K containers of a function decorated with
+  `@modal.clustered(size=K)`, and each spawn carries `nodes = K` (`cluster`).
+
+Replicas of several machines exist on Modal only as clustered function calls: Modal places the
+containers of one call together (gang-scheduled, on its fast network), and nothing places
+sandboxes together, so sandbox mode refuses `nodes` > 1 in one line.
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ def replica_env(request: LaunchRequest, rank: int, *, ships_workdir: bool) -> di
 
 def sandbox_plan(opts: ModalOptions, request: LaunchRequest) -> dict[str, Any]:
     """Sandbox mode: the image and one `modal.Sandbox.create` call per rank, as data."""
+    if request.nodes > 1:
+        raise UserError(f"nodes = {request.nodes}: Modal places several containers together only as one call of a "
+                        f"clustered function, never sandboxes; use function mode ([backend] function = ..., a function "
+                        f"decorated with @modal.clustered(size={request.nodes})) or nodes = 1")
     image = d.image_definition(opts, request.workdir)
     shipped = "workdir" in image
     command = replica_command(request.processes_per_replica)
@@ -59,7 +69,10 @@ def function_plan(opts: ModalOptions, request: LaunchRequest) -> dict[str, Any]:
     if request.gpu:
         raise UserError(f"function mode: the GPU is set by your @app.function(gpu=...), not the spec; remove "
                         f"`gpu = {request.gpu!r}` (and set processes_per_replica to the function's GPU count)")
+    cluster = {"nodes": request.nodes} if request.nodes > 1 else {}  # a one-node call's input is as before
     spawns = [{"rank": rank, "diloco_env": replica_env(request, rank, ships_workdir=False),
-               "processes_per_replica": request.processes_per_replica} for rank in request.ranks]
-    return {"mode": "function", "function": opts.function, "deploy": opts.deploy,
-            "environment": opts.environment, "secrets": {"forwarded": request.secrets.redacted()}, "spawn": spawns}
+               "processes_per_replica": request.processes_per_replica, **cluster} for rank in request.ranks]
+    body = {"mode": "function", "function": opts.function, "deploy": opts.deploy, "environment": opts.environment}
+    if request.nodes > 1:
+        body["cluster_size"] = request.nodes
+    return {**body, "secrets": {"forwarded": request.secrets.redacted()}, "spawn": spawns}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from diloco.bootstrap.failures import cause_from_log, signal_cause
+from diloco.bootstrap.failures import cause, cause_from_log, signal_cause
 
 
 _REPLICA_FAILED = re.compile(r"ReplicaFailed\((['\"]).*\(exit code (-?\d{1,3})\)\1\)", re.DOTALL)
@@ -24,17 +24,21 @@ def replica_exit_code(exception: str) -> int | None:
     return int(found.group(2)) if found else None
 
 
-def exit_cause(code: int | None, object_id: str) -> str:
-    """The cause first (the rule in `diloco.bootstrap.failures`) when the replica printed none."""
+def exit_cause(code: int | None, object_id: str, said: str = "") -> str:
+    """The cause first (the rule in `diloco.bootstrap.failures`) when the replica printed none;
+    `said`: how Modal's output record says a call failed (a clustered call that lost a container
+    says which), the cause where no exit code is known."""
     if code == 124:
         return f"{object_id} timed out (exit code 124)"
     killed = signal_cause(code)
     if killed:
         return killed
-    return f"{object_id} exited with code {code}" if code is not None else f"{object_id} failed"
+    if code is not None:
+        return f"{object_id} exited with code {code}"
+    return f"{object_id} failed: {cause(said)}" if cause(said) else f"{object_id} failed"
 
 
-def failure_error(tail: str, code: int | None, object_id: str, url: str) -> str:
+def failure_error(tail: str, code: int | None, object_id: str, url: str, said: str = "") -> str:
     """A failed replica's error: its cause line, where to look, and its last output."""
-    first = cause_from_log(tail) or exit_cause(code, object_id)
+    first = cause_from_log(tail) or exit_cause(code, object_id, said)
     return f"{first}\n{url}\n{tail}".rstrip()

@@ -10,7 +10,8 @@ that checks requests as Modal does (`validate`, `images`) and answers an RPC it 
 implement with UNIMPLEMENTED (`unimplemented()` lists them; the fixtures assert it is empty).
 
 Sandboxes and function inputs run as detached local processes that hold only what a Modal
-container holds (`container`, `call`). The methods below are the cloud's side, for tests: add a
+container holds (`container`, `call`); a clustered function's call runs in K of them, started
+together (`cluster`). The methods below are the cloud's side, for tests: add a
 named secret or volume, kill or preempt a container, make creations fail, read what the client
 sent (`rpcs`, `uploaded_files`, `images`) and which processes still run.
 """
@@ -150,17 +151,45 @@ class FakeModal:
                     pids.append(int(proc.name))
         return pids
 
-    def kill(self, object_id: str, sig: int = signal.SIGKILL) -> bool:
-        """Send `sig` to the container's workload (a crashed or OOM-killed replica)."""
-        pid = self._container(object_id).get("workload_pid")
-        if not pid or self.exit(object_id):
+    def members(self, object_id: str) -> list[dict[str, Any]]:
+        """A clustered call's containers, by rank: task id, address and workload pid ([] before
+        they started, and for a call of one container)."""
+        return list(self._container(object_id).get("members", []))
+
+    def kill(self, object_id: str, sig: int = signal.SIGKILL, *, node: int | None = None) -> bool:
+        """Send `sig` to the container's workload (a crashed or OOM-killed replica); in a clustered
+        call, to container `node`'s whole process tree (the machine is gone, with all it ran)."""
+        size = int(self.spec(object_id).get("cluster_size", 1))
+        if (size > 1) != (node is not None):
+            raise ValueError(f"{object_id} runs on {size} container(s): name one with node=0..{size - 1}"
+                             if size > 1 else f"{object_id} is not a clustered call: it has no node={node}")
+        if self.exit(object_id):
             return False
-        os.kill(pid, sig)
+        if node is None:
+            pid = self._container(object_id).get("workload_pid")
+            if not pid:
+                return False
+            os.kill(pid, sig)
+            return True
+        from .cluster import process_tree
+
+        members = self.members(object_id)
+        if node >= len(members):
+            return False
+        for pid in process_tree(members[node]["workload_pid"]):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
         return True
 
     def preempt(self, object_id: str) -> bool:
         """What Modal does to a preempted container: SIGINT to its workload, the grace period, then
-        the kill; a function input interrupted so is restarted in a new container."""
+        the kill; a function input interrupted so is restarted in a new container. Not modelled for
+        a clustered call's containers (what Modal does to the others is not documented)."""
+        if int(self.spec(object_id).get("cluster_size", 1)) > 1:
+            raise NotImplementedError(f"{object_id} is a clustered call: diloco's fake Modal cloud does not model "
+                                      f"preempting one of its containers")
         (self.store.container_dir(object_id) / "preempting").write_text(str(time.time()))
         return self.kill(object_id, signal.SIGINT)
 

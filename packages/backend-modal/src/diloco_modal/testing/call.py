@@ -2,9 +2,14 @@
 
 What Modal's container runtime does with an input: import the function's module (mounted at
 /root, on sys.path), decode the input the client sent, call the function's body, and report
-how it ended. Like Modal's runtime, a `KeyboardInterrupt` (how a preemption's SIGINT surfaces)
-marks the input as interrupted, so the container restarts it; any other exception is printed
-with its traceback, as Modal logs it, and fails the input.
+how it ended. In a clustered function's container (DIR is then one of the call's nodes, see
+`cluster`), the runtime first sets the SDK's cluster info, as Modal's does from its
+TaskClusterHello answer: this container's rank, the cluster's id and its containers' addresses
+(`modal.experimental.get_cluster_info()` then answers, as on Modal).
+
+Like Modal's runtime, a `KeyboardInterrupt` (how a preemption's SIGINT surfaces) marks the
+input as interrupted, so the container restarts it; any other exception is printed with its
+traceback, as Modal logs it, and fails the input.
 
 Decoding: the executor asks the client for CBOR payloads; a pickled input (an older client, or
 `MODAL_PAYLOAD_FORMAT=pickle`) is unpickled here. That is acceptable only because this is the
@@ -51,10 +56,33 @@ def _body(module_name: str, function_name: str) -> Any:
     return obj
 
 
+def enter_cluster(cluster: dict[str, Any]) -> None:
+    """Set the installed SDK's cluster info, where its runtime keeps it: `modal._cluster` (1.6 and
+    later) or `modal._clustered_functions` (1.5); loudly, for an SDK that keeps it elsewhere."""
+    fields = {"rank": cluster["rank"], "cluster_id": cluster["cluster_id"],
+              "container_ips": list(cluster["container_ips"]), "container_ipv4_ips": list(cluster["container_ips"]),
+              "fabric_ids": []}
+    try:
+        from modal import _cluster as newer
+    except ImportError:
+        newer = None
+    if newer is not None and hasattr(newer, "current_cluster_context"):
+        newer.current_cluster_context = newer.ClusterContext(**fields)
+        return
+    from modal import _clustered_functions as older
+
+    if not hasattr(older, "cluster_info"):
+        raise RuntimeError("diloco's fake Modal cloud does not know where this modal client keeps its cluster info: "
+                           "teach diloco_modal.testing.call.enter_cluster")
+    older.cluster_info = older.ClusterInfo(**fields)
+
+
 def main(obj_dir: Path) -> int:
     spec = read_json(obj_dir / "spec.json")
     outcome: dict[str, Any]
     try:
+        if "rank" in spec.get("cluster", {}):
+            enter_cluster(spec["cluster"])
         args, kwargs = decode_input(spec["input"])
         body = _body(spec["module_name"], spec["function_name"])
         result = body(*args, **kwargs)

@@ -31,11 +31,11 @@ from pathlib import Path
 
 from .store import ROOT_ENV, Store, append_jsonl, new_id, read_json, write_exit, write_json
 
-_NODE_VARS = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV")
+NODE_VARS = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV")
 _CHUNK = (1, 40)  # sizes of log entries, in characters: small, so lines are split often
 
 
-def _mapper(fs: Path):
+def mapper(fs: Path):
     """A path in the container → where this machine holds it (only paths the mounts created)."""
     def one(value: str) -> str:
         if value.startswith("/") and (fs / value.lstrip("/")).exists():
@@ -44,7 +44,7 @@ def _mapper(fs: Path):
     return lambda value: os.pathsep.join(one(v) for v in value.split(os.pathsep))
 
 
-def _pump(stream, fd: int, log: Path, task: dict, seed: int) -> None:
+def pump(stream, fd: int, log: Path, task: dict, seed: int) -> None:
     """Copy one output stream into log entries of random sizes, cut without regard to lines."""
     rng = random.Random(seed)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -66,7 +66,7 @@ def _run(obj: Path, cmd: list[str], env: dict[str, str], cwd: str, info: dict, d
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL)
     write_json(obj / "container.json", {**info, "workload_pid": proc.pid})
-    pumps = [threading.Thread(target=_pump, args=(s, fd, obj / "logs.jsonl", info, hash((info["task_id"], fd))))
+    pumps = [threading.Thread(target=pump, args=(s, fd, obj / "logs.jsonl", info, hash((info["task_id"], fd))))
              for s, fd in ((proc.stdout, 1), (proc.stderr, 2))]
     for t in pumps:
         t.start()
@@ -91,23 +91,33 @@ def _run(obj: Path, cmd: list[str], env: dict[str, str], cwd: str, info: dict, d
     return code, preempted
 
 
+def container_env(spec: dict, fs: Path) -> dict[str, str]:
+    """A container's environment (here, and in each of a cluster's, `cluster`): the image's basics and the definition's variables (paths in
+    the container mapped to `fs`); the "image" is this machine's Python, with its own path. A
+    function input also has /root (where the function's module is mounted) on sys.path."""
+    to_local = mapper(fs)
+    env = {**{k: os.environ[k] for k in NODE_VARS if k in os.environ},
+           **{k: to_local(str(v)) for k, v in (spec.get("env") or {}).items()}}
+    parts = [env.get("PYTHONPATH"), os.environ.get("PYTHONPATH")]
+    if spec["kind"] != "sandbox":
+        parts.insert(0, str(fs / "root"))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, parts))
+    return env
+
+
 def main(obj: Path) -> int:
     store = Store(os.environ[ROOT_ENV])
     spec = read_json(obj / "spec.json")
     grace = float(store.config.get("grace_seconds", 5.0))
     fs = obj / "fs"
-    to_local = _mapper(fs)
-    env = {**{k: os.environ[k] for k in _NODE_VARS if k in os.environ},
-           **{k: to_local(str(v)) for k, v in (spec.get("env") or {}).items()}}
-    image_path = os.environ.get("PYTHONPATH")  # the "image" is this machine's Python, with its own path
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), image_path]))
+    to_local = mapper(fs)
+    env = container_env(spec, fs)
     if spec["kind"] == "sandbox":
         cmd = list(spec["command"])
         if cmd and cmd[0] in ("python", "python3"):
             cmd[0] = sys.executable  # the image's Python
         cwd = to_local(spec["workdir"]) if spec.get("workdir") else str(fs)
-    else:  # a function input: Modal puts /root (where the function's module is mounted) on sys.path
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(fs / "root"), env.get("PYTHONPATH")]))
+    else:  # a function input
         cmd = [sys.executable, "-m", "diloco_modal.testing.call", str(obj)]
         cwd = str(fs / "root") if (fs / "root").is_dir() else str(fs)
     timeout = spec.get("timeout")

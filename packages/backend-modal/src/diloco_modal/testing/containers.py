@@ -1,7 +1,8 @@
 """Starting and stopping containers of the fake Modal cloud, from the server's side.
 
 A container (a sandbox, or one function call's input) is a detached local process,
-`python -m diloco_modal.testing.container DIR`, the leader of its own process group. Its
+`python -m diloco_modal.testing.container DIR`, the leader of its own process group (for a
+clustered function's call, `python -m diloco_modal.testing.cluster DIR` leads its K containers). Its
 filesystem holds what Modal would put there: the files of its mounts (the workdir shipped with
 `add_local_dir`, a function's module) are written under DIR/fs from the blobs the client
 uploaded, so the code that runs is exactly the code that was shipped. The "image" is this
@@ -20,7 +21,7 @@ from typing import Any
 from grpclib import GRPCError, Status
 from modal_proto import api_pb2
 
-from .store import ROOT_ENV, Store, read_json, write_exit, write_json
+from .store import ROOT_ENV, Store, new_id, read_json, write_exit, write_json
 
 _STATUS = {"success": api_pb2.GenericResult.GENERIC_STATUS_SUCCESS,
            "failure": api_pb2.GenericResult.GENERIC_STATUS_FAILURE,
@@ -47,16 +48,25 @@ def materialize(store: Store, mount_ids: list[str], fs: Path) -> list[str]:
 
 
 def start(store: Store, object_id: str, spec: dict[str, Any]) -> Path:
-    """Create the container's directory and start it; returns the directory."""
+    """Create the container's directory and start it; returns the directory. A clustered call's
+    K containers each get a filesystem of their own (DIR/nodes/<rank>/fs) and an address on
+    loopback (127.0.0.<rank + 1>), as Modal gives each its own; one process leads them all."""
     obj = store.container_dir(object_id)
     obj.mkdir(parents=True)
-    (obj / "fs").mkdir()
-    spec = {**spec, "files": materialize(store, spec.get("mount_ids", []), obj / "fs")}
+    size = int(spec.get("cluster_size", 1))
+    filesystems = [obj / "nodes" / str(r) / "fs" for r in range(size)] if size > 1 else [obj / "fs"]
+    for fs in filesystems:
+        fs.mkdir(parents=True)
+        files = materialize(store, spec.get("mount_ids", []), fs)
+    spec = {**spec, "files": files}
+    if size > 1:
+        spec["cluster"] = {"cluster_id": new_id("cu"), "container_ips": [f"127.0.0.{r + 1}" for r in range(size)]}
     write_json(obj / "spec.json", spec)
     write_json(obj / "tags.json", dict(spec.get("tags") or {}))
     env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV", "PYTHONPATH")
            if k in os.environ}
-    proc = subprocess.Popen([sys.executable, "-m", "diloco_modal.testing.container", str(obj)],
+    leader = "diloco_modal.testing.cluster" if size > 1 else "diloco_modal.testing.container"
+    proc = subprocess.Popen([sys.executable, "-m", leader, str(obj)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, env={**env, ROOT_ENV: str(store.root)})
     write_json(obj / "group.json", {"pid": proc.pid})  # its process group, from the first moment

@@ -6,7 +6,9 @@ A variant (`FunctionBindParams`) is a function of its own, as on Modal: an id de
 request, the base function's definition, and the options the request replaces (only secrets,
 resources, timeout and placement: any other option is refused as unimplemented, loudly).
 
-Each call holds one input, run in a container (`containers.start`, kind "function"); how it
+Each call holds one input, run in a container (`containers.start`, kind "function"), or, for a
+clustered function (`@modal.clustered(size=K)`: the definition's `_experimental_group_size`), in
+K containers started together, each given the same input (`cluster`); how it
 ended is authoritative in `FunctionGetOutputs` (the output's GenericResult, as Modal keeps it).
 `FunctionGetCallGraph` is what Modal documents it to be, best-effort and not real time: a call
 is absent from its graph for `call_graph_lag` seconds after the spawn, and afterwards the graph
@@ -30,7 +32,7 @@ from . import containers
 from .protos import message
 from .rpc_apps import environment_of
 from .store import append_jsonl, new_id, read_json
-from .validate import check_placement, check_resources, check_timeout
+from .validate import check_cluster, check_placement, check_resources, check_timeout
 
 CALL_GRAPH_LAG = 2.0  # seconds; FakeModal(call_graph_lag=...) sets another
 _BASE62 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
@@ -88,6 +90,7 @@ class FunctionRpcs:
             d.timeout_secs = data.timeout_secs or d.timeout_secs
         check_timeout(d.timeout_secs, "Function")
         check_resources(d.resources)
+        check_cluster(d._experimental_group_size, d.resources)
         self._image(d.image_id)
         for secret_id in d.secret_ids:
             self.secret_values(secret_id)
@@ -97,6 +100,7 @@ class FunctionRpcs:
             "kind": "function", "app_id": request.app_id, "function_name": d.function_name, "created": True,
             "module_name": d.module_name, "image_id": d.image_id, "mount_ids": list(d.mount_ids),
             "secret_ids": list(d.secret_ids), "timeout": d.timeout_secs, "retries": d.retry_policy.retries,
+            "cluster_size": max(d._experimental_group_size, 1),
             "data": base64.b64encode(data.SerializeToString()).decode(),
             "input_formats": list(d.supported_input_formats) or previous.get("input_formats")
             or [api_pb2.DATA_FORMAT_PICKLE],
@@ -144,6 +148,12 @@ class FunctionRpcs:
         for secret_id in options.secret_ids:
             self.secret_values(secret_id)
         check_resources(options.resources)
+        if base.get("cluster_size", 1) > 1:  # the variant's resources: the fields it sets, over the function's
+            resources = api_pb2.Resources()
+            resources.CopyFrom(api_pb2.FunctionData.FromString(base64.b64decode(base["data"]))
+                               .ranked_functions[0].function.resources)
+            resources.MergeFrom(options.resources)
+            check_cluster(base["cluster_size"], resources)
         if "timeout_secs" in set_fields:
             check_timeout(options.timeout_secs, "Function")
         check_placement(options.cloud_provider_str, options.scheduler_placement)
@@ -179,7 +189,7 @@ class FunctionRpcs:
         containers.start(self.store, call_id, {
             "kind": "function", "app_id": fn["app_id"], "function_id": function_id, "input_id": input_id,
             "module_name": fn["module_name"], "function_name": fn["function_name"], "mount_ids": fn["mount_ids"],
-            "env": env, "timeout": fn["timeout"], "created_at": time.time(),
+            "env": env, "timeout": fn["timeout"], "created_at": time.time(), "cluster_size": fn.get("cluster_size", 1),
             "input": {"format": data_format, "data": base64.b64encode(item.input.args).decode()}})
         return api_pb2.FunctionPutInputsResponseItem(idx=item.idx, input_id=input_id, input_jwt=f"jwt-{input_id}")
 

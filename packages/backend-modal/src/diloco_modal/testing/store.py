@@ -16,7 +16,10 @@ atomically (temporary name, rename) and read with a default while another proces
     containers/<id>/         one sandbox or function call: spec.json, tags.json, logs.jsonl,
                              group.json (its process group, written by the server),
                              container.json (its task and workload, written by the container),
-                             exit.json (how it ended, written once), fs/ (its filesystem)
+                             exit.json (how it ended, written once), fs/ (its filesystem);
+                             a clustered call: nodes/<rank>/ per container instead of fs/
+                             (spec.json with its rank, outcome.json, fs/), its leader's
+                             container.json listing them (`cluster`)
 """
 
 from __future__ import annotations

@@ -27,6 +27,10 @@ MAX_MEMORY_MB = 344_064  # 336 GiB
 GPU_TYPES = {"T4": 8, "L4": 8, "A10": 4, "A10G": 4, "L40S": 8, "A100": 8, "A100-40GB": 8, "A100-80GB": 8,
              "H100": 8, "H100!": 8, "H200": 8, "B200": 8, "B200+": 8}
 CLOUDS = {"aws", "gcp", "oci", "auto"}
+# Modal Clusters (modal.com/docs/guide/multi-node-clusters): "up to 32 nodes and 256 GPUs per
+# cluster", each container holding every GPU of its host, never a CPU-only cluster.
+MAX_CLUSTER_SIZE = 32
+MAX_CLUSTER_GPUS = 256
 # Modal's broad regions and the cloud regions under them (modal.com/docs/guide/region-selection).
 REGIONS = {"us", "us-east", "us-west", "us-central", "eu", "eu-west", "eu-north", "eu-south", "ap", "ap-northeast",
            "ap-southeast", "ap-south", "ap-melbourne", "ca", "uk", "jp", "me", "sa", "mx", "af"}
@@ -79,6 +83,26 @@ def check_resources(resources: api_pb2.Resources) -> None:
             raise invalid(f"Invalid GPU type '{gpu.gpu_type}'. Value must be one of {sorted(GPU_TYPES)}")
         if not 1 <= gpu.count <= most:
             raise invalid(f"Invalid GPU count {gpu.count} for {gpu.gpu_type}: at most {most} per container")
+
+
+def check_cluster(size: int, resources: api_pb2.Resources) -> None:
+    """A clustered function (`@modal.clustered(size=K)`, `_experimental_group_size` K > 1): at most
+    MAX_CLUSTER_SIZE containers, each requesting all the GPUs of its host (the SDK's words: "Each
+    container must request all GPUs on its host (for example, gpu="H100:8"); CPU-only clusters are
+    not supported"), at most MAX_CLUSTER_GPUS in all."""
+    if size <= 1:
+        return
+    gpu = resources.gpu_config
+    if size > MAX_CLUSTER_SIZE:
+        raise invalid(f"Invalid cluster size {size}: a cluster has at most {MAX_CLUSTER_SIZE} containers")
+    if not gpu.gpu_type or not gpu.count:
+        raise invalid("Clustered Functions need GPUs: CPU-only clusters are not supported")
+    most = GPU_TYPES.get(gpu.gpu_type, 0)
+    if gpu.count != most:
+        raise invalid(f"Invalid GPU request {gpu.gpu_type}:{gpu.count} for a clustered Function: each container must "
+                      f"request all GPUs on its host ({gpu.gpu_type}:{most})")
+    if size * gpu.count > MAX_CLUSTER_GPUS:
+        raise invalid(f"Invalid cluster: {size} containers of {gpu.count} GPUs exceed {MAX_CLUSTER_GPUS} GPUs")
 
 
 def check_placement(cloud: str, placement: api_pb2.SchedulerPlacement) -> None:
