@@ -4,7 +4,9 @@ filesystem. Mid-run, one job is SIGKILLed (relaunched alone as a new job, one re
 gets the preemption signal (exits 75, relaunched without spending the budget) and one is requeued
 by Slurm (pending, then runs again under its job id: nothing relaunched, nothing spent); each
 rejoins from the store and every replica ends holding the same global model. Then one run over
-two Slurm clusters, one reached through a real sshd, and a local group, on one moto S3 store."""
+two Slurm clusters, one reached through a real sshd, and a local group, on one moto S3 store. And a
+replica of two nodes (one job of two nodes, on a cluster of two slurmd on this machine) that loses
+a node mid-run, is relaunched once as a whole and rejoins bit-identical."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +24,7 @@ from conftest import ROOT, events_of, on_s3, one_global_model, placed_by_groups,
 from test_gone import round_ends
 
 pytest.importorskip("diloco_slurm")
-from diloco_slurm.testing import SlurmCluster, job_processes, slurm_installed  # noqa: E402
+from diloco_slurm.testing import SlurmCluster, job_processes, node_agent, slurm_installed  # noqa: E402
 
 
 @pytest.fixture
@@ -201,3 +204,99 @@ setup = {json.dumps(setup)}
     assert any("/reduced/" in k for k in keys)  # they met in S3
     logs = cli(state, "logs", run_id, "--rank", "3").stdout
     assert "round 3: loss" in logs, logs[-2000:]
+
+
+@pytest.fixture
+def two_node_cluster(tmp_path):
+    """A cluster of two nodes: two slurmd on this machine (Slurm's multiple-slurmd mode)."""
+    if not slurm_installed():
+        pytest.fail("Slurm is not installed: apt-get install slurmctld slurmd slurm-client (.ci/run does it)")
+    with SlurmCluster(tmp_path / "slurm", "pair", nodes=2, cpus=4, memory_mb=4096) as c:
+        yield c
+
+
+def in_round(marker, after_round: int, launcher, timeout: float = 240) -> int:
+    """Wait until the process whose phase marker is `marker` is in a round after `after_round`; that round
+    (the launcher stopped, its output raised, if it never is)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and launcher.poll() is None:
+        try:
+            _phase, r, _ = marker.read_text().split()
+        except (FileNotFoundError, ValueError):  # not yet written, or caught mid-write
+            r = "0"
+        if int(r) > after_round:
+            return int(r)
+        time.sleep(0.02)
+    launcher.send_signal(signal.SIGINT)
+    raise AssertionError(launcher.communicate(timeout=120)[0][-4000:])
+
+
+def test_a_replica_of_two_slurm_nodes_loses_a_node_is_relaunched_once_and_rejoins_bit_identical(tmp_path,
+                                                                                               two_node_cluster):
+    """Rank 1 is one job of two nodes (a torchrun agent on each, one process per node, DDP across
+    them), rank 0 a job of one. Mid-run node 1's agent is SIGKILLed: Slurm ends the job (node 0
+    stopped by srun --kill-on-bad-exit), the replica fails once, naming the node, and is relaunched
+    as one new two-node job, rejoins, trains beside rank 0 again, and every replica ends on the same
+    θ. Rank 0 is held still (SIGSTOP) from the kill until rank 1 has rejoined, so the rejoin lands
+    mid-run at any machine's pace: a relaunch is a job and torch imported on two nodes, seconds
+    against rounds of a fraction of one."""
+    state, phases = tmp_path / "state", tmp_path / "phases"
+    phases.mkdir()
+    marker = (f'\n[env]\nDILOCO_FAULT_PHASE_FILE = "{phases}/phase-{{rank}}-{{lane}}"\n'
+              f'DILOCO_FAULT_PHASE_DELAY = "0.2"\n')
+    spec = tiny_spec(tmp_path, steps=80, sync_every=20, restart="backoff = 0.2", extra=marker)
+    backend = (f'[group.backend]\nname = "slurm"\nslurm_conf = "{two_node_cluster.conf}"\n'
+               f'state_dir = "{tmp_path / "jobs"}"\n')
+    spec.write_text(placed_by_groups(spec) + f'\n[[group]]\nname = "single"\nreplicas = 1\n{backend}'
+                                           f'\n[[group]]\nname = "island"\nreplicas = 1\nnodes = 2\n{backend}')
+    launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env={**os.environ, "DILOCO_STATE_DIR": str(state)})
+    held: list[int] = []
+    try:
+        run_id = launcher.stdout.readline().split()[1].rstrip(":")
+        in_round(phases / "phase-1-1", 1, launcher)  # node 1's process, in round 2 or later
+        stems = [r["handle"]["metadata"]["stem"] for r in record_of(state, run_id)["ranks"]]
+        agent = node_agent(stems[1], 1)
+        assert agent and node_agent(stems[1], 0), stems
+        held = job_processes(stems[0])
+        for pid in held:
+            os.kill(pid, signal.SIGSTOP)
+        os.kill(agent, signal.SIGKILL)
+        again = Path(stems[1].replace(".attempt-0", ".attempt-1") + ".log")  # the relaunched job's output
+        deadline = time.monotonic() + 240
+        while (again.read_text() if again.exists() else "").count("joined at round") < 2:  # both nodes' processes
+            assert time.monotonic() < deadline and launcher.poll() is None, events_of(state, run_id)[-5:]
+            time.sleep(0.1)
+        for pid in held:
+            os.kill(pid, signal.SIGCONT)
+        out, _ = launcher.communicate(timeout=600)
+    finally:
+        for pid in held:  # a failed check must leave nothing stopped, nor the launcher behind
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, out[-4000:]
+    record = record_of(state, run_id)
+    one_global_model(record)  # bit-identical θ on every replica: node 0's result is the replica's
+    assert [r["restarts"] for r in record["ranks"]] == [0, 1] and record["restarts_used"] == 1, out[-3000:]
+    events = events_of(state, run_id)
+    assert [(e["event"], e.get("rank")) for e in events if e["event"] in ("failed", "relaunch_scheduled")] == [
+        ("failed", 1), ("relaunch_scheduled", 1)]  # one node lost: one failure seen, one relaunch
+    failed = next(e for e in events if e["event"] == "failed")
+    assert "node 1 of 2 killed by SIGKILL" in str(failed), failed
+    attempts = record["ranks"][1]["attempts"]
+    assert [h["metadata"]["job_name"] for h in attempts] == [f"diloco-{run_id}-r1-a0", f"diloco-{run_id}-r1-a1"]
+    assert node_agent(stems[1], 0) is None and not job_processes(stems[1])  # node 0 was stopped with node 1
+    first = Path(stems[1] + ".log").read_text()
+    assert "diloco: 2 nodes (n[1-2]); node 0 (n1) holds the replica's store at 127.0.0.1:" in first, first[-2000:]
+    assert "srun: error: n2: task 1: Exited with exit code 137" in first, first[-2000:]
+    joined = {int(x.split("joined at round ")[1].split()[0]) for x in again.read_text().splitlines()
+              if "joined at round" in x}
+    assert len(joined) == 1, again.read_text()[-2000:]  # both nodes' processes at one round, as one replica
+    seen = [e["members"] for e in events if e["event"] == "round"]
+    alone = seen.index([0])  # rank 0 trained on without it, then rank 1 rejoined rank 0 in a round
+    assert [0, 1] in seen[alone:] and not [e for e in events if e["event"] == "diverged"], seen

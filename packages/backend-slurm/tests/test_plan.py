@@ -34,7 +34,7 @@ def test_a_gpu_replica_is_one_node_with_its_gpus_and_torchrun_over_them():
 @pytest.mark.parametrize("gpu, processes, cpus, line", [
     ("H100:8", 8, None, "#SBATCH --cpus-per-task=32"),   # 4 per GPU, not the partition's (often 1)
     ("H100:1", 1, None, "#SBATCH --cpus-per-task=4"),
-    ("H100:2", 8, None, "#SBATCH --cpus-per-task=9"),    # at least one per process, and one more
+    ("H100", 8, None, "#SBATCH --cpus-per-task=9"),      # at least one per process, and one more
     ("H100:8", 8, 96, "#SBATCH --cpus-per-task=96"),     # `cpus` sets it outright
     (None, 1, None, None),                               # no GPU: the partition's default
     (None, 1, 6, "#SBATCH --cpus-per-task=6"),

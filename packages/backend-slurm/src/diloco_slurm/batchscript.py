@@ -3,7 +3,8 @@
 `batch_jobs` is what `plan` puts in the dry run and what `submit` sends, byte for byte: the script
 (listed line by line, so a dry run reads as the file) goes to `sbatch --parsable` on stdin. The job is one node and one task; a replica of L processes
 (`gpu = "H100:8"` → 8) is torchrun over L runners inside it (`diloco.procgroup.replica_command`),
-with `--gpus-per-node` asking for the GPUs.
+with `--gpus-per-node` asking for the GPUs. A replica of K nodes is one job of K nodes, one
+torchrun agent on each, started by `srun` (`diloco_slurm.multinode`).
 
 The script (bash) keeps the replica's story in the run directory, which outlives Slurm's memory
 of the job (MinJobAge; `sacct` only where slurmdbd runs): the runner's result file, and `.exit`
@@ -25,6 +26,7 @@ from diloco.errors import UserError
 from diloco.procgroup import gpu_count, replica_command
 from diloco.request import LaunchRequest
 
+from . import multinode
 from .access import ClusterAccess
 from .limits import time_limit
 from .options import SlurmOptions
@@ -61,7 +63,7 @@ def directives(options: SlurmOptions, request: LaunchRequest, rank: int, stem: s
                minutes: int) -> list[str]:
     signal = options.preemption_signal.removeprefix("SIG")
     lines = [f"--job-name={job_name(request.run_id, rank, request.attempt)}", f"--output={stem}.log",
-             "--nodes=1", "--ntasks=1", f"--time={minutes}",
+             *multinode.sbatch_lines(request.nodes), f"--time={minutes}",
              f"--signal=B:{signal}@{options.preemption_notice}", "--requeue", "--open-mode=append"]
     for flag, value in (("partition", options.partition), ("account", options.account), ("qos", options.qos),
                         ("constraint", options.constraint), ("cpus-per-task", default_cpus(options, request)),
@@ -76,6 +78,8 @@ def directives(options: SlurmOptions, request: LaunchRequest, rank: int, stem: s
 
 
 # The part of the script after the variables; $stem, $notice_floor and the replica's argv ("$@") are set above it.
+# A replica of several nodes puts `multinode.start_lines` between _SUPERVISE and _WAIT and
+# `multinode.result_lines` between _WAIT and _END.
 _SUPERVISE = r'''
 time_left() {  # seconds before the job's time limit (squeue %L: [d-][hh:]mm:ss), large when unlimited
   local left days=0 total=0 part IFS=:
@@ -99,14 +103,22 @@ trap on_term TERM
 rm -f -- "$stem.result.json" "$stem.exit"  # left by this job's run before a requeue
 echo "diloco: job $SLURM_JOB_ID on $(hostname) (restart ${SLURM_RESTART_COUNT:-0})"
 export DILOCO_RERUN="${SLURM_RESTART_COUNT:-0}"  # a requeued job's run: a new incarnation (diloco.store.presence)
+'''
+_WAIT = r'''
 "$@" &
 child=$!
 while kill -0 "$child" 2>/dev/null; do wait "$child"; done
 wait "$child"
 code=$?
+'''
+_END = r'''
 echo "$code" > "$stem.exit"
 exit "$code"
 '''
+
+
+def _lines(text: str) -> list[str]:
+    return text.strip("\n").splitlines()
 
 
 def script(options: SlurmOptions, request: LaunchRequest, rank: int, stem: str, secrets_path: str | None,
@@ -117,16 +129,20 @@ def script(options: SlurmOptions, request: LaunchRequest, rank: int, stem: str, 
     env.update({envvars.ENV_RESULT_PATH: f"{stem}.result.json", envvars.ENV_STARTED_PATH: f"{stem}.started.json",
                 envvars.ENV_PREEMPTION_SIGNAL: options.preemption_signal})
     lines = ["#!/bin/bash", *directives(options, request, rank, stem, workdir, minutes),
-             f"# diloco run {request.run_id}, rank {rank}, attempt {request.attempt}", *options.setup]
+             f"# diloco run {request.run_id}, rank {rank}, attempt {request.attempt}"
+             + (f", {request.nodes} nodes" if request.nodes > 1 else ""), *options.setup]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(env.items())]
     if workdir:
         lines.append(f'export PYTHONPATH={shlex.quote(workdir)}"${{PYTHONPATH:+:$PYTHONPATH}}"')
     if secrets_path:  # the values stay in a 0600 file: a batch script is kept by slurmctld and shown to admins
         lines.append(f"set -a; . {shlex.quote(secrets_path)}; set +a")
-    argv = replica_command(request.processes_per_replica, python=python)
+    argv = replica_command(request.processes_per_replica, request.nodes, python=python)
     lines += [f"stem={shlex.quote(stem)}", f"preempt_signal={options.preemption_signal}",
-              f"notice_floor={options.preemption_notice + 60}", f"set -- {shlex.join(argv)}"]
-    return lines + _SUPERVISE.strip("\n").splitlines()
+              f"notice_floor={options.preemption_notice + 60}", f"set -- {shlex.join(argv)}", *_lines(_SUPERVISE)]
+    if request.nodes <= 1:
+        return lines + _lines(_WAIT) + _lines(_END)
+    start = multinode.start_lines(request.nodes, default_cpus(options, request), options.preemption_signal)
+    return lines + start + _lines(_WAIT) + multinode.result_lines(request.nodes, rank, request.attempt) + _lines(_END)
 
 
 def script_text(lines: list[str]) -> str:
@@ -140,10 +156,10 @@ def secrets_file(values: dict[str, str]) -> str:
 
 
 def batch_jobs(options: SlurmOptions, access: ClusterAccess, request: LaunchRequest, *, default_state_dir: str,
-               default_python: str, max_minutes: int | None = None) -> dict[str, Any]:
+               default_python: str, max_minutes: int | None = None, max_nodes: int | None = None) -> dict[str, Any]:
     """The plan body: the run directory, the secrets file (names only), the jobs' time limit inside
     the partition's MaxTime `max_minutes` (`diloco_slurm.limits`) and, per rank, the exact sbatch
-    command and the script it reads on stdin."""
+    command and the script it reads on stdin. A replica's nodes must fit the partition's `max_nodes`."""
     if options.host and not options.state_dir:
         raise UserError("[backend] state_dir is needed with host: an absolute directory on the cluster's shared "
                         "filesystem (e.g. /home/you/diloco) for the jobs' logs and result files")
@@ -152,6 +168,7 @@ def batch_jobs(options: SlurmOptions, access: ClusterAccess, request: LaunchRequ
                         f"set a shorter timeout (the job's --time is derived from it)")
     if options.ssh_config and not options.host:
         raise UserError("[backend] ssh_config only applies with host = \"user@login\"; set host or drop ssh_config")
+    multinode.check(request, max_nodes, options.partition)
     limit = time_limit(options.time_limit, request.timeout, options.preemption_notice, max_minutes, options.partition)
     directory = run_dir(options.state_dir or default_state_dir, request.run_id)
     workdir = options.workdir or (None if options.host else request.workdir)

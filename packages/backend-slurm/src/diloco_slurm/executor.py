@@ -4,7 +4,8 @@
 run's secrets to a 0600 file in the run directory and pipes each script to `sbatch --parsable`,
 `jobstate` turns what Slurm and the run directory say into the replica's status, and `access`
 runs every command here or over the user's own ssh. Handles hold the job id and the path stem of
-the attempt's files, so `diloco status / logs / cancel / resume` reattach from any shell.
+the attempt's files, so `diloco status / logs / cancel / resume` reattach from any shell. A replica
+of several nodes is one job of several nodes (`multinode`): still one job, one handle, one result.
 
 A rank is relaunched alone as a new job (attempt + 1); a requeue (scontrol requeue, preemption
 with requeue) keeps the job id and reads pending meanwhile, costing no budget; its next run is a
@@ -46,7 +47,7 @@ class SlurmExecutor:
     # Without `host` the launcher runs where the cluster's shared filesystem is mounted (a login
     # node): a file:// rendezvous there is seen by every job. With `host` (below) it is not.
     capabilities = Capabilities(shares_launcher_filesystem=True, relaunches_one_rank=True, process_groups=True,
-                                inter_replica_network=False, preemption_signal="SIGUSR1", status_detail=True,
+                                multi_node=True, inter_replica_network=False, preemption_signal="SIGUSR1", status_detail=True,
                                 numbered_reruns=True, log_files=True)
 
     def __init__(self, options: SlurmOptions | None = None, /, **overrides: Any):
@@ -56,21 +57,24 @@ class SlurmExecutor:
         self.capabilities = replace(type(self).capabilities, preemption_signal=self.options.preemption_signal,
                                     shares_launcher_filesystem=not remote, log_files=not remote)
         self._last = LastStatus()  # per job id
-        self._max_time: int | None = None  # the partition's MaxTime in minutes, once `_asked`
+        self._partitions: str | None = None  # `scontrol show partition -o` for the partition, once `_asked`
         self._asked = False
 
     # -- planning and launching ----------------------------------------------------------------
 
     def plan(self, request: LaunchRequest) -> LaunchPlan:
         """Per rank the exact sbatch command and the batch script it reads on stdin, the jobs' time
-        limit inside the partition's MaxTime (`diloco_slurm.limits`)."""
+        limit inside the partition's MaxTime and their nodes inside its node limits (`diloco_slurm.limits`)."""
+        text, partition = self._partition(), self.options.partition
         body = batchscript.batch_jobs(self.options, self.access, request, default_state_dir=str(state_dir()),
-                                      default_python=sys.executable, max_minutes=self._max_minutes())
+                                      default_python=sys.executable,
+                                      max_minutes=limits.max_time_minutes(text, partition) if text else None,
+                                      max_nodes=limits.max_nodes(text, partition) if text else None)
         return LaunchPlan(self.backend_name, request, body, format="json")
 
-    def _max_minutes(self) -> int | None:
-        """The partition's MaxTime in minutes, asked once per executor; None when unlimited, or when
-        Slurm cannot be asked from here (a dry run away from the cluster): then nothing is checked."""
+    def _partition(self) -> str | None:
+        """`scontrol show partition -o` for the partition, asked once per executor; None when Slurm
+        cannot be asked from here (a dry run away from the cluster): then nothing is checked."""
         if not self._asked:
             self._asked = True
             which = [self.options.partition] if self.options.partition else []
@@ -79,9 +83,8 @@ class SlurmExecutor:
                                          timeout=PARTITION_TIMEOUT)
             except UserError:  # no Slurm client here
                 answer = None
-            self._max_time = (limits.max_time_minutes(answer.out, self.options.partition)
-                              if answer is not None and answer.ok else None)
-        return self._max_time
+            self._partitions = answer.out if answer is not None and answer.ok else None
+        return self._partitions
 
     def submit(self, plan: LaunchPlan) -> list[ReplicaHandle]:
         request, body = plan.request, plan.body

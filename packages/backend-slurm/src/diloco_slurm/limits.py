@@ -10,6 +10,9 @@ where Slurm cannot be asked, e.g. a dry run away from the cluster, and then noth
   the replica's own timeout comes first) over it is clamped to the maximum, and the plan says so
   (`note`). Such a job ends at Slurm's limit (TIMEOUT, exit 124): a time limit, relaunched without
   spending the failure budgets, and the replica rejoins from the store.
+
+The same answer says how many nodes one job may have there (`max_nodes`), for replicas of several
+nodes (`diloco_slurm.multinode`).
 """
 
 from __future__ import annotations
@@ -41,16 +44,31 @@ def parse_minutes(text: str) -> int | None:
     return (int(days or 0) * 24 + hours) * 60 + minutes + seconds // 60
 
 
-def max_time_minutes(scontrol_partitions: str, partition: str | None) -> int | None:
-    """The MaxTime of `partition` (None: the cluster's default one) in `scontrol show partition -o`'s
-    output, one partition per line; None when unlimited or not found."""
+def _partition_fields(scontrol_partitions: str, partition: str | None) -> dict[str, str] | None:
+    """The fields of `partition` (None: the cluster's default one) in `scontrol show partition -o`'s
+    output, one partition per line; None when not found."""
     for line in scontrol_partitions.splitlines():
         fields = dict(_FIELD.findall(line))
         if "PartitionName" not in fields:
             continue
         if fields["PartitionName"] == partition or partition is None and fields.get("Default") == "YES":
-            return parse_minutes(fields.get("MaxTime", "UNLIMITED"))
+            return fields
     return None
+
+
+def max_time_minutes(scontrol_partitions: str, partition: str | None) -> int | None:
+    """The MaxTime of `partition` (None: the cluster's default one) in `scontrol show partition -o`'s
+    output; None when unlimited or not found."""
+    fields = _partition_fields(scontrol_partitions, partition)
+    return None if fields is None else parse_minutes(fields.get("MaxTime", "UNLIMITED"))
+
+
+def max_nodes(scontrol_partitions: str, partition: str | None) -> int | None:
+    """The most nodes one job of `partition` may have: its MaxNodes, and never more than it has
+    (TotalNodes; a job asking for more is refused, or pends for ever); None when neither is known."""
+    fields = _partition_fields(scontrol_partitions, partition) or {}
+    known = [int(fields[k]) for k in ("MaxNodes", "TotalNodes") if fields.get(k, "").isdigit()]
+    return min(known) if known else None
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,16 @@ def finish(result_path: str | None, lanes: range, total: int, failed_lane: int |
     return exit_code
 
 
+def signals_to_handle(handled: str, preemption: signal.Signals | None) -> str:
+    """torchrun's `--signals-to-handle` with the platform's preemption signal added: torchrun
+    stops its processes on the signals it handles and dies of any other (Slurm's SIGUSR1 would
+    end the agent with no result, a failure instead of a preemption)."""
+    names = [n.strip() for n in handled.split(",") if n.strip()]
+    if preemption is not None and preemption.name not in names:
+        names.append(preemption.name)
+    return ",".join(names)
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -92,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_restarts:
         print("diloco_replica.torchrun: --max-restarts must be 0 (diloco's supervisor owns restarts)", file=sys.stderr)
         return 2
+    args.signals_to_handle = signals_to_handle(args.signals_to_handle, preemption_signal())
     per_node, nodes = int(str(args.nproc_per_node)), int(str(args.nnodes))
     if nodes > 1 and not os.environ.get("PET_MASTER_ADDR"):
         print(f"{USER_ERROR_PREFIX}a replica of {nodes} nodes needs each node's rank and the first node's address "

@@ -1,4 +1,4 @@
-"""A real one-node Slurm cluster for tests: slurmctld + slurmd on ports the OS picked, state in a temp dir.
+"""A real Slurm cluster for tests: slurmctld + slurmd on ports the OS picked, state in a temp dir.
 
 Debian's Slurm 22.05 packages (slurmctld, slurmd, slurm-client) run without systemd or munge with
 `auth/none` and `cred/none`; `proctrack/pgid` (linuxproc leaves orphans), `task/none`, and
@@ -9,6 +9,13 @@ fallbacks (scontrol, then the run directory) are what is tested. Every daemon is
 Two clusters run side by side, each with its own `SLURM_CONF`. The daemons run as the user running
 the tests (root on this project's machines; slurmd needs root to start jobs as other users, which
 these tests never do).
+
+A cluster of several nodes (`nodes=2`, for replicas of several nodes) runs one slurmd per node on
+this one machine: Slurm's multiple-slurmd mode, which Debian's build has (`slurmd -N NAME`; each
+node its own `Port`, all at 127.0.0.1). The nodes are named n1, n2, ... and Slurm reaches each at
+its NodeAddr, 127.0.0.1, as a job's first node is reached by the others. One machine is all of
+them: what a job on two of them shares (a filesystem, the loopback network) is what a real
+cluster's nodes share (the shared filesystem, the cluster network).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ class SlurmCluster:
 
     root: Path
     name: str
+    nodes: int = 1  # slurmd daemons, each a node of `cpus` CPUs and `memory_mb` (several: n1, n2, ...)
     cpus: int = 8
     memory_mb: int = 8192
     min_job_age: int = 300
@@ -81,9 +89,9 @@ CredType=cred/none
 StateSaveLocation={r}/state
 SlurmdSpoolDir={self.spool}/%n
 SlurmctldPidFile={r}/slurmctld.pid
-SlurmdPidFile={r}/slurmd.pid
+SlurmdPidFile={r}/slurmd-%n.pid
 SlurmctldLogFile={r}/log/slurmctld.log
-SlurmdLogFile={r}/log/slurmd.log
+SlurmdLogFile={r}/log/slurmd-%n.log
 ProctrackType=proctrack/pgid
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -101,24 +109,39 @@ KillWait=5
 InactiveLimit=0
 SlurmctldTimeout=30
 SlurmdTimeout=30
-NodeName={host} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
-PartitionName=short Nodes={host} MaxTime=2 State=UP
+{self._node_lines(host)}
+PartitionName=debug Nodes={",".join(self.node_names)} Default=YES MaxTime=INFINITE State=UP
+PartitionName=short Nodes={",".join(self.node_names)} MaxTime=2 State=UP
 """)
+
+    @property
+    def node_names(self) -> list[str]:
+        return [socket.gethostname()] if self.nodes <= 1 else [f"n{i + 1}" for i in range(self.nodes)]
+
+    def _node_lines(self, host: str) -> str:
+        size = f"CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN"
+        if self.nodes <= 1:
+            return f"NodeName={host} NodeAddr=127.0.0.1 {size}"
+        return "\n".join(f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={free_port()} {size}"
+                         for name in self.node_names)
 
     def start(self, timeout: float = 60.0) -> None:
         self.write_conf()
         began = time.monotonic()
         env = self.env
         log = open(self.root / "log" / "daemons.out", "ab")  # noqa: SIM115 - kept open by the daemons
-        for name, args in (("slurmctld", ["-D", "-i"]), ("slurmd", ["-D"])):
-            proc = subprocess.Popen([_daemon(name), *args], env=env, stdout=log, stderr=log,
+        slurmds = [("slurmd", ["-D"])] if self.nodes <= 1 else \
+            [(f"slurmd {name}", ["-D", "-N", name]) for name in self.node_names]
+        for key, args in (("slurmctld", ["-D", "-i"]), *slurmds):
+            proc = subprocess.Popen([_daemon(key.split()[0]), *args], env=env, stdout=log, stderr=log,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
-            self.pids[name] = proc.pid
+            self.pids[key] = proc.pid
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            out = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True)
-            if out.returncode == 0 and out.stdout.strip() in ("idle", "mix", "alloc"):
+            out = subprocess.run(["sinfo", "-h", "-N", "-p", "debug", "-o", "%t"], env=env, capture_output=True,
+                                 text=True)
+            states = out.stdout.split()  # one per node: every slurmd has registered
+            if out.returncode == 0 and len(states) == self.nodes and set(states) <= {"idle", "mix", "alloc"}:
                 self.up_seconds = time.monotonic() - began
                 self.first_job_seconds = self._first_job(deadline)
                 return
@@ -140,8 +163,8 @@ PartitionName=short Nodes={host} MaxTime=2 State=UP
         raise RuntimeError(f"Slurm cluster {self.name}: its first job never started; see {self.root}/log")
 
     def stop(self) -> None:
-        """SIGTERM each daemon by pid (slurmd first), SIGKILL what outlives a grace period."""
-        for name in reversed(DAEMONS):
+        """SIGTERM each daemon by pid (the slurmds first), SIGKILL what outlives a grace period."""
+        for name in sorted(self.pids, key=lambda key: key == "slurmctld"):
             pid = self.pids.pop(name, None)
             if pid is None:
                 continue
@@ -180,8 +203,9 @@ PartitionName=short Nodes={host} MaxTime=2 State=UP
 
 
 def job_processes(stem: str) -> list[int]:
-    """A replica job's processes on this one-node cluster: the replica (its environment names the
-    attempt's result file) and the batch shell that started it, so a test can SIGKILL the job whole."""
+    """A replica job's processes on this machine's cluster: the replica (its environment names the
+    attempt's result file) and the batch shell that started it, so a test can SIGKILL the job whole
+    (or SIGSTOP it)."""
     found: set[int] = set()
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -197,3 +221,20 @@ def job_processes(stem: str) -> list[int]:
         except (OSError, ValueError, IndexError):
             continue
     return sorted(found)
+
+
+def node_agent(stem: str, node: int) -> int | None:
+    """The torchrun agent of node `node` of a replica of several nodes (its environment names the
+    node's own result file, `diloco_slurm.multinode`), so a test can kill one node's agent; None
+    before it runs."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"diloco_replica.torchrun" not in f.read():
+                    continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"DILOCO_RESULT_PATH={stem}.node-{node}.result.json\0".encode() in f.read():
+                    return int(entry)
+        except OSError:
+            continue
+    return None

@@ -249,8 +249,8 @@ def main() -> int:
     # SIGTERM (cancel) becomes a clean exit so `finally` blocks in user code run.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     preempt = preemption_signal()
-    if preempt is not None and ctx.lanes <= 1:  # with several processes torchrun receives it
-        _exit_on_preemption(preempt, outcome)
+    if preempt is not None:  # with several processes torchrun receives it too, and may be second
+        _exit_on_preemption(preempt, outcome)  # (Slurm's cgroup signals every process of the step)
     started = os.environ.get(v.ENV_STARTED_PATH)
     if started and ctx.lane == 0:
         write_text_atomic(started, f'{{"pid": {os.getpid()}, "started_at": {time.time()!r}}}')
