@@ -109,3 +109,66 @@ def test_a_run_on_eks_grows_by_a_pod_while_it_trains(tmp_path, cluster, s3):
     assert [r["status"] for r in record["ranks"]] == ["succeeded"] * 3 and record["ranks"][2]["handle"]["backend_name"] == "eks"
     assert len({r["result"]["theta_digest"] for r in record["ranks"]}) == 1
     check_rounds(s3["uri"], run_id)
+
+
+def island_spec(tmp_path, cluster, s3, *, steps, sync_every):
+    """Two replicas in two groups on the same cluster: `island`, one replica of two pods (nodes = 2:
+    an Indexed Job of two pods, torchrun across them through node 0's DNS name), and `single`, one
+    replica of one pod. (Two islands at once would collide here: every simulated pod shares the
+    machine's network, so two node-0s would serve torch's store on one port; on a cluster each pod
+    has its own.)"""
+    from diloco.local.island import free_port
+    from conftest import placed_by_groups
+
+    spec = on_s3(tiny_spec(tmp_path, steps=steps, sync_every=sync_every, restart="backoff = 0.2"), s3)
+    backend = (f'[group.backend]\nname = "eks"\nimage = "ghcr.io/example/tiny-lm:1"\nnamespace = "ml"\n'
+               f'api_url = "{cluster.url}"\nmaster_port = {free_port()}\n')
+    spec.write_text(placed_by_groups(spec) + f'\n[[group]]\nname = "island"\nreplicas = 1\nnodes = 2\n{backend}'
+                    f'\n[[group]]\nname = "single"\nreplicas = 1\n{backend}')
+    return spec
+
+
+def test_a_replica_of_two_pods_trains_and_a_deleted_pod_relaunches_it_whole(tmp_path, cluster, s3):
+    """A replica of two pods (one Indexed Job; node rank = completion index, node 0 found as
+    `<job>-0.<job>` through the Job's headless Service) trains with another replica. One of its pods
+    deleted mid-run (`kubectl delete pod`) fails its Job as a whole: Kubernetes stops the other pod,
+    the supervisor relaunches the replica once, as one attempt (a new Job of two pods), and it rejoins
+    from the store while the other replica trains on, untouched; the run ends with one global model.
+    (Where it rejoins depends on the machine's pace: mid-run, or at the last checkpoint if the other
+    replica, training alone meanwhile, got there first.)"""
+    from conftest import events_of, one_global_model, record_of, wait_for_round
+
+    state = tmp_path / "state"
+    spec = island_spec(tmp_path, cluster, s3, steps=200, sync_every=20)
+    launcher = subprocess.Popen([sys.executable, "-m", "diloco", "run", str(spec)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env={**os.environ, "DILOCO_STATE_DIR": str(state)})
+    try:
+        run_id = launcher.stdout.readline().split()[1].rstrip(":")
+        wait_for_round(state, run_id, 2, timeout=240)
+        job = record_of(state, run_id)["ranks"][0]["handle"]["metadata"]["job"]
+        pods = {p.index: p.name for p in cluster.pods_of(job)}
+        assert sorted(pods) == [0, 1], pods  # one Job, two pods
+        cluster.core.delete_namespaced_pod(pods[1], "ml")  # kubectl delete pod: node 1 of rank 0
+        out, _ = launcher.communicate(timeout=600)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 0, out
+    record = record_of(state, run_id)
+    one_global_model(record)
+    island, single = record["ranks"]
+    assert (island["restarts"], single["restarts"]) == (1, 0) and len(single["attempts"]) == 1
+    assert [h["metadata"]["job"][-6:] for h in island["attempts"]] == ["-r0-a0", "-r0-a1"]
+    failed = [e for e in events_of(state, run_id) if e["event"] in ("failed", "relaunch_scheduled")]
+    assert [(e["event"], e["rank"]) for e in failed] == [("failed", 0), ("relaunch_scheduled", 0)]  # counted once
+    assert "no pod of the replica's 2 nodes says why: one was deleted" in failed[0]["error"]
+    logs = run_cli(state, "logs", run_id, "--rank", "0", "--attempt", "1", "-n", "400").stdout
+    assert logs.index("==> node 1 of 2 <==") < logs.index("==> node 0 of 2 <==")  # node 0, with the result, last
+    # both processes of the new Job's two pods, one torch group again, rejoined from the store at one round
+    joined = [int(line.split("joined at round ")[1].split()[0]) for line in logs.splitlines()
+              if "joined at round" in line]
+    assert len(joined) == 2 and joined[0] == joined[1] >= 2, logs[-2000:]
+    events = events_of(state, run_id)
+    after = events[[e["event"] for e in events].index("failed"):]
+    assert any(e["event"] == "round" and e["members"] == [1] for e in after), events[-5:]  # the other trained on

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 # the namespaces the tests use: creating anywhere else is refused (404), as on a cluster
-NAMESPACES = ["conformance", "locked", "pull", "cancel", "runs", "exact", "relaunch", "undo", "checks", "lifecycle"]
+NAMESPACES = ["conformance", "locked", "pull", "cancel", "runs", "exact", "relaunch", "undo", "checks", "lifecycle",
+              "islands"]
 
 
 @pytest.fixture(scope="module")

@@ -240,3 +240,82 @@ def test_a_refused_job_undoes_what_was_started(cluster, monkeypatch):
         with pytest.raises(ApiException) as gone:
             read(name, "undo", _preload_content=False)
         assert gone.value.status == 404, name
+
+
+# What each pod of a replica of two nodes runs in place of torchrun (no torch here): it finds node 0
+# by the DNS name its manifest gives (retrying, as torch's store client does, until the record is
+# there), says what it sees, and then waits; node 1 of rank 1 fails instead.
+NODE = """
+import os, socket, sys, time
+rank, node, first = os.environ["REPLICA_RANK"], os.environ["PET_NODE_RANK"], os.environ["PET_MASTER_ADDR"]
+deadline = time.monotonic() + 60
+while True:
+    try:
+        address = socket.gethostbyname(first)
+        break
+    except OSError:
+        assert time.monotonic() < deadline, f"{first} never resolved"
+        time.sleep(0.1)
+print(f"host {socket.gethostname()} node {node} finds node 0 ({first}) at {address}", flush=True)
+if (rank, node) == ("1", "1"):
+    sys.exit(3)
+time.sleep(300)
+"""
+
+
+def test_a_replica_of_two_nodes_is_one_job_whose_pods_find_node_0_and_fail_together(cluster, monkeypatch):
+    """nodes = 2, the replicas' commands replaced: submit creates exactly the plan (per replica a
+    Secret, a Service, a Job); each replica's pods find node 0 by its DNS name; a node that fails
+    fails its replica alone (its Job: Kubernetes stops the other pod), named in the error; the
+    other replica runs on until cancelled, which takes its pods and Service."""
+    from kubernetes.client.exceptions import ApiException
+
+    ex = EksExecutor(image="img", namespace="islands", api_url=cluster.url, cache_seconds=0.05)
+    plan = plan_for(ex, 2, REPORT, run_id="islands", nodes=2, secret_env={"HF_TOKEN": "hf-secret-value"})
+    for doc in plan.body:
+        if doc["kind"] == "Job":
+            doc["spec"]["template"]["spec"]["containers"][0]["command"] = ["python", "-c", NODE]
+    created = _record_creates(monkeypatch, ex)
+    h0, h1 = ex.submit(plan)
+    assert created == [{**d, "stringData": {"HF_TOKEN": "hf-secret-value"}} if d["kind"] == "Secret" else d
+                       for d in plan.body] and [d["kind"] for d in created] == ["Secret", "Service", "Job"] * 2
+    assert (h0.metadata["nodes"], h0.metadata["service"]) == (2, h0.metadata["job"])
+    _wait(lambda: ex.poll(h1) == "failed" and ex.poll(h0) == "running")
+    (failed,) = ex.collect([h1], timeout=10)
+    assert failed.exit_code == 3 and "pod exited with code 3" in failed.error
+    assert f"(node 1 of 2, pod {h1.metadata['job']}-1-" in failed.error and "BackoffLimitExceeded" in failed.error
+    _wait(lambda: not [p for p in cluster.pods_of(h1.metadata["job"]) if p.proc and p.proc.poll() is None])
+    logs = ex.stream_logs(h0)
+    assert logs.index("==> node 1 of 2 <==") < logs.index("==> node 0 of 2 <==")  # node 0 (the result's) last
+    job = h0.metadata["job"]
+    for node in (0, 1):
+        assert f"host {job}-{node} node {node} finds node 0 ({job}-0.{job}) at 127.0.0.1" in logs
+    pids = [p.proc.pid for p in cluster.pods_of(job)]
+    ex.cancel(h0)
+    _wait(lambda: not any(process_alive(p) for p in pids))
+    assert ex.poll(h0) == "cancelled"
+    with pytest.raises(ApiException) as gone:
+        cluster.core.read_namespaced_service(job, "islands")
+    assert gone.value.status == 404
+
+
+def test_a_pod_deleted_before_it_ended_counts_as_a_failure(cluster):
+    """As the 1.29 Job controller counts it (its job-tracking finalizer): `kubectl delete pod` of a
+    running pod fails its index, which diloco then relaunches; the pod is not silently recreated."""
+    ex = EksExecutor(image="img", namespace="islands", api_url=cluster.url, command=RUNNER, cache_seconds=0.05)
+    (handle,) = launch(ex, 1, "diloco.testing.entrypoints:sleep", {"seconds": 300}, run_id="deleted-pod")
+    _wait(lambda: ex.poll(handle) == "running")
+    pod = ex.api.pod_for("islands", handle.metadata["job"], 0)["metadata"]["name"]
+    cluster.core.delete_namespaced_pod(pod, "islands")
+    (result,) = ex.collect([handle], timeout=30)
+    assert result.status == "failed"
+    status = json.loads(cluster.batch.read_namespaced_job(handle.metadata["job"], "islands",
+                                                          _preload_content=False).data)["status"]
+    assert (status["failed"], status["failedIndexes"]) == (1, "0")
+
+
+def _wait(condition, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)

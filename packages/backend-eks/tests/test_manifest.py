@@ -9,6 +9,7 @@ import yaml
 
 from diloco.errors import SpecError, UserError
 from diloco.plugins.discovery import make_executor
+from diloco.procgroup import replica_command
 from diloco.testing import plan_for
 from diloco_eks import EksExecutor, EksOptions
 from diloco_eks.gpus import resolve_gpu
@@ -18,11 +19,13 @@ from diloco_eks.manifest import job_name
 FIELD = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 
 
-def plan(n=4, ranks=None, attempt=0, gpu=None, args=None, env=None, secret_env=None, entrypoint="train:main", **opts):
+def plan(n=4, ranks=None, attempt=0, gpu=None, args=None, env=None, secret_env=None, entrypoint="train:main",
+         processes_per_replica=1, nodes=1, **opts):
     ex = EksExecutor(image=opts.pop("image", "example.com/img:1"), **opts)
     return plan_for(ex, n, entrypoint, args if args is not None else {"lr": 0.5, "name": "x", "nested": {"a": 1}},
                     run_id="tiny-lm-20260101-000000-ab12", rendezvous="s3://bucket/runs", gpu=gpu, timeout=7200,
-                    ranks=ranks, attempt=attempt, env=env, secret_env=secret_env).body
+                    ranks=ranks, attempt=attempt, env=env, secret_env=secret_env,
+                    processes_per_replica=processes_per_replica, nodes=nodes).body
 
 
 def env_of(job):
@@ -76,23 +79,53 @@ def test_rank_env_renames_via_downward_api():
 
 
 def test_gpu_maps_to_count_selector_and_toleration():
-    (job,) = plan(gpu="H100")
+    (job,) = plan(gpu="H100:8")
     pod = job["spec"]["template"]["spec"]
     assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "8"}
     assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    for name, count, itype in [("A100", "8", "p4d.24xlarge"), ("A10G", "1", "g5.xlarge"), ("T4", "1", "g4dn.xlarge")]:
+    for name, count, itype in [("A100:8", "8", "p4d.24xlarge"), ("A10G", "1", "g5.xlarge"), ("T4", "1", "g4dn.xlarge"),
+                               ("h100:2", "2", "p5.48xlarge")]:
         (j,) = plan(gpu=name)
         p = j["spec"]["template"]["spec"]
         assert p["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == count
         assert p["nodeSelector"]["node.kubernetes.io/instance-type"] == itype
-    (two,) = plan(gpu="a10g:2")
-    assert two["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+
+
+@pytest.mark.parametrize("gpu, fields, says", [
+    # a bare name whose filled-in count would leave GPUs idle (gpu = "H100" once started 1 process on 8 GPUs)
+    ("H100", {}, 'gpu = "H100" asks for all 8 GPUs of a p5.48xlarge but starts 1 process per pod (7 GPUs idle); '
+                 'write gpu = "H100:8" (one process per GPU) or gpu = "H100:1"'),
+    ("A100", {"processes_per_replica": 4, "nodes": 2},
+     'starts 4 processes per node (4 GPUs idle); write gpu = "A100:8"'),
+    # a GPU count no node type has: the pod would stay Pending forever
+    ("H100:16", {}, "gpu 'H100:16': a pod runs on one node, and H100 nodes (p5.48xlarge) have 8 GPUs; ask for at "
+                    'most gpu = "H100:8" per pod with more nodes (nodes = 2)'),
+    ("a10g:2", {}, "gpu 'a10g:2': a pod runs on one node, and A10G nodes (g5.xlarge) have 1 GPU;"),
+    # more processes on a node than its GPUs
+    ("H100:4", {"processes_per_replica": 8, "nodes": 2}, 'processes_per_replica = 8 needs a GPU per process, but '
+                                                          "gpu 'H100:4' gives each pod 4; ask for gpu = \"H100:8\""),
+])
+def test_a_layout_no_node_runs_is_refused_in_one_line(gpu, fields, says):
+    with pytest.raises(UserError) as err:
+        plan_for(EksExecutor(image="example.com/img:1"), 2, "train:main", {}, run_id="r-1", rendezvous="s3://b/runs",
+                 gpu=gpu, **fields)
+    assert says in str(err.value) and len(str(err.value).splitlines()) == 1, str(err.value)
+
+
+def test_a_bigger_node_type_or_a_node_selector_of_your_own_lifts_the_node_bound():
+    bigger = {"A10G": {"count": 4, "instance_type": "g5.12xlarge"}}
+    (job,) = plan(gpu="A10G:2", gpu_types=bigger)
+    assert job["spec"]["template"]["spec"]["nodeSelector"]["node.kubernetes.io/instance-type"] == "g5.12xlarge"
+    (mine,) = plan(gpu="A10G:4", node_selector={"node.kubernetes.io/instance-type": "g5.12xlarge"})
+    assert mine["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    (one,) = plan(gpu="H100", processes_per_replica=8)  # a bare name is fine where every GPU gets a process
+    assert one["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
 
 
 def test_user_selectors_and_tolerations_win():
     mine = [{"key": "team", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}]
-    (job,) = plan(gpu="H100", node_selector={"node.kubernetes.io/instance-type": "p5e.48xlarge", "zone": "a"},
+    (job,) = plan(gpu="H100:8", node_selector={"node.kubernetes.io/instance-type": "p5e.48xlarge", "zone": "a"},
                   tolerations=mine)
     pod = job["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5e.48xlarge", "zone": "a"}
@@ -212,6 +245,72 @@ def test_more_processes_than_gpus_or_a_custom_command_is_a_clear_error():
     with pytest.raises(UserError, match="command replaces the replica's launcher"):
         plan_for(EksExecutor(image="x:1", command=["my-launcher"]), 2, "train:main", {}, run_id="r-1",
                  rendezvous="s3://b/runs", processes_per_replica=2)
+
+
+def test_a_replica_of_several_nodes_is_an_indexed_job_of_its_own_with_a_headless_service():
+    """nodes = 2: per replica a Service and a Job of 2 pods; node rank = completion index, node 0
+    found by its stable DNS name, one pod lost fails the whole Job (and only that replica's)."""
+    docs = plan(n=2, gpu="H100:8", processes_per_replica=8, nodes=2, secret_env={"HF_TOKEN": "hf-secret"})
+    assert [d["kind"] for d in docs] == ["Secret", "Service", "Job"] * 2
+    for rank, (secret, service, job) in enumerate(zip(docs[::3], docs[1::3], docs[2::3])):
+        name = f"tiny-lm-20260101-000000-ab12-r{rank}-a0"
+        assert job["metadata"]["name"] == service["metadata"]["name"] == name
+        assert secret["metadata"]["name"] == f"{name}-env"
+        assert service["spec"] == {"clusterIP": "None", "selector": {"batch.kubernetes.io/job-name": name},
+                                   "publishNotReadyAddresses": True}
+        spec, pod = job["spec"], job["spec"]["template"]["spec"]
+        assert (spec["completions"], spec["parallelism"], spec["completionMode"]) == (2, 2, "Indexed")
+        assert spec["backoffLimit"] == 0 and "backoffLimitPerIndex" not in spec and "podFailurePolicy" not in spec
+        assert pod["subdomain"] == name and pod["restartPolicy"] == "Never"
+        env = env_of(job)
+        assert env["REPLICA_RANK"]["value"] == str(rank) and env["DILOCO_REPLICAS"]["value"] == "2"
+        assert env["PET_NODE_RANK"] == {"name": "PET_NODE_RANK", "valueFrom": {"fieldRef": {"fieldPath": FIELD}}}
+        assert env["PET_MASTER_ADDR"]["value"] == f"{name}-0.{name}" and env["PET_MASTER_PORT"]["value"] == "29400"
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == f"{name}-env"
+        command = pod["containers"][0]["command"]
+        assert command == replica_command(8, 2)
+        assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "8"}  # per node
+        assert job["metadata"]["labels"] == service["metadata"]["labels"]
+        assert job["metadata"]["labels"]["diloco.dev/rank"] == str(rank)
+    (relaunch,) = [d for d in plan(n=2, nodes=2, ranks=[1], attempt=3) if d["kind"] == "Job"]
+    assert relaunch["metadata"]["name"].endswith("-r1-a3") and relaunch["spec"]["completions"] == 2
+    name = relaunch["metadata"]["name"]
+    assert env_of(relaunch)["PET_MASTER_ADDR"]["value"] == f"{name}-0.{name}"
+    single = plan(n=2)  # one node per replica: one Job for the world, as before, no Service
+    assert [d["kind"] for d in single] == ["Job"] and "subdomain" not in single[0]["spec"]["template"]["spec"]
+
+
+def test_a_replica_of_several_nodes_refuses_what_cannot_rejoin_it():
+    for opts, says in [({"index_retries": 1}, "index_retries = 1 retries one pod in place, which cannot rejoin"),
+                       ({"command": ["my-launcher"]}, "[backend] command replaces the replica's launcher, which starts "
+                                                      "each of the 2 nodes")]:
+        with pytest.raises(UserError) as err:
+            plan(n=2, nodes=2, **opts)
+        assert says in str(err.value) and len(str(err.value).splitlines()) == 1, str(err.value)
+    assert EksExecutor(image="i").capabilities.multi_node is True
+
+
+def test_the_dry_run_of_several_nodes_shows_the_service_and_the_jobs(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "diloco.toml").write_text(
+        'replicas = 2\nnodes = 2\nentrypoint = "train:main"\ngpu = "H100:8"\nrendezvous = "s3://bucket/runs"\n'
+        '[backend]\nname = "eks"\nimage = "example.com/img:1"\nnamespace = "ml"\n')
+    proc = subprocess.run([sys.executable, "-m", "diloco", "dryrun", str(tmp_path / "diloco.toml")], text=True,
+                          capture_output=True, env={**os.environ, "DILOCO_STATE_DIR": str(tmp_path / "state")})
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    assert [d["kind"] for d in docs] == ["Service", "Job", "Service", "Job"]
+    job = docs[1]
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--nnodes") + 1] == "2" and command[command.index("--nproc-per-node") + 1] == "8"
+    (tmp_path / "diloco.toml").write_text((tmp_path / "diloco.toml").read_text().replace('"H100:8"', '"H100"'))
+    proc = subprocess.run([sys.executable, "-m", "diloco", "dryrun", str(tmp_path / "diloco.toml")], text=True,
+                          capture_output=True, env={**os.environ, "DILOCO_STATE_DIR": str(tmp_path / "state")})
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert 'write gpu = "H100:8" (one process per GPU)' in proc.stderr
 
 
 def test_relaunch_of_several_ranks_is_one_job_each_in_request_order():

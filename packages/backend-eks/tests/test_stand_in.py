@@ -16,6 +16,8 @@ from diloco_eks import EksExecutor
 
 NS = "checks"
 JOBS, SECRETS = f"/apis/batch/v1/namespaces/{NS}/jobs", f"/api/v1/namespaces/{NS}/secrets"
+SERVICES = f"/api/v1/namespaces/{NS}/services"
+PATHS = {"Job": JOBS, "Secret": SECRETS, "Service": SERVICES}
 
 
 def send(cluster, method, path, body=None, content_type="application/json"):
@@ -56,6 +58,16 @@ def _secret(edit):
         secret = copy.deepcopy(backend_documents()[0])
         edit(secret)
         return secret
+    return make
+
+
+def _service(edit):
+    """The headless Service the backend plans for a replica of two nodes, edited."""
+    def make():
+        ex = EksExecutor(image="registry.example.com/train:1", namespace=NS)
+        service = copy.deepcopy(plan_for(ex, 1, "train:main", run_id="checks-run", nodes=2).body[0])
+        edit(service)
+        return service
     return make
 
 
@@ -129,13 +141,23 @@ INVALID = [
      'data[bad key]: Invalid value: "bad key": a valid config key must consist of alphanumeric characters'),
     ("secret-wrong-type", _secret(lambda s: s.update(stringData={"K": 1})), 400,
      "cannot unmarshal number into Go struct field Secret.stringData[K] of type string"),
+    ("service-name-not-dns1035", _service(_set(("metadata", "name"), "1-svc")), 422,
+     'Service "1-svc" is invalid: metadata.name: Invalid value: "1-svc": a DNS-1035 label must consist of'),
+    ("service-needs-ports-unless-headless", _service(lambda s: s["spec"].pop("clusterIP")), 422,
+     "spec.ports: Required value"),
+    ("service-bad-selector", _service(_set(("spec", "selector"), {"job-name": "-bad-"})), 422,
+     'spec.selector: Invalid value: "-bad-"'),
+    ("service-unknown-field", _service(_set(("spec", "publishNotReady"), True)), 400,
+     'unknown field "spec.publishNotReady"'),
+    ("service-wrong-type", _service(_set(("spec", "publishNotReadyAddresses"), "yes")), 400,
+     "cannot unmarshal string into Go struct field ServiceSpec.spec.publishNotReadyAddresses of type bool"),
 ]
 
 
 @pytest.mark.parametrize("make, status, message", [case[1:] for case in INVALID], ids=[case[0] for case in INVALID])
 def test_an_invalid_document_is_refused_as_the_api_server_does(cluster, make, status, message):
     doc = make()
-    code, body = send(cluster, "POST", JOBS if doc["kind"] == "Job" else SECRETS, doc)
+    code, body = send(cluster, "POST", PATHS[doc["kind"]], doc)
     assert (code, body["kind"], body["code"]) == (status, "Status", status), body
     assert body["reason"] == {400: "BadRequest", 422: "Invalid"}[status]
     assert message in body["message"], body["message"]
@@ -157,25 +179,30 @@ def test_the_real_clients_call_gets_the_same_refusal(cluster):
 
 
 @pytest.mark.parametrize("opts", [
-    {}, {"per_index": False}, {"gpu_types": {"L4": {"count": 1, "instance_type": "g6.xlarge"}}},
+    {}, {"per_index": False}, {"gpu_types": {"L4": {"count": 4, "instance_type": "g6.12xlarge"}}},
     {"cpu": "8", "memory": "64Gi", "service_account": "diloco-s3", "runtime_class": "gvisor",
      "labels": {"team": "ml", "example.com/cost-center": "1234"}, "node_selector": {"pool": "gpu"},
      "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}],
      "index_retries": 2, "ttl_seconds_after_finished": 0},
 ])
-@pytest.mark.parametrize("launch_kind", ["whole", "relaunch", "processes", "long-run-id"])
+@pytest.mark.parametrize("launch_kind", ["whole", "relaunch", "processes", "long-run-id", "nodes"])
 def test_everything_the_backend_plans_is_accepted(cluster, opts, launch_kind):
     """Every document of a plan, created with the client's generated methods (as `submit` does),
     passes the stand-in's decoding and validation (dry run: nothing is started)."""
+    if launch_kind == "nodes" and opts.get("index_retries"):
+        opts = {k: v for k, v in opts.items() if k != "index_retries"}  # refused with several nodes
     ex = EksExecutor(image="registry.example.com/train:1", namespace=NS, **opts)
     fields = {"relaunch": {"ranks": [2], "attempt": 3}, "processes": {"processes_per_replica": 4},
-              "long-run-id": {"run_id": "9" + "x" * 62}}.get(launch_kind, {})
+              "long-run-id": {"run_id": "9" + "x" * 62},
+              "nodes": {"run_id": "9" + "x" * 62, "nodes": 3, "processes_per_replica": 4}}.get(launch_kind, {})
     gpu = "L4:4" if "gpu_types" in opts else "H100:4"
     plan = plan_for(ex, 4, "train:main", {"lr": 0.1}, secret_env={"HF_TOKEN": "v"}, gpu=gpu, timeout=60.5,
                     **{"run_id": "checks-plan", **fields})
+    creates = {"Job": cluster.batch.create_namespaced_job, "Secret": cluster.core.create_namespaced_secret,
+               "Service": cluster.core.create_namespaced_service}
+    assert ("Service" in {d["kind"] for d in plan.body}) == (launch_kind == "nodes")
     for doc in plan.body:
-        create = cluster.batch.create_namespaced_job if doc["kind"] == "Job" else cluster.core.create_namespaced_secret
-        stored = json.loads(create(NS, doc, dry_run="All", _preload_content=False).data)
+        stored = json.loads(creates[doc["kind"]](NS, doc, dry_run="All", _preload_content=False).data)
         assert stored["metadata"]["uid"] and stored["metadata"]["name"] == doc["metadata"]["name"]
     assert not cluster.unimplemented
 
@@ -222,6 +249,15 @@ def test_a_job_spec_is_immutable(cluster):
     ("PATCH", f"{SECRETS}/x", [{"op": "add", "path": "/data", "value": {}}], "application/json-patch+json",
      "the patch type application/json-patch+json"),
     ("POST", JOBS, "nonindexed", "application/json", "runs Indexed Jobs only"),
+    ("POST", SERVICES, {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "vip"}, "spec": {
+        "selector": {"app": "x"}, "ports": [{"port": 80}]}}, "application/json", "Services other than headless ones"),
+    ("POST", SERVICES, {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "srv"}, "spec": {
+        "clusterIP": "None", "selector": {"app": "x"}, "ports": [{"name": "a", "port": 80}]}}, "application/json",
+     "not ports (their SRV records"),
+    ("POST", f"/api/v1/namespaces/{NS}/pods", {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "aliased"},
+                                              "spec": {"hostAliases": [{"ip": "10.0.0.1", "hostnames": ["a"]}],
+                                                       "containers": [{"name": "c", "image": "i"}]}},
+     "application/json", "does not implement pod spec.hostAliases"),
 ])
 def test_what_the_stand_in_does_not_implement_is_answered_501(cluster, method, path, body, content_type, says):
     if body == "nonindexed":

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diloco.options import option
+from diloco.procgroup import NODE_PORT
 
 from . import k8s_values
 from .gpus import GPU_TYPE_FIELDS, MAX_GPUS_PER_POD
@@ -43,10 +44,15 @@ class EksOptions:
     per_index: bool = option(True, help="one pod per index with its own backoff (backoffLimitPerIndex), so one "
                                         "rank can be relaunched alone; false: the whole Job fails fast and "
                                         "restarts as a gang")
-    index_retries: int = option(0, help="retries Kubernetes itself gives each index before diloco relaunches it",
-                                min=0, max=100)
-    gpu_types: dict[str, dict[str, Any]] = option({}, help='more GPU names, e.g. { L4 = { count = 1, '
-                                                           'instance_type = "g6.xlarge" } }')
+    index_retries: int = option(0, help="retries Kubernetes itself gives each index before diloco relaunches it "
+                                        "(replicas of one node only)", min=0, max=100)
+    master_port: int = option(NODE_PORT, help="the port node 0 of a replica of several nodes (nodes > 1) serves "
+                                              "torch's store on (torchrun's --master-port); each pod has its own "
+                                              "network, so change it only if something else in the pod uses it",
+                              min=1024, max=65535)
+    gpu_types: dict[str, dict[str, Any]] = option({}, help='more GPU names and the GPUs one node of their instance '
+                                                           'type has, e.g. { L4 = { count = 1, instance_type = '
+                                                           '"g6.xlarge" } }')
     labels: dict[str, str] = option({}, help="extra labels on Jobs and pods")
     kubeconfig: str | None = option(None, help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, or "
                                                "in-cluster config)")
@@ -103,7 +109,7 @@ def gpu_type_problem(name: str, entry: Any) -> str | None:
         return f"`{key}.{unknown[0]}` is not a GPU type field (fields: {', '.join(GPU_TYPE_FIELDS)})"
     count = entry.get("count", 1)
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_GPUS_PER_POD:
-        return (f"`{key}.count` must be a whole number of GPUs per pod from 1 to {MAX_GPUS_PER_POD}, "
+        return (f"`{key}.count` must be a whole number of GPUs on one node, from 1 to {MAX_GPUS_PER_POD}, "
                 f"got {count!r}")
     instance_type = entry.get("instance_type")
     if instance_type is not None and not isinstance(instance_type, str):

@@ -41,3 +41,14 @@ def failure_text(job: dict[str, Any] | None, term: dict[str, Any] | None, tail: 
     error = "; ".join(parts) + (f"\n{tail}" if tail else "")
     cause = cause_from_log(tail)
     return f"{cause}\n{error}" if cause else error  # the replica's own reason comes before the pod's exit
+
+
+def lost_node_text(job: dict[str, Any] | None, nodes: int) -> str:
+    """A replica of several nodes whose Job failed with no pod left that says why: one was
+    deleted or lost with its node (it counts as a failure), and Kubernetes stopped the others."""
+    name = ((job or {}).get("metadata") or {}).get("name", "the Job")
+    conditions = ((job or {}).get("status") or {}).get("conditions") or []
+    why = "; ".join(f"{c.get('reason')}: {c.get('message')}" for c in conditions
+                    if c.get("type") == "Failed" and c.get("status") == "True")
+    return (f"Job {name} failed ({why or 'Failed'}) and no pod of the replica's {nodes} nodes says why: one was "
+            "deleted or lost with its node, and Kubernetes stopped the others")

@@ -1,4 +1,5 @@
-"""Reading a Job's status for one index: pure functions over the Job and pod dicts."""
+"""Reading a Job's status for one index, or for a replica of several nodes (its whole Job): pure
+functions over the Job and pod dicts."""
 
 from __future__ import annotations
 
@@ -59,6 +60,29 @@ def index_status(job: dict[str, Any] | None, index: int) -> ReplicaStatus:
     if (status.get("active") or 0) > 0:
         return ReplicaStatus.RUNNING
     return ReplicaStatus.PENDING
+
+
+def island_status(job: dict[str, Any] | None, pods: list[dict[str, Any] | None]) -> ReplicaStatus:
+    """A replica of several nodes is its whole Job (one pod per node, `pods` by node rank, None
+    where a node has none yet): Complete → succeeded, Failed (one pod failed or was lost: the
+    Job stops the others) → failed, every node's pod started → running, else pending; no Job → cancelled."""
+    if job is None:
+        return ReplicaStatus.CANCELLED
+    if has_condition(job, "Failed"):
+        return ReplicaStatus.FAILED
+    if has_condition(job, "Complete"):
+        return ReplicaStatus.SUCCEEDED
+    if pods and all(p and (p.get("status") or {}).get("phase") in ("Running", "Succeeded") for p in pods):
+        return ReplicaStatus.RUNNING
+    return ReplicaStatus.PENDING
+
+
+def first_failure(pods: list[dict[str, Any] | None]) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
+    """The node whose container failed first (node rank, pod, its terminated state), if any did:
+    the others failed after it, or were stopped because of it."""
+    failed = [(term.get("finishedAt") or "", node, pod, term) for node, pod in enumerate(pods)
+              if pod and (term := terminated(pod)) and term.get("exitCode") not in (None, 0)]
+    return min(failed, key=lambda f: (f[0], f[1]))[1:] if failed else None
 
 
 def pod_index(pod: dict[str, Any], job: str) -> int | None:

@@ -1,4 +1,5 @@
-"""kmock's Kubernetes emulator made as strict as an API server (1.29) for Jobs, pods and Secrets.
+"""kmock's Kubernetes emulator made as strict as an API server (1.29) for Jobs, pods, Secrets and
+(headless) Services.
 
 kmock's `KubernetesEmulator` stores whatever JSON it is sent. `StrictApiServer` sits in front
 of its store (`_handle`, which kmock calls for every request before storing anything) and does
@@ -38,7 +39,7 @@ from typing import Any
 import aiohttp.web
 import kmock
 
-from . import defaults, rules
+from . import defaults, rules, services
 from .model import KUBERNETES_VERSION, ApiModel, DecodeError, FieldError
 from .patch import MERGE_PATCH, STRATEGIC_MERGE_PATCH, UnsupportedPatch, apply_patch, merge_diff
 from .protocol import (NAME_ALPHABET, PARAMS, RESOURCES, Kind, Unimplemented, content_type, json_body,
@@ -253,6 +254,8 @@ class StrictApiServer(kmock.KubernetesEmulator):
             raise Unimplemented("finalizers")
         if kind.name == "Secret":
             return errs + rules.secret_update(old, new)
+        if kind.name == "Service" and old["spec"] != new["spec"]:
+            raise Unimplemented("changes to a Service's spec after creation")
         changed = sorted(k for k in {*old["spec"], *new["spec"]} if old["spec"].get(k) != new["spec"].get(k))
         fixed = {"Job": {"template", "completionMode", "selector", "manualSelector", "backoffLimitPerIndex",
                          "podFailurePolicy", "podReplacementPolicy"}}.get(kind.name, set(new["spec"]))
@@ -316,9 +319,8 @@ class StrictApiServer(kmock.KubernetesEmulator):
         return decoded
 
     def _rules(self, kind: Kind, obj: dict[str, Any], decoded) -> list[FieldError]:
-        if kind.name == "Secret":
-            return rules.secret(obj)
-        return rules.job(obj) if kind.name == "Job" else rules.pod(obj)
+        checks = {"Secret": rules.secret, "Service": services.validate, "Job": rules.job, "Pod": rules.pod}
+        return checks[kind.name](obj)
 
     def _validate(self, kind: Kind, obj: dict[str, Any], required: list[FieldError], errs: list[FieldError]) -> None:
         errs = required + [e for e in errs if str(e) not in {str(r) for r in required}]

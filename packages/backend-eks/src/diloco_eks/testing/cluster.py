@@ -4,9 +4,12 @@ The API server (`apiserver.StrictApiServer`, kmock underneath) runs in its own t
 loop; the real kubernetes client talks to it over HTTP. One control thread then does, every
 `interval` seconds and only through that same API, what a cluster's control plane and node do:
 
-- the garbage collector: a pod or Secret whose owning Job is gone (checked with a live GET of
-  the owner, as the real collector does) is deleted; a Job deleted with `propagationPolicy:
-  Orphan` (a Job's default) first has its dependents' owner references removed, so they stay;
+- the garbage collector: a pod, Secret or Service whose owning Job is gone (checked with a live
+  GET of the owner, as the real collector does) is deleted; a Job deleted with
+  `propagationPolicy: Orphan` (a Job's default) first has its dependents' owner references
+  removed, so they stay;
+- the cluster's DNS (`dns`): the records of headless Services' pods, which the kubelet gives
+  each pod as its /etc/hosts;
 - the Job controller (`jobcontroller`) and the kubelet (`kubelet`).
 
 Errors in that loop, and every request the stand-in answered 501 Not Implemented, end up in
@@ -27,6 +30,7 @@ from typing import Any
 
 import kmock
 
+from . import dns, services
 from .apiserver import StrictApiServer
 from .protocol import HttpServer
 from .jobcontroller import JobController, unsupported_job
@@ -34,7 +38,8 @@ from .kubelet import Kubelet, LocalPod
 
 # what the kubelet can run: env sources and volume types it implements
 _ENV_SOURCES = {"fieldRef", "secretKeyRef"}
-_POD_FIELDS_NOT_RUN = ("initContainers", "ephemeralContainers", "readinessGates", "resourceClaims", "schedulingGates")
+_POD_FIELDS_NOT_RUN = ("initContainers", "ephemeralContainers", "readinessGates", "resourceClaims", "schedulingGates",
+                       "hostAliases", "hostNetwork", "setHostnameAsFQDN", "dnsConfig")
 _CONTAINER_FIELDS_NOT_RUN = ("envFrom", "livenessProbe", "readinessProbe", "startupProbe", "lifecycle", "workingDir",
                              "stdin", "tty", "volumeDevices")
 
@@ -169,7 +174,9 @@ class SimulatedCluster:
         pods = [p for p in pods if not self._collect(p, live_owners, self.core.delete_namespaced_pod)]
         for secret in self._list(self.core.list_secret_for_all_namespaces):
             self._collect(secret, live_owners, self.core.delete_namespaced_secret)
-        self.kubelet.sync(pods)
+        svcs = [s for s in self._list(self.core.list_service_for_all_namespaces)
+                if not self._collect(s, live_owners, self.core.delete_namespaced_service)]
+        self.kubelet.sync(pods, dns.records(svcs, pods))
         for job in jobs:
             self.jobs.sync(job, pods)
 
@@ -179,7 +186,8 @@ class SimulatedCluster:
             uid = self._orphan_queue.get()
             patch = {"metadata": {"ownerReferences": [{"$patch": "delete", "uid": uid}]}}
             for objs, fn in ((self.core.list_pod_for_all_namespaces, self.core.patch_namespaced_pod),
-                             (self.core.list_secret_for_all_namespaces, self.core.patch_namespaced_secret)):
+                             (self.core.list_secret_for_all_namespaces, self.core.patch_namespaced_secret),
+                             (self.core.list_service_for_all_namespaces, self.core.patch_namespaced_service)):
                 for obj in self._list(objs):
                     if any(r.get("uid") == uid for r in obj["metadata"].get("ownerReferences") or []):
                         fn(obj["metadata"]["name"], obj["metadata"]["namespace"], patch, _preload_content=False)
@@ -212,6 +220,8 @@ class SimulatedCluster:
 
 def _unsupported(kind: str, obj: dict[str, Any]) -> str | None:
     """What the simulated controllers and kubelet would not run as a cluster does (answered 501)."""
+    if kind == "Service":
+        return services.unsupported(obj)
     if kind == "Secret":
         kind_of_secret = obj.get("type") or "Opaque"
         if "kubernetes.io/" in kind_of_secret:

@@ -11,6 +11,8 @@ import copy
 import re
 from typing import Any
 
+from . import services
+
 MAX_INT32 = 2**31 - 1
 JOB_UID_LABEL = "batch.kubernetes.io/controller-uid"
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
@@ -97,5 +99,5 @@ def secret(obj: dict[str, Any]) -> None:
 
 def for_kind(kind: str, obj: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(obj)
-    {"Job": job, "Pod": pod, "Secret": secret}[kind](out)
+    {"Job": job, "Pod": pod, "Secret": secret, "Service": services.defaults}[kind](out)
     return out

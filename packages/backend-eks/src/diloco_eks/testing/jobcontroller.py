@@ -4,7 +4,12 @@ Per Job, from its pods (those it owns, by uid) and their reported phases:
 
 - creates a pod for each index that has neither succeeded nor failed for good, at most
   `parallelism` at a time, named by `generateName` `<job>-<index>-` (shortened as the real
-  controller does) with the completion index as annotation, label and `JOB_COMPLETION_INDEX`;
+  controller does) with the completion index as annotation, label and `JOB_COMPLETION_INDEX`,
+  and `<job>-<index>` as its hostname (with a headless Service as its `subdomain`, a stable DNS
+  name: `dns`);
+- counts a pod deleted before it ended (`kubectl delete pod`, a lost node) as failed, as the
+  1.29 controller does through its job-tracking finalizer (the stand-in's pods carry none: the
+  controller remembers each pod it has seen instead);
 - `backoffLimitPerIndex`: an index whose pods failed more times than that is failed (listed in
   `failedIndexes`), the others go on; when every index is done the Job is Complete, or Failed
   with reason FailedIndexes;
@@ -49,6 +54,7 @@ class JobController:
     def __init__(self, core: Any, batch: Any):
         self.core, self.batch = core, batch
         self._reported: dict[str, dict[str, Any]] = {}  # by Job uid: the status last written
+        self._seen: dict[str, dict[str, tuple[int, str]]] = {}  # by Job uid: pod uid -> (index, last phase)
 
     def sync(self, job: dict[str, Any], pods: list[dict[str, Any]]) -> None:
         meta, spec = job["metadata"], job["spec"]
@@ -58,9 +64,8 @@ class JobController:
             return
         mine = [p for p in pods if any(r.get("uid") == meta["uid"] for r in p["metadata"].get("ownerReferences") or [])]
         phases: dict[int, list[str]] = {}
-        for pod in mine:
-            index = int(pod["metadata"]["annotations"][COMPLETION_INDEX])
-            phases.setdefault(index, []).append((pod.get("status") or {}).get("phase") or "Pending")
+        for index, phase in self._track(meta["uid"], mine):
+            phases.setdefault(index, []).append(phase)
         completions, per_index = spec["completions"], spec.get("backoffLimitPerIndex")
         succeeded = {i for i, p in phases.items() if "Succeeded" in p}
         failures = {i: p.count("Failed") for i, p in phases.items()}
@@ -101,9 +106,22 @@ class JobController:
             self._reported[meta["uid"]] = new
             self._patch_status(job, new)
 
+    def _track(self, uid: str, pods: list[dict[str, Any]]) -> list[tuple[int, str]]:
+        """(index, phase) of every pod the Job has had: those listed now, those that ended and
+        went, and those deleted before they ended, as Failed."""
+        seen = self._seen.setdefault(uid, {})
+        listed = {p["metadata"]["uid"]: (int(p["metadata"]["annotations"][COMPLETION_INDEX]),
+                                         (p.get("status") or {}).get("phase") or "Pending") for p in pods}
+        for pod_uid, (index, phase) in seen.items():
+            if pod_uid not in listed and phase not in ("Succeeded", "Failed"):
+                seen[pod_uid] = (index, "Failed")
+        seen.update(listed)
+        return list(seen.values())
+
     def _create_pod(self, job: dict[str, Any], index: int) -> dict[str, Any]:
         meta, template = job["metadata"], job["spec"]["template"]
         spec = copy.deepcopy(template["spec"])
+        spec["hostname"] = f"{meta['name']}-{index}"  # what the 1.29 controller sets for an Indexed Job's pod
         for container in spec["containers"]:
             container.setdefault("env", []).append({"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
                 "fieldPath": f"metadata.annotations['{COMPLETION_INDEX}']"}}})

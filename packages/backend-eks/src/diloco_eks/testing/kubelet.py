@@ -8,6 +8,13 @@ Secret keys read through the API — and of the test process only what a node's 
 spec says. Images are not pulled: a name containing `does-not-exist` stays waiting with
 ErrImagePull; a Secret or key that is missing keeps the pod waiting with
 CreateContainerConfigError until it appears, as on a node.
+
+Each container runs in mount and UTS namespaces of its own (`unshare`, as root), as in a pod
+sandbox: its hostname is the pod's (`spec.hostname`, else its name) and its /etc/hosts is the
+file the kubelet writes for it, which also carries the cluster's DNS records (`dns`: the
+stand-in's DNS is that file, rewritten in place as records come and go). The network stays the
+machine's: every pod's IP is 127.0.0.1, so two pods listening on one port collide as two
+`hostNetwork` pods on one node would.
 """
 
 from __future__ import annotations
@@ -20,11 +27,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .dns import Record, hosts_file, pod_hostname
+
 NODE_VARS = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "VIRTUAL_ENV")
 TERMINATION_GRACE_SECONDS = 5  # shorter than a node's 30: tests wait on it
+# the pod sandbox: own mount and UTS namespaces, the pod's hosts file over /etc/hosts, its hostname
+SANDBOX = ["unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c",
+           'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"', "pod-sandbox"]
 
 
 class LocalPod:
@@ -36,14 +49,18 @@ class LocalPod:
         self.exit_code: int | None = None
         self.waiting: str | None = None  # the waiting reason while the container cannot start
         self.started_at = ""
+        self.hosts = log.with_suffix(".hosts")
+        self.hosts_text = ""
 
 
 class Kubelet:
     def __init__(self, core: Any, workdir: Path, extra_pythonpath: list[str]):
         self.core, self.workdir, self.extra_pythonpath = core, workdir, extra_pythonpath
         self.pods: dict[tuple[str, str], LocalPod] = {}
+        check_sandbox(workdir)
 
-    def sync(self, api_pods: list[dict[str, Any]]) -> None:
+
+    def sync(self, api_pods: list[dict[str, Any]], dns: Sequence[Record] = ()) -> None:
         live = {(p["metadata"]["namespace"], p["metadata"]["name"]): p for p in api_pods}
         for key in [k for k in self.pods if k not in live]:  # deleted through the API
             self.stop(self.pods.pop(key), signal.SIGTERM)
@@ -53,11 +70,14 @@ class Kubelet:
                 if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
                     continue
                 local = self.pods[key] = _local(pod, self.workdir)
+                self._write_hosts(local, pod, dns)
                 self._start(local, pod)
             elif local.proc is None and local.waiting == "CreateContainerConfigError":
                 self._start(local, pod)
             elif local.proc is not None and local.exit_code is None and local.proc.poll() is not None:
                 self._report_exit(local)
+            elif local.proc is not None and local.exit_code is None:
+                self._write_hosts(local, pod, dns)
 
     def log(self, ns: str, name: str, tail: int | None) -> str | None:
         """The container's output (its last `tail` lines); None while it has not started."""
@@ -99,14 +119,25 @@ class Kubelet:
             cmd[0] = sys.executable
         elif cmd[0] == "diloco-replica":
             cmd = [sys.executable, "-m", "diloco_replica", *cmd[1:]]
+        sandbox = [*SANDBOX, str(local.hosts), pod_hostname(pod)]
         with open(local.log, "ab") as out:
-            local.proc = subprocess.Popen(cmd, env=env, cwd=self.workdir, stdout=out, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True)
+            local.proc = subprocess.Popen(sandbox + cmd, env=env, cwd=self.workdir, stdout=out,
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         local.waiting, local.started_at = None, _now()
         self._patch_status(local, "Running", {"running": {"startedAt": local.started_at}}, ready=True,
                            image_id=f"sha256:{secrets.token_hex(32)}", extra={"startTime": local.started_at,
                                                                               "hostIP": "127.0.0.1",
                                                                               "podIP": "127.0.0.1"})
+
+    def _write_hosts(self, local: LocalPod, pod: dict[str, Any], dns: Sequence[Record]) -> None:
+        """(Re)write the pod's hosts file in place (a bind mount follows the file, not its name);
+        readers that catch it half-written fail one lookup and try again, as after a DNS miss."""
+        text = hosts_file(pod, dns)
+        if text != local.hosts_text:
+            with os.fdopen(os.open(local.hosts, os.O_RDWR | os.O_CREAT, 0o644), "r+") as f:
+                f.write(text)
+                f.truncate()
+            local.hosts_text = text
 
     def _env(self, pod: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
         meta = pod["metadata"]
@@ -169,6 +200,21 @@ class Kubelet:
         except ApiException as exc:
             if exc.status != 404:  # deleted since it was listed: the next sync stops it
                 raise
+
+
+def check_sandbox(workdir: Path) -> None:
+    """Fail at once, saying why, where pods cannot get a sandbox (no `unshare`, not root)."""
+    probe = workdir / "sandbox-probe.hosts"
+    probe.write_text("127.0.0.1\tlocalhost\n")
+    try:
+        done = subprocess.run([*SANDBOX, str(probe), "sandbox-probe", "true"], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        done = subprocess.CompletedProcess([], 1, "", str(exc))
+    if done.returncode != 0:
+        raise RuntimeError("the simulated kubelet gives each pod its own hostname and /etc/hosts in mount and UTS "
+                           "namespaces of its own (util-linux `unshare`, as root), which failed here: "
+                           + (done.stderr.strip() or f"exit {done.returncode}"))
 
 
 def _local(pod: dict[str, Any], workdir: Path) -> LocalPod:

@@ -23,7 +23,8 @@ import re
 import sys
 from typing import Any
 
-ROOTS = ("V1Job", "V1Pod", "V1Secret", "V1DeleteOptions")  # the kinds (and delete body) the stand-in accepts
+# the kinds (and the delete body) the stand-in accepts
+ROOTS = ("V1Job", "V1Pod", "V1Secret", "V1Service", "V1DeleteOptions")
 _MODEL_REF = re.compile(r"\b(V\d\w+|Core\w+)\b")
 
 

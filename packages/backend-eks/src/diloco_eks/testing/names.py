@@ -13,6 +13,7 @@ from .model import FieldError
 _LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 DNS1123_LABEL = re.compile(f"^{_LABEL}$")
 DNS1123_SUBDOMAIN = re.compile(rf"^{_LABEL}(\.{_LABEL})*$")
+DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _QUALIFIED_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
@@ -21,6 +22,9 @@ CONFIG_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
 MSG_LABEL = ("a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start "
              "and end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is "
              "'[a-z0-9]([-a-z0-9]*[a-z0-9])?')")
+MSG_DNS1035 = ("a DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an alphabetic "
+               "character, and end with an alphanumeric character (e.g. 'my-name',  or 'abc-123', regex used for "
+               "validation is '[a-z]([-a-z0-9]*[a-z0-9])?')")
 MSG_SUBDOMAIN = ("a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and "
                  "must start and end with an alphanumeric character (e.g. 'example.com', regex used for validation "
                  "is '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*')")
@@ -42,6 +46,12 @@ ANNOTATIONS_MAX_BYTES = 256 * 1024
 def dns_label(value: str, path: str) -> list[FieldError]:
     errs = [FieldError.invalid(path, value, "must be no more than 63 characters")] if len(value) > 63 else []
     return errs + ([] if DNS1123_LABEL.match(value) else [FieldError.invalid(path, value, MSG_LABEL)])
+
+
+def dns1035_label(value: str, path: str) -> list[FieldError]:
+    """A Service's name: a DNS label that starts with a letter (it becomes a DNS name of its own)."""
+    errs = [FieldError.invalid(path, value, "must be no more than 63 characters")] if len(value) > 63 else []
+    return errs + ([] if DNS1035_LABEL.match(value) else [FieldError.invalid(path, value, MSG_DNS1035)])
 
 
 def dns_subdomain(value: str, path: str) -> list[FieldError]:

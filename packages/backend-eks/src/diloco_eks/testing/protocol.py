@@ -34,7 +34,7 @@ class Kind:
 
     @property
     def qualified(self) -> str:
-        """How the server names the kind in messages: `Job.batch`, `jobs.batch`, `Secret`."""
+        """How the server names the kind in messages: `Job.batch`, `Secret`, `Service`."""
         return f"{self.name}.{self.group}" if self.group else self.name
 
     @property
@@ -46,6 +46,7 @@ RESOURCES = {(k.group, k.version, k.plural): k for k in (
     Kind("Job", "batch", "v1", "jobs", "V1Job", ("status",)),
     Kind("Pod", "", "v1", "pods", "V1Pod", ("status", "log")),
     Kind("Secret", "", "v1", "secrets", "V1Secret"),
+    Kind("Service", "", "v1", "services", "V1Service"),
 )}
 # query parameters served per verb; any other is answered 501 (fieldSelector, limit, watch, ...)
 WRITE_PARAMS = {"pretty", "fieldManager", "fieldValidation"}
