@@ -63,15 +63,29 @@ def test_the_parts_formula_is_the_same_on_every_replica_and_one_part_while_a_sha
     assert parts_per_shard(10, 2, 32) == 1
 
 
-@pytest.mark.parametrize("shard, members, parts, reducer", [
-    (0, [0, 1, 2], 3, 0), (2, [0, 1, 2], 3, 0), (3, [0, 1, 2], 3, 1), (8, [0, 1, 2], 3, 2),
-    (3, [0, 2], 3, 2),   # owner 1 is gone: its parts 3, 4, 5 go to members[s mod 2]
-    (4, [0, 2], 3, 0),
-    (5, [0, 2], 3, 2),
-    (1, [1], 1, 1),      # one part a shard: the old rule
+@pytest.mark.parametrize("shard, members, roster, reducer", [
+    (0, [0, 1, 2], [0, 1, 2], 0), (3, [0, 1, 2], [0, 1, 2], 0), (4, [0, 1, 2], [0, 1, 2], 1),  # part j: rank j mod N
+    (8, [0, 1, 2], [0, 1, 2], 2), (2, [0, 1, 2], [2, 0, 1], 1),  # by the roster's order
+    (1, [0, 2], [0, 1, 2], 2),   # owner 1 is gone: its parts 1, 4, 7 go to members[(j // N + 1) mod 2]: 2, 0, 2
+    (4, [0, 2], [0, 1, 2], 0),
+    (7, [0, 2], [0, 1, 2], 2),
+    (1, [0, 3], [0, 1, 2, 3], 3), (2, [0, 3], [0, 1, 2, 3], 0),  # two owners gone: their first parts split
+    (1, [1], None, 1),           # no roster: the members are it
 ])
-def test_a_part_is_reduced_by_its_owner_or_spread_over_the_members(shard, members, parts, reducer):
-    assert reducer_of(shard, members, parts) == reducer
+def test_a_part_is_reduced_by_its_owner_or_spread_over_the_members(shard, members, roster, reducer):
+    assert reducer_of(shard, members, roster) == reducer
+
+
+def test_every_lane_of_a_replica_reduces_its_share_of_the_parts():
+    """Parts are owned in turn (j mod N), so a replica's parts lie all along the vector: with as
+    many parts per shard as lanes, every lane of every replica reduces some (bench/nodes.py)."""
+    from diloco_replica.round.layout import Cut
+    from diloco_replica.round.storeaccess import owner_of
+
+    cut = Cut(4096 * 64, 0, 4096 * 64, n=2, parts=4)
+    for rank in (0, 1):
+        lanes = {cut.lead(j, 4) for j in range(cut.count) if owner_of(j, [0, 1]) == rank}
+        assert lanes == {0, 1, 2, 3}, (rank, lanes)
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
@@ -156,7 +170,7 @@ def test_a_reducer_that_dies_between_parts_leaves_the_rest_to_the_others():
             return
 
         def reduce(self, rnd, j, *, takeover):
-            if j > 4:  # its first part is shard 4
+            if j > 1:  # its first part is part 1 (parts are owned in turn: 1, 4, 7, 10 are its)
                 raise SystemExit("replica 1 died mid-round")
             return original(self, rnd, j, takeover=takeover)
 
@@ -166,12 +180,13 @@ def test_a_reducer_that_dies_between_parts_leaves_the_rest_to_the_others():
     assert set(errors) == {1}, errors
     assert torch.equal(means[0], means[2])
     taken = sorted(results[0].takeovers + results[2].takeovers)
-    assert taken == [5, 6, 7], taken
-    lo, hi = 5 * 1_000, 8 * 1_000
-    expected_first = sum(d[4_000:5_000] for d in ds) / n  # part 4: published by its owner with all three
-    assert torch.equal(means[0][4_000:5_000], expected_first)
+    assert taken == [4, 7, 10], taken
+    expected_first = sum(d[1_000:2_000] for d in ds) / n  # part 1: published by its owner with all three
+    assert torch.equal(means[0][1_000:2_000], expected_first)
     # the taken-over parts lost the dead owner's own part (never uploaded): the mean of the other two
-    assert torch.equal(means[0][lo:hi], (ds[0][lo:hi] + ds[2][lo:hi]) / 2)
+    for j in taken:
+        lo, hi = j * 1_000, (j + 1) * 1_000
+        assert torch.equal(means[0][lo:hi], (ds[0][lo:hi] + ds[2][lo:hi]) / 2)
 
 
 def test_a_failed_own_reduction_fails_the_round_at_once_not_after_the_timeout():
@@ -180,7 +195,7 @@ def test_a_failed_own_reduction_fails_the_round_at_once_not_after_the_timeout():
 
     def hook(i, ar):
         def reduce(self, rnd, j, *, takeover):
-            if j == i * rnd.cut.parts + 1:
+            if j == i + rnd.cut.n:  # its second part (parts are owned in turn)
                 raise RoundFailed(f"replica {i} could not reduce part {j}")
             return original(self, rnd, j, takeover=takeover)
 
@@ -189,8 +204,8 @@ def test_a_failed_own_reduction_fails_the_round_at_once_not_after_the_timeout():
     started = time.monotonic()
     _, _, errors = run(n, deltas(n), part_mb=part_mb, hook=hook, timeout=30)
     assert time.monotonic() - started < 10, "the gather waited for parts nobody would publish"
-    assert {i: str(e) for i, e in errors.items()} == {0: "replica 0 could not reduce part 1",
-                                                      1: "replica 1 could not reduce part 4"}
+    assert {i: str(e) for i, e in errors.items()} == {0: "replica 0 could not reduce part 2",
+                                                      1: "replica 1 could not reduce part 3"}
 
 
 def test_a_peer_whose_parts_keep_coming_is_not_taken_over_however_long_its_round():
@@ -226,4 +241,4 @@ def test_error_feedback_quantises_by_the_shards_the_all_reduce_uploads():
     finally:
         ar.close()
     assert sorted(pieces) == list(range(12)) and pieces[0] == (0, 1_000) and pieces[11] == (11_000, 12_000)
-    assert uploaded == set(range(12)) - {4, 5, 6, 7}  # replica 1 owns parts 4..7 and uploads the rest
+    assert uploaded == set(range(12)) - {1, 4, 7, 10}  # replica 1 owns parts 1, 4, 7, 10 and uploads the rest

@@ -85,10 +85,10 @@ def test_result_carries_the_rounds_record(replay, phases, nonfinite):
     assert res.nonfinite == nonfinite and res.seconds >= 0
 
 
-def test_a_round_of_parts_has_n_times_p_shards_each_owned_by_the_replica_it_came_from():
+def test_a_round_of_parts_has_n_times_p_shards_owned_in_turn():
     rnd = Round(1, Cut(14, 0, 14, 2, 3), 0, members=[0, 1])
     assert rnd.cut.count == 6 and rnd.cut.bounds == [(0, 3), (3, 6), (6, 8), (8, 10), (10, 12), (12, 14)]
-    assert [rnd.owner(j) for j in range(6)] == [0, 0, 0, 1, 1, 1]
-    assert [rnd.reducer(j) for j in range(6)] == [(0, 0)] * 3 + [(1, 0)] * 3
+    assert [rnd.owner(j) for j in range(6)] == [0, 1, 0, 1, 0, 1]  # all along the vector: every lane reduces
+    assert [rnd.reducer(j) for j in range(6)] == [(0, 0), (1, 0)] * 3
     rnd.members = [0]  # replica 1 is gone: its parts fall to the members left
     assert [rnd.reducer(j) for j in range(6)] == [(0, 0)] * 6

@@ -239,7 +239,7 @@ class GlobalState:
         """Write this replica's pieces of checkpoint r (the shards it reduces among `members`),
         then, from one collector, delete what no rejoin needs any more."""
         roster = self.ar.roster(r)
-        mine = [j for j in range(len(roster)) if reducer_of(j, members, 1, roster) == self.io.rank]
+        mine = [j for j in range(len(roster)) if reducer_of(j, members, roster) == self.io.rank]
         shards = shard_bounds(self.total, len(roster))
         for j in mine:
             piece = clip(*shards[j], self.start, self.stop)
@@ -247,7 +247,7 @@ class GlobalState:
                 self.checkpoints.put_piece(r, piece, self.start, self.theta, self.buf, self.ar.roster(r + 1))
         if mine:
             self.written[r] = mine
-        if reducer_of(0, members, 1, roster) == self.io.rank and self.io.lanes.leader:  # one collector, off the hot path
+        if reducer_of(0, members, roster) == self.io.rank and self.io.lanes.leader:  # one collector, off the hot path
             self.io.pool.submit(self.checkpoints.collect_garbage, r)
 
     def digest(self) -> tuple[int, int]:

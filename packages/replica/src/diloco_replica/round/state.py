@@ -20,7 +20,7 @@ from diloco.store.wiresize import Traffic
 
 from .laps import Laps
 from .layout import Cut, clip
-from .storeaccess import reducer_of
+from .storeaccess import owner_of, reducer_of
 from .streaming import DeltaSource, RoundSink
 from ..transport.wire import decode_tensor
 
@@ -86,14 +86,14 @@ class Round:
             raise ValueError(f"round {self.r} is cut for {self.cut.n} replicas, its roster has {len(self.roster)}")
 
     def owner(self, j: int) -> int:
-        """The replica whose shard j is (the rank at position j // P of the roster): it keeps its
-        own piece of it and reduces it while a member."""
-        return self.roster[j // self.cut.parts]
+        """The replica whose shard j is (`storeaccess.owner_of`: position j mod N of the roster):
+        it keeps its own piece of it and reduces it while a member."""
+        return owner_of(j, self.roster)
 
     def reducer(self, j: int) -> tuple[int, int]:
         """(replica, lane) that reduces shard j among the round's members (`storeaccess.reducer_of`,
         then the lane of it holding the shard's first value)."""
-        m = reducer_of(j, self.members, self.cut.parts, self.roster)
+        m = reducer_of(j, self.members, self.roster)
         return m, self.cut.lead(j, self.layouts.get(m, 1))
 
     def reduces(self, j: int) -> bool:

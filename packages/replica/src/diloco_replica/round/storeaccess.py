@@ -94,9 +94,20 @@ class CountingStore:
         self.store.delete_many(keys)
 
 
-def reducer_of(shard: int, members: list[int], parts: int = 1, roster: list[int] | None = None) -> int:
-    """Who reduces shard j of a round of N·`parts` shards: its owner (the rank at position
-    j // parts of the round's `roster`; ranks 0 … N−1 if none is given) if a member, else a member
-    chosen by j, so a dead owner's parts are spread over the members."""
-    owner = shard // parts if roster is None else roster[shard // parts]
-    return owner if owner in members else members[shard % len(members)]
+def owner_of(shard: int, roster: list[int]) -> int:
+    """The replica that owns part j of a round of N·P parts: the rank at position j mod N of the
+    round's `roster`. Interleaved, not in runs of P: a replica's parts lie all along the vector,
+    so every lane of a replica of L processes (of K nodes) reduces its share of them and the
+    round's bytes spread over all its lanes' links, not over the few lanes a contiguous N-th of
+    the vector falls in (bench/nodes.py)."""
+    return roster[shard % len(roster)]
+
+
+def reducer_of(shard: int, members: list[int], roster: list[int] | None = None) -> int:
+    """Who reduces part j of a round: its owner (`owner_of`; with no `roster`, the members are
+    it) if a member, else a member chosen by the owner's place and the part's place among its
+    owner's, so a dead owner's parts (and two dead owners' first parts) spread over the members."""
+    roster = members if roster is None else roster
+    owner = owner_of(shard, roster)
+    n = len(roster)
+    return owner if owner in members else members[(shard // n + shard % n) % len(members)]

@@ -97,9 +97,9 @@ class RepairDesk:
         """Shard j's published mean, verified; a corrupt one is replaced by its reducer's
         re-publication (an incident of `rnd`). `rnd.nonfinite` gathers whom the reducer left out
         for NaN/Inf."""
-        return self._read(rnd.r, j, rnd.size(j), (rnd.cut.parts, rnd.roster), rnd.members, rnd.incidents, rnd.nonfinite)
+        return self._read(rnd.r, j, rnd.size(j), rnd.roster, rnd.members, rnd.incidents, rnd.nonfinite)
 
-    def _read(self, r: int, j: int, numel: int, cut: tuple[int, list[int]], members: list[int] | None,
+    def _read(self, r: int, j: int, numel: int, roster: list[int], members: list[int] | None,
               incidents: list[dict[str, Any]], nonfinite: set[int]) -> torch.Tensor:
         io = self.io
         obj, problem = io.get_reduced(r, j, numel)
@@ -112,7 +112,7 @@ class RepairDesk:
         elif problem == "missing":
             self.membership.check_not_collected(r)  # deleted by retention: rejoin
             raise RoundFailed(f"{key} vanished")
-        return self._repaired(r, j, key, numel, problem, cut, members, incidents, nonfinite)
+        return self._repaired(r, j, key, numel, problem, roster, members, incidents, nonfinite)
 
     def _usable(self, obj: Unpacked, nonfinite: set[int] | None) -> torch.Tensor:
         """A verified reduced shard's values, if they are finite and its left-out record is well-formed."""
@@ -126,14 +126,14 @@ class RepairDesk:
             nonfinite.update(flagged)
         return mean
 
-    def _repaired(self, r: int, j: int, key: str, numel: int, problem: str, cut: tuple[int, list[int]],
+    def _repaired(self, r: int, j: int, key: str, numel: int, problem: str, roster: list[int],
                   members: list[int] | None,
                   incidents: list[dict[str, Any]], nonfinite: set[int]) -> torch.Tensor:
         io = self.io
         if not members:
             decided = self.membership.read(r)
             members = decided.members if decided is not None else []
-        writer = reducer_of(j, members, *cut) if members else None  # cut: the round's parts and roster
+        writer = reducer_of(j, members, roster) if members else None
         io.log(f"round {r}: {problem}; asking its reducer (rank {writer}) to re-publish it")
         io.put(io.keys.repair(r, j), json.dumps({"by": io.rank, "problem": problem}).encode(),
                create_only=True)
