@@ -77,6 +77,30 @@ def test_the_standin_imports_nothing_of_the_launchers_checks():
     assert not [i for i in imported if any(name in i for name in launchers)], sorted(imported)
 
 
+def test_the_standin_keeps_its_own_rules_and_the_bootstraps_hook_name():
+    """Beyond the request checks, the stand-in's lifecycles (one instance failing a job of several,
+    each instance's resourceconfig.json, host order) are its own too: it imports nothing of the
+    launcher but the IAM policy a test holds the launcher to. The one name it shares with the
+    bootstrap is its hook for host names on one machine (`containers.HOSTS_ENV`)."""
+    from diloco_sagemaker import bootstrap
+    from diloco_sagemaker.testing import containers
+
+    testing = Path(containers.__file__).parent
+    product = {p.stem for p in testing.parent.glob("*.py")} - {"__init__"}
+    reached = set()
+    for source in testing.glob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level >= 2:
+                reached |= {a.name for a in node.names} if not node.module else {node.module}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("diloco_sagemaker."):
+                reached.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                reached |= {a.name.split(".")[1] for a in node.names if a.name.startswith("diloco_sagemaker.")}
+    assert "permissions" in reached  # the walk sees the stand-in's one import of the launcher
+    assert reached & product <= {"permissions"}, sorted(reached & product)
+    assert containers.HOSTS_ENV == bootstrap.HOSTS_ENV
+
+
 def served_patterns() -> set[str]:
     found, seen = set(), set()
 

@@ -14,11 +14,18 @@ spec's workdir), `env-<hash>.json` (environment values longer than SageMaker's 5
    through AWS Secrets Manager with the job's execution role — with boto3 if the image holds it,
    else with `secretsreader` (standard library) — so secret values never appear in the job's
    Environment (which anyone allowed to describe the job can read);
-5. runs the replica command it was given (the runner, or torchrun over L processes), forwarding
-   SIGTERM/SIGINT (SageMaker's stop notice reaches this process, PID 1, alone) and passing its
-   output through;
-6. on failure writes "exit code N: <cause>" to /opt/ml/output/failure, which SageMaker returns
-   as the job's FailureReason, and exits with the command's own code.
+5. on a job of K > 1 instances (a replica of `nodes = K`), says which node this instance is:
+   SageMaker writes /opt/ml/input/config/resourceconfig.json on every instance (`current_host`,
+   and `hosts`: algo-1 … algo-K), and node r is the r-th host in lexicographic order, node 0
+   hosting torch's store for the others (`node_placement`: torchrun's PET_NODE_RANK,
+   PET_MASTER_ADDR, PET_MASTER_PORT, what `diloco.procgroup.node_env` gives on every platform);
+6. runs the replica command it was given (the runner, or torchrun over L processes, on every
+   node of a multi-node replica), forwarding SIGTERM/SIGINT (SageMaker's stop notice reaches
+   this process, PID 1, alone) and passing its output through;
+7. on failure writes "exit code N: <cause>" to /opt/ml/output/failure, which SageMaker returns
+   as the job's FailureReason, and exits with the command's own code. On a multi-instance job
+   each instance does this for itself; one instance failing fails the job, and SageMaker stops
+   the others.
 
 Standard library only: it must run before anything of the user's is importable.
 """
@@ -43,12 +50,61 @@ WHEELS_ENV = "DILOCO_WHEELS"  # a JSON list of requirements to install from the 
 ENV_FILE_ENV = "DILOCO_ENV_FILE"  # a JSON file in the channel: {VAR: value} too long for the Environment
 # Only diloco_sagemaker.testing sets it (its instances keep /opt/ml in a directory per job).
 ML_ROOT_ENV = "DILOCO_ML_ROOT"
+# Only diloco_sagemaker.testing sets it: its instances all run on one machine, where no name like
+# "algo-2" resolves and every instance shares one loopback, so it says where each host's node
+# port is reached there ({"algo-1": "127.0.0.1:41234", ...}). On SageMaker the host names resolve.
+HOSTS_ENV = "DILOCO_SAGEMAKER_HOSTS"
 EXIT_CONFIG = 78  # diloco.errors.EXIT_CONFIG: a relaunch would fail the same way
+NODE_PORT = 29400  # diloco.procgroup.NODE_PORT (this file imports nothing of diloco): node 0's torch store
 
 
 def paths(root: str = ML_ROOT) -> dict[str, str]:
     return {"channel": os.path.join(root, "input", "data", CHANNEL), "code": os.path.join(root, "code"),
-            "failure": os.path.join(root, "output", "failure")}
+            "failure": os.path.join(root, "output", "failure"),
+            "resources": os.path.join(root, "input", "config", "resourceconfig.json")}
+
+
+def node_placement(config: dict, reached: dict[str, str] | None = None) -> dict[str, str]:
+    """This instance's node of a multi-instance job, as torchrun's own variables; {} for one instance.
+
+    Node r is the r-th of `hosts` in lexicographic order and node 0 is the master: SageMaker
+    writes `hosts` sorted so, and its training toolkit takes hosts[0] as the master and
+    hosts.index(current_host) as the node rank. Sorted again here, so every instance agrees even
+    if a file lists them otherwise (with 10 or more: algo-1, algo-10, algo-11, …, algo-2).
+    `reached`: where a host's node port is reached instead of <host>:NODE_PORT (HOSTS_ENV).
+    """
+    hosts = config.get("hosts")
+    current = config.get("current_host")
+    if not isinstance(hosts, list) or not all(isinstance(h, str) and h for h in hosts) or len(set(hosts)) != len(hosts):
+        raise ValueError(f"`hosts` is not a list of distinct host names: {hosts!r}")
+    if len(hosts) <= 1:
+        return {}
+    hosts = sorted(hosts)
+    if current not in hosts:
+        raise ValueError(f"`current_host` {current!r} is not one of `hosts` {hosts}")
+    address, port = hosts[0], NODE_PORT
+    if reached and hosts[0] in reached:
+        address, _, at = reached[hosts[0]].rpartition(":")
+        port = int(at)
+    return {"PET_NODE_RANK": str(hosts.index(current)), "PET_MASTER_ADDR": address, "PET_MASTER_PORT": str(port)}
+
+
+def place_node(where: dict[str, str], env: dict[str, str]) -> str | None:
+    """Step 5 on `env` (and one line in the log naming the node); the reason it cannot, or None."""
+    if not os.path.exists(where["resources"]):
+        return None  # not on a SageMaker instance: a one-node replica needs nothing (torchrun refuses a K > 1 one)
+    try:
+        with open(where["resources"]) as f:
+            config = json.load(f)
+        reached = json.loads(env.pop(HOSTS_ENV, "") or "{}")
+        placement = node_placement(config, reached)
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        return f"cannot tell which node of the replica this instance is from {where['resources']}: {exc}"
+    if placement:
+        env.update(placement)
+        print(f"diloco: node {placement['PET_NODE_RANK']} of {len(config['hosts'])} on {config['current_host']}; "
+              f"node 0's store at {placement['PET_MASTER_ADDR']}:{placement['PET_MASTER_PORT']}", flush=True)
+    return None
 
 
 def unpack(archive: str, dest: str) -> None:
@@ -145,6 +201,9 @@ def main(argv: list[str]) -> int:
     problem = prepare(where, env)
     if problem:
         return fail(where, EXIT_CONFIG, problem)
+    problem = place_node(where, env)
+    if problem:  # the platform's file, not the spec: a relaunch (new instances) may read a good one
+        return fail(where, 1, problem)
     child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, _f: child.send_signal(s))

@@ -1,4 +1,4 @@
-"""SageMakerExecutor: each replica attempt is one SageMaker training job (InstanceCount 1).
+"""SageMakerExecutor: each replica attempt is one SageMaker training job (InstanceCount = its `nodes`).
 
 `plan` builds the CreateTrainingJob requests (`request`: the topology and the requests),
 `submit` uploads the code (`source`, run first by `bootstrap` in the container), stores the
@@ -13,6 +13,11 @@ error that outlasts botocore's retries answers the status last seen, and Stoppin
 running unless this executor asked for the stop (a rank reaching its MaxRuntime goes through
 Stopping too, and must fail and be relaunched, not cancel the run). A `diloco cancel` from
 another shell reaches the launcher through the run record; its jobs then read cancelled once Stopped.
+
+A replica of `nodes = K` is one job of K instances (`capabilities.multi_node`): SageMaker places
+them together and ends the job, all instances, when one fails, so the replica fails and is
+relaunched as one attempt. Its result is node 0's (`logs.read_result`); a failure's first line is
+SageMaker's FailureReason, the failed instance's own cause (the others' logs end in the stop).
 
 Secrets never go into the job's Environment (anyone allowed to describe the job can read it):
 forwarded `secrets` are stored in AWS Secrets Manager as one secret per run
@@ -35,13 +40,13 @@ from diloco.options import options_from
 from diloco.protocol import Capabilities, ReplicaHandle, ReplicaResult, ReplicaStatus
 from diloco.request import LaunchPlan, LaunchRequest
 from diloco.submitting import start_each
-from diloco.waiting import LastStatus, collect_results
+from diloco.waiting import LastStatus, poll_until_terminal, unless_failed
 
 from . import trainingjob as rq
 from . import source
 from . import status as st
 from .aws import Aws, Transient, console_url, is_not_found, is_transient
-from .logs import LOG_GROUP, read_logs
+from .logs import LOG_GROUP, read_logs, read_result
 from .options import SageMakerOptions
 
 __all__ = ["LOG_GROUP", "SageMakerExecutor", "SageMakerOptions", "console_url"]
@@ -62,9 +67,10 @@ class SageMakerExecutor:
     backend_name = "sagemaker"
     Options = SageMakerOptions
     # instances have their own disks (the rendezvous must be an object store) and meet only through it;
-    # a spot interruption is retried by SageMaker itself, announced to no one.
+    # a spot interruption is retried by SageMaker itself, announced to no one. The K instances of one
+    # job (a multi-node replica) share SageMaker's network; replicas never do.
     capabilities = Capabilities(shares_launcher_filesystem=False, relaunches_one_rank=True, process_groups=True,
-                                inter_replica_network=False, status_detail=True, cloud="aws")
+                                multi_node=True, inter_replica_network=False, status_detail=True, cloud="aws")
 
     def __init__(self, options: SageMakerOptions | None = None, /, **overrides: Any):
         self.options = options_from(type(self), options, overrides)
@@ -100,7 +106,9 @@ class SageMakerExecutor:
             job = jobs[rank]
             name = job["TrainingJobName"]
             created = time.time()
-            self.aws.call(f"create {name} on {job['ResourceConfig']['InstanceType']}", sm.create_training_job, **job)
+            resources = job["ResourceConfig"]
+            count = f"{resources['InstanceCount']} × " if resources["InstanceCount"] > 1 else ""
+            self.aws.call(f"create {name} on {count}{resources['InstanceType']}", sm.create_training_job, **job)
             return ReplicaHandle.of(request, rank, self.backend_name, job=name, region=region,
                                     url=console_url(region, name), created=created)
 
@@ -152,7 +160,16 @@ class SageMakerExecutor:
         return read_logs(self.aws, dict(handle.metadata), n_lines)
 
     def collect(self, handles: Sequence[ReplicaHandle], *, timeout: float | None = None) -> list[ReplicaResult]:
-        return collect_results(self, handles, timeout=timeout, interval=1.0, failure=self._failure)
+        """Each replica's result when it ends: the return value node 0 printed, or why it failed."""
+        statuses = poll_until_terminal(self, handles, timeout=timeout, interval=1.0)
+        return [unless_failed(h, s, lambda h=h: self._returned(h)) or self._failure(h, s)
+                for h, s in zip(handles, statuses)]
+
+    def _returned(self, handle: ReplicaHandle) -> object:
+        try:
+            return read_result(self.aws, dict(handle.metadata))
+        except Transient:  # throttled past the retries: the replica succeeded, its value unread
+            return None
 
     def _failure(self, handle: ReplicaHandle, status: ReplicaStatus) -> ReplicaResult:
         md = dict(handle.metadata)
@@ -168,7 +185,9 @@ class SageMakerExecutor:
         code = st.exit_code(job)
         job = {"TrainingJobName": md["job"], **job}
         timed_out = job.get("SecondaryStatus") in st.TIMED_OUT  # SageMaker ended it: its reason comes first
-        first = st.failure_cause(job) if timed_out else (cause_from_log(tail) or st.failure_cause(job))
+        # several instances: the log's last cause may be a node SageMaker stopped; FailureReason is the failed one's
+        several = (job.get("ResourceConfig") or {}).get("InstanceCount", 1) > 1 and job.get("FailureReason")
+        first = st.failure_cause(job) if timed_out or several else (cause_from_log(tail) or st.failure_cause(job))
         error = f"{first}\n{md.get('url', '')}\n{tail}".rstrip()
         return ReplicaResult.failed(handle, status, error, code)
 

@@ -1,9 +1,11 @@
 """From the spec's logical GPU ("H100", "A10G:4") to a SageMaker training instance type.
 
-One replica is one instance (InstanceCount 1), so the GPU count picks the instance size: a
-bare name picks the smallest training instance with that GPU, a count picks the instance with
-exactly that many. `[backend] instance_type` overrides the mapping (a new instance family, a
-CPU instance, a bigger host for the same GPUs).
+One node of a replica is one instance (a replica of `nodes = K` is one job of K instances of
+that type), so the GPU count, which is per node, picks the instance size: a bare name picks the
+smallest training instance with that GPU, a count picks the instance with exactly that many.
+`[backend] instance_type` overrides the mapping (a new instance family, a CPU instance, a bigger
+host for the same GPUs); `processes_fit` refuses more processes on a node than its instance has
+GPUs, where the table knows the instance.
 """
 
 from __future__ import annotations
@@ -49,10 +51,24 @@ def instance_type(gpu: str | None, override: str | None = None) -> str:
     if not count_text:
         return sizes[BARE.get(name.strip().upper(), min(sizes))]
     if not count_text.strip().isdigit() or int(count_text) not in sizes:
-        counts = ", ".join(f"{name.strip().upper()}:{n} ({t})" for n, t in sorted(sizes.items()))
-        raise UserError(f"no SageMaker training instance has {count_text.strip()} × {name.strip().upper()}; "
+        gpu_name, largest = name.strip().upper(), max(sizes)
+        counts = ", ".join(f"{gpu_name}:{n} ({t})" for n, t in sorted(sizes.items()))
+        wanted = int(count_text) if count_text.strip().isdigit() else 0
+        nodes = (f" (`gpu` is per node: {wanted} × {gpu_name} are nodes = {wanted // largest} of "
+                 f"gpu = \"{gpu_name}:{largest}\")") if wanted > largest and wanted % largest == 0 else ""
+        raise UserError(f"no SageMaker training instance has {count_text.strip()} × {gpu_name}{nodes}; "
                         f"choose {counts}, or set [backend] instance_type")
     return sizes[int(count_text)]
+
+
+def processes_fit(instance: str, processes: int) -> None:
+    """One line if a node's `processes` outnumber its instance's GPUs (an instance the table
+    knows): a process without a GPU of its own would share one, or find none."""
+    gpus = gpus_on(instance)
+    if gpus is not None and processes > gpus:
+        raise UserError(f"processes_per_replica = {processes} is per node, but {instance} has {gpus} "
+                        f"GPU{'s' if gpus > 1 else ''}: use at most {gpus} (nodes = K for more processes), or a "
+                        f"[backend] instance_type with more GPUs")
 
 
 def gpus_on(instance: str) -> int | None:

@@ -6,8 +6,12 @@ files, long environment values, wheels for an official image), the Secrets Manag
 the exact requests `create_training_job` receives (`training_job_request`), which `diloco
 dryrun` prints. Each request is checked against botocore's model of CreateTrainingJob and
 SageMaker's documented rules before anything is uploaded (`refuse_what_sagemaker_refuses`).
-Topology: one training job per replica, InstanceCount 1 — per-rank status, per-rank relaunch
-and independent spot interruptions; replicas meet only through S3.
+Topology: one training job per replica attempt — per-rank status, per-rank relaunch and
+independent spot interruptions; replicas meet only through S3. A replica of `nodes = K` is one
+job of InstanceCount K: SageMaker places the K instances together on its network, starts the
+same node command on each (`replica_command(P, K)`; the bootstrap gives each its node from
+resourceconfig.json) and fails the whole job when one instance fails, which is the one attempt
+the supervisor relaunches.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from diloco.request import LaunchRequest
 from . import servicemodel, servicerules
 from .bootstrap import CHANNEL, ML_ROOT, PIP_ENV, SECRET_REFS_ENV, WHEELS_ENV
 from .environment import fit_environment
-from .instances import instance_type
+from .instances import instance_type, processes_fit
 from .officialimage import planned_wheels, resolve_image
 from .options import SageMakerOptions
 
@@ -69,8 +73,9 @@ def code_uri(opts: SageMakerOptions, rendezvous: str | None, run_id: str) -> str
 
 def training_job_request(opts: SageMakerOptions, *, name: str, image: str, instance: str, env: dict[str, str],
                          processes: int, timeout: float, code: str, output: str,
-                         tags: dict[str, str]) -> dict[str, Any]:
-    """One CreateTrainingJob request (env must already be free of secret values and within limits)."""
+                         tags: dict[str, str], nodes: int = 1) -> dict[str, Any]:
+    """One CreateTrainingJob request (env must already be free of secret values and within limits):
+    `nodes` instances of `instance`, each running `processes` processes."""
     runtime = int(timeout)
     if not 1 <= runtime <= MAX_RUNTIME:
         raise UserError(f"timeout {timeout:g}s is outside SageMaker's MaxRuntimeInSeconds (1..{MAX_RUNTIME}, "
@@ -84,7 +89,7 @@ def training_job_request(opts: SageMakerOptions, *, name: str, image: str, insta
         stopping["MaxWaitTimeInSeconds"] = wait
     elif opts.max_wait is not None:
         raise UserError("[backend] max_wait only applies with spot = true")
-    resources: dict[str, Any] = {"InstanceType": instance, "InstanceCount": 1,
+    resources: dict[str, Any] = {"InstanceType": instance, "InstanceCount": nodes,
                                  "VolumeSizeInGB": int(opts.volume_size_gb)}
     if opts.keep_alive:
         resources["KeepAlivePeriodInSeconds"] = int(opts.keep_alive)
@@ -93,7 +98,7 @@ def training_job_request(opts: SageMakerOptions, *, name: str, image: str, insta
         "RoleArn": opts.role or ROLE_PLACEHOLDER,
         "AlgorithmSpecification": {"TrainingImage": image, "TrainingInputMode": "File",
                                    "ContainerEntrypoint": list(ENTRYPOINT),
-                                   "ContainerArguments": replica_command(processes)},
+                                   "ContainerArguments": replica_command(processes, nodes)},
         "InputDataConfig": [{"ChannelName": CHANNEL, "InputMode": "File", "DataSource": {"S3DataSource": {
             "S3DataType": "S3Prefix", "S3Uri": code, "S3DataDistributionType": "FullyReplicated"}}}],
         "OutputDataConfig": {"S3OutputPath": output},
@@ -150,6 +155,7 @@ def plan_body(opts: SageMakerOptions, request: LaunchRequest, region: str) -> di
     run's Secrets Manager secret (names, never values) and one CreateTrainingJob per rank."""
     run_id, attempt = request.run_id, request.attempt
     instance = instance_type(request.gpu, opts.instance_type)
+    processes_fit(instance, request.processes_per_replica)
     image = resolve_image(opts, region, instance)
     code = code_uri(opts, request.rendezvous, run_id)
     output = opts.output_path or f"{default_prefix(opts, request.rendezvous)}/{run_id}/output"
@@ -169,8 +175,8 @@ def plan_body(opts: SageMakerOptions, request: LaunchRequest, region: str) -> di
             env_files[env["DILOCO_ENV_FILE"]] = long_values
         job = training_job_request(
             opts, name=job_name(run_id, rank, attempt), image=image, instance=instance, env=env,
-            processes=request.processes_per_replica, timeout=request.timeout, code=code, output=output,
-            tags={RUN_TAG: run_id, RANK_TAG: str(rank), ATTEMPT_TAG: str(attempt)})
+            processes=request.processes_per_replica, nodes=request.nodes, timeout=request.timeout, code=code,
+            output=output, tags={RUN_TAG: run_id, RANK_TAG: str(rank), ATTEMPT_TAG: str(attempt)})
         refuse_what_sagemaker_refuses(job, rank)
         jobs.append(job)
     workdir = shipped_workdir(opts, request)

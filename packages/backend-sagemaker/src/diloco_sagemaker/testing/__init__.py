@@ -16,7 +16,10 @@ service", lists them with the botocore version):
   services' (`iam`, `gateway`): a missing action is AccessDeniedException naming it;
 - the documented lifecycles (`instance`): Stopping → Stopped, MaxRuntimeExceeded and
   MaxWaitTimeExceeded through Stopping, spot interruptions (Interrupted → Starting), PID 1 alone
-  signalled with a grace period of 120 s (shorter in tests) before SIGKILL;
+  signalled with a grace period of 120 s (shorter in tests) before SIGKILL; a job of several
+  instances as one container per instance, each with its own resourceconfig.json, the job failing
+  (the others stopped) when one fails (`containers`, which also says how host names reach
+  loopback here);
 - reads that lag behind CreateTrainingJob (not found for `not_found_seconds`), throttling
   bursts on demand (`FakeSageMaker.throttle`);
 - containers whose interpreter holds only what their image declares (`images`).

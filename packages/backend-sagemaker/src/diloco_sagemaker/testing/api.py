@@ -99,7 +99,8 @@ class TrainingJobs:
             if jobdir.exists():
                 raise ApiError("ResourceInUse", f"Training job names must be unique within an AWS account and "
                                f"region, and a training job with this name already exists ({arn})")
-            self._check_quota(instance, bool(req.get("EnableManagedSpotTraining")))
+            self._check_quota(instance, int(req["ResourceConfig"].get("InstanceCount") or 1),
+                              bool(req.get("EnableManagedSpotTraining")))
             jobdir.mkdir()
             write_json(jobdir / "request.json", {**req, "TrainingJobArn": arn, "CreationTime": time.time()})
             write_json(jobdir / "state.json", {"TrainingJobStatus": "InProgress", "SecondaryStatus": "Starting",
@@ -113,7 +114,8 @@ class TrainingJobs:
         write_json(jobdir / "instance.pid.json", {"pid": proc.pid})
         return {"TrainingJobArn": arn}
 
-    def _check_quota(self, instance: str, spot: bool) -> None:
+    def _check_quota(self, instance: str, count: int, spot: bool) -> None:
+        """The account's quota counts instances, not jobs: a job of InstanceCount K uses K."""
         limit = self.config["quotas"].get(instance)
         if limit is None:
             return
@@ -121,12 +123,13 @@ class TrainingJobs:
         for d in (self.root / "jobs").iterdir():
             job = describe(self.root, d.name)
             if job and job["ResourceConfig"]["InstanceType"] == instance and job["TrainingJobStatus"] in ACTIVE:
-                used += 1
-        if used + 1 > limit:
+                used += int(job["ResourceConfig"].get("InstanceCount") or 1)
+        if used + count > limit:
             usage = "spot training job usage" if spot else "training job usage"
             raise ApiError("ResourceLimitExceeded", f"The account-level service limit '{instance} for {usage}' is "
                            f"{limit} Instances, with current utilization of {used} Instances and a request delta "
-                           f"of 1 Instances. Please use AWS Service Quotas to request an increase for this quota.")
+                           f"of {count} Instances. Please use AWS Service Quotas to request an increase for this "
+                           f"quota.")
 
     def stop(self, name: str) -> dict[str, Any]:
         job = self.visible(name)

@@ -1,34 +1,41 @@
-"""One training job's instance: `python -m diloco_sagemaker.testing.instance JOBDIR CONFIG`.
+"""One training job's instances: `python -m diloco_sagemaker.testing.instance JOBDIR CONFIG`.
 
 Does with a job what SageMaker documents (DescribeTrainingJob's SecondaryStatus, managed spot
 training, StopTrainingJob), writing JOBDIR/state.json for DescribeTrainingJob:
 
-- InProgress: Starting → Downloading (the input channels, from S3 into /opt/ml/input/data/<channel>/)
-  → DownloadingTrainingImage (the image's interpreter, `images`) → Training → Uploading (/opt/ml/model)
-  → Completed; or Failed, with FailureReason from /opt/ml/output/failure;
+- InProgress: Starting → Downloading (the input channels, from S3 into each instance's
+  /opt/ml/input/data/<channel>/) → DownloadingTrainingImage (the image's interpreter, `images`)
+  → Training → Uploading (/opt/ml/model) → Completed; or Failed, with FailureReason from the
+  failed instance's /opt/ml/output/failure;
 - StopTrainingJob: Stopping → Stopped. MaxRuntimeInSeconds reached (training time) or
   MaxWaitTimeInSeconds reached (time since creation, waiting for spot capacity included):
   Stopping → Stopped with SecondaryStatus MaxRuntimeExceeded / MaxWaitTimeExceeded;
-- a spot interruption: InProgress/Interrupted, then after a wait InProgress/Starting again on a
-  fresh /opt/ml, with a new log stream;
+- a spot interruption: InProgress/Interrupted, then after a wait InProgress/Starting again on
+  fresh instances (a fresh /opt/ml each), with new log streams;
 - ending a container: SIGTERM to its PID 1 only (the entrypoint; it forwards to its children if
   it wants to), then after the grace period (SageMaker: 120 seconds) SIGKILL to every process
   of the container. When PID 1 exits, whatever it left running dies with the container.
 
-The container runs ContainerEntrypoint + ContainerArguments with the job's Environment, the
-image's interpreter first on PATH, /opt/ml mapped to a directory per job (DILOCO_ML_ROOT tells
-diloco's bootstrap), the execution role's credentials from a container credentials endpoint
-(AWS_CONTAINER_CREDENTIALS_FULL_URI, served by the control plane) and no package index
-(PIP_INDEX_URL points nowhere: a VPC without NAT).
+A job of InstanceCount K runs K containers, one per instance (algo-1 … algo-K, `containers`),
+each its own process group with its own resourceconfig.json. The job completes when every
+container exited 0; when one exits otherwise the job fails: the others are ended as on a stop
+and FailureReason is the failed instance's. A stop, a time limit or a spot interruption ends
+them all.
+
+Each container runs ContainerEntrypoint + ContainerArguments with the job's Environment, the
+image's interpreter first on PATH, /opt/ml mapped to a directory per instance (DILOCO_ML_ROOT
+tells diloco's bootstrap), where each host's node port is reached on this machine
+(DILOCO_SAGEMAKER_HOSTS, see `containers`), the execution role's credentials from a container
+credentials endpoint (AWS_CONTAINER_CREDENTIALS_FULL_URI, served by the control plane) and no
+package index (PIP_INDEX_URL points nowhere: a VPC without NAT).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tarfile
 import threading
@@ -37,10 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from . import images
+from .containers import HOSTS_ENV, Container, host_names, reached_at, record_pids, resource_config
 from .jobfiles import EXPIRE_REQUEST, INTERRUPT_REQUEST, STOP_REQUEST, read_json, write_json
-from .logship import LogShipper
 
-HOST = "algo-1"
 NO_INDEX = "http://127.0.0.1:9/simple/"  # nothing listens there: pip fails fast, as without internet
 TIME_LIMITS = ("MaxRuntimeExceeded", "MaxWaitTimeExceeded")
 
@@ -56,7 +62,8 @@ class Instance:
               "aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
         self.s3, self.logs = boto3.client("s3", **kw), boto3.client("logs", **kw)
         self.training_seconds = 0.0
-        self.container: subprocess.Popen | None = None
+        self.hosts = host_names(int(self.req["ResourceConfig"].get("InstanceCount") or 1))
+        self.containers: list[Container] = []
 
     @property
     def flag(self) -> str | None:
@@ -101,16 +108,19 @@ class Instance:
                 return self.stop_before_training("MaxWaitTimeExceeded")
             self.set("InProgress", "Starting", "Preparing the instances for training")
             self.pause()
-            ml = self.fresh_ml_root()
+            self.containers = [Container(self.dir, host, host == self.hosts[0]) for host in self.hosts]
+            for c in self.containers:
+                self.fresh_ml_root(c)
             self.set("InProgress", "Downloading", "Downloading input data")
-            self.download_channels(ml)
+            for c in self.containers:
+                self.download_channels(c.ml)
             self.set("InProgress", "DownloadingTrainingImage", "Downloading the training image")
-            bindir = self.start_image()
+            bindirs = [self.start_image(c) for c in self.containers]
             if self.flag == "stop":
                 return self.stop_before_training("Stopped")
             self.set("InProgress", "Training", "Training image download completed. Training in progress.",
                      TrainingStartTime=self.state().get("TrainingStartTime") or time.time())
-            outcome, code = self.train(ml, bindir, limits)
+            outcome, failed, code = self.train(bindirs, limits)
             if outcome == "interrupt":
                 end = time.monotonic() + self.config["spot_wait_seconds"]
                 while time.monotonic() < end and self.flag != "stop" and not self.wait_exceeded():
@@ -121,12 +131,11 @@ class Instance:
                 continue  # back to Starting, on new capacity
             if outcome == "stop" or outcome in TIME_LIMITS:
                 return self.ended("Stopped", "Stopped" if outcome == "stop" else outcome, "Training job stopped")
-            if code == 0:
+            if failed is None:
                 self.set("InProgress", "Uploading", "Uploading generated training model")
-                self.upload_model(ml)
+                self.upload_model()
                 return self.ended("Completed", "Completed", "Training job completed")
-            failure = ml / "output" / "failure"
-            reason = failure.read_text()[:1024] if failure.exists() else f", exit code: {code}"
+            reason = failed.failure() or f", exit code: {code}"
             return self.ended("Failed", "Failed", "Training job failed", FailureReason=f"AlgorithmError: {reason}")
 
     def stop_before_training(self, secondary: str) -> None:
@@ -138,11 +147,11 @@ class Instance:
     def ended(self, status: str, secondary: str, message: str, **extra: Any) -> None:
         self.set(status, secondary, message, TrainingEndTime=time.time(),
                  TrainingTimeInSeconds=int(self.training_seconds), BillableTimeInSeconds=int(self.training_seconds),
-                 container_pid=None, **extra)
+                 container_pid=None, container_pids=None, **extra)
 
-    def fresh_ml_root(self) -> Path:
+    def fresh_ml_root(self, container: Container) -> Path:
         """A new instance's /opt/ml (after a spot interruption nothing local survives)."""
-        ml = self.dir / "opt-ml"
+        ml = container.ml
         shutil.rmtree(ml, ignore_errors=True)
         for sub in ("input/config", "input/data", "model", "output/data", "code"):
             (ml / sub).mkdir(parents=True, exist_ok=True)
@@ -151,9 +160,8 @@ class Instance:
                     for c in self.req.get("InputDataConfig", [])}
         write_json(ml / "input/config/inputdataconfig.json", channels)
         write_json(ml / "input/config/hyperparameters.json", self.req.get("HyperParameters") or {})
-        write_json(ml / "input/config/resourceconfig.json", {
-            "current_host": HOST, "hosts": [HOST], "current_group_name": "homogeneousCluster",
-            "current_instance_type": self.req["ResourceConfig"]["InstanceType"], "network_interface_name": "eth0"})
+        write_json(ml / "input/config/resourceconfig.json",
+                   resource_config(container.host, self.hosts, self.req["ResourceConfig"]["InstanceType"]))
         return ml
 
     def download_channels(self, ml: Path) -> None:
@@ -169,13 +177,13 @@ class Instance:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 self.s3.download_file(bucket, obj["Key"], str(target))
 
-    def start_image(self) -> Path:
-        """The image's interpreter for this start: a fresh container over the image's layer."""
+    def start_image(self, container: Container) -> Path:
+        """The image's interpreter for this start of an instance: a fresh container over the image's layer."""
         image = self.req["AlgorithmSpecification"]["TrainingImage"]
         layer = images.image_layer(Path(self.config["root"]), image, self.config.get("images"))
-        return images.container_python(layer, self.dir / "container")
+        return images.container_python(layer, container.venv)
 
-    def container_env(self, ml: Path, bindir: Path) -> dict[str, str]:
+    def container_env(self, ml: Path, bindir: Path, reached: dict[str, str]) -> dict[str, str]:
         path = os.pathsep.join([str(bindir), "/usr/local/bin", "/usr/bin", "/bin"])
         env = {"PATH": path, "HOME": str(self.dir), "LANG": "C.UTF-8", "TRAINING_JOB_NAME": self.name,
                "TRAINING_JOB_ARN": self.req["TrainingJobArn"], "DILOCO_ML_ROOT": str(ml),
@@ -185,76 +193,66 @@ class Instance:
                # AWS's own network: a real container reaches secretsmanager.<region>.amazonaws.com by DNS
                # before any of the job's secrets exist (an S3 endpoint, if the run has one, is among them)
                "AWS_ENDPOINT_URL_SECRETS_MANAGER": self.config["aws_endpoint"]}
+        if len(self.hosts) > 1:  # one machine: where each host's node port is reached here (see `containers`)
+            env[HOSTS_ENV] = json.dumps(reached)
         env.update(self.req.get("Environment") or {})
         return env
 
-    def command(self, ml: Path) -> list[str]:
+    def command(self) -> list[str]:
         spec = self.req["AlgorithmSpecification"]
-        argv = list(spec.get("ContainerEntrypoint") or ["train"]) + list(spec.get("ContainerArguments") or [])
-        return [a.replace("/opt/ml", str(ml)) for a in argv]
+        return list(spec.get("ContainerEntrypoint") or ["train"]) + list(spec.get("ContainerArguments") or [])
 
-    def train(self, ml: Path, bindir: Path, limits: dict[str, int]) -> tuple[str, int | None]:
-        """Run the container to its end; ("exited", code), or why it was ended from outside."""
-        stream = f"{self.name}/{HOST}-{int(time.time() * 1000)}"
-        shipper = LogShipper(self.logs, stream, self.dir / "container.log")
-        self.container = subprocess.Popen(self.command(ml), env=self.container_env(ml, bindir), cwd=str(ml),
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        state = self.state()
-        state["container_pid"] = self.container.pid
-        write_json(self.dir / "state.json", state)
-        reader = threading.Thread(target=shipper.pump, args=(self.container.stdout,), daemon=True)
-        reader.start()
+    def train(self, bindirs: list[Path], limits: dict[str, int]) -> tuple[str, Container | None, int | None]:
+        """Run the containers to their end: ("exited", the first container that failed or None, its
+        code), or why they were ended from outside."""
+        reached = reached_at(self.hosts)
+        for c, bindir in zip(self.containers, bindirs):
+            c.start(self.command(), self.container_env(c.ml, bindir, reached), self.logs, self.name)
+        record_pids(self.dir / "state.json", self.state(), self.containers)
         started = time.monotonic()
-        outcome = "exited"
-        while self.container.poll() is None:
+        outcome, failed = "exited", None
+        while any(c.poll() is None for c in self.containers):
+            failed = next((c for c in self.containers if c.poll() not in (None, 0)), None)
             if self.flag in ("stop", "interrupt", *TIME_LIMITS):
                 outcome = self.flag
             elif self.training_seconds + time.monotonic() - started > limits["MaxRuntimeInSeconds"]:
                 outcome = "MaxRuntimeExceeded"
             elif self.wait_exceeded():
                 outcome = "MaxWaitTimeExceeded"
-            if outcome != "exited":
+            if outcome != "exited" or failed is not None:
                 if outcome == "interrupt":
                     self.set("InProgress", "Interrupted", "Spot instance was interrupted; waiting for capacity")
-                else:
+                elif outcome != "exited":
                     self.set("Stopping", "Stopping", "Stopping the training job")
-                self.end_container()
-                if outcome != "interrupt":
+                self.end_containers()  # one instance failed: the job fails, the others are stopped
+                if outcome not in ("exited", "interrupt"):
                     time.sleep(self.config["stopping_seconds"])  # SageMaker uploads and tears down meanwhile
                 break
             time.sleep(0.1)
-        code = self.container.wait()
-        self.kill_container_group()  # PID 1 is gone: so is the container, and all it still ran
+        codes = [c.finish() for c in self.containers]  # each PID 1 gone: so is its container, and all it ran
         self.training_seconds += time.monotonic() - started
-        reader.join(timeout=10)
-        shipper.close()
-        return outcome, (128 - code if code < 0 else code)
+        if failed is None and outcome == "exited":
+            failed = next((c for c, code in zip(self.containers, codes) if code), None)
+        return outcome, failed, (codes[self.containers.index(failed)] if failed else 0)
 
-    def end_container(self) -> None:
-        """SIGTERM to PID 1 only, then SIGKILL to the whole container after the grace period."""
-        assert self.container is not None
-        try:
-            os.kill(self.container.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + self.config["grace_seconds"]
-        while self.container.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        self.kill_container_group()
+    def end_containers(self) -> None:
+        """Every container still running ended at once: SIGTERM to each PID 1, SIGKILL after the grace period."""
+        ends = [threading.Thread(target=c.end, args=(self.config["grace_seconds"],)) for c in self.containers
+                if c.poll() is None]
+        for t in ends:
+            t.start()
+        for t in ends:
+            t.join()
 
-    def kill_container_group(self) -> None:
-        assert self.container is not None
-        try:
-            os.killpg(self.container.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def upload_model(self, ml: Path) -> None:
+    def upload_model(self) -> None:
+        """One model.tar.gz of every instance's /opt/ml/model (the stand-in's merge: later hosts' files
+        after earlier ones'; SageMaker's advice is to write the model on one host)."""
         out = self.req["OutputDataConfig"]["S3OutputPath"].rstrip("/")
         bucket, _, prefix = out[len("s3://"):].partition("/")
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-            tar.add(str(ml / "model"), arcname=".")
+            for c in self.containers:
+                tar.add(str(c.ml / "model"), arcname=".")
         key = "/".join(p for p in (prefix, self.name, "output", "model.tar.gz") if p)
         self.s3.put_object(Bucket=bucket, Key=key, Body=buf.getvalue())
 

@@ -4,7 +4,8 @@ Every process (the control plane, a job's instance process, a second shell's lau
 the same files, so a job outlives the process that created it:
 
 - `request.json`: the CreateTrainingJob request as received (plus ARN and creation time);
-- `state.json`: statuses, transitions, timings and the container's pid, written by the instance;
+- `state.json`: statuses, transitions, timings and each instance's container pid, written by
+  the job's process (`instance`);
 - `stop.request` / `interrupt.request` / `expire.request`: what the instance is asked to do,
   left as files so a request that arrives while the instance is still starting is not lost.
 """
@@ -34,9 +35,10 @@ def pid_alive(pid: int | None) -> bool:
 
 
 def pids(jobdir: Path) -> list[int]:
-    """The instance's and the container's process (each leads its own process group)."""
-    return [p for p in (read_json(jobdir / "instance.pid.json", {}).get("pid"),
-                        read_json(jobdir / "state.json", {}).get("container_pid")) if p]
+    """The job's process and each of its instances' containers' (each leads its own process group)."""
+    state = read_json(jobdir / "state.json", {})
+    containers = list((state.get("container_pids") or {}).values()) or [state.get("container_pid")]
+    return [p for p in (read_json(jobdir / "instance.pid.json", {}).get("pid"), *containers) if p]
 
 
 def describe(root: Path, name: str) -> dict[str, Any] | None:

@@ -102,15 +102,16 @@ class FakeSageMaker:
         (job_dir(self.root, job) / EXPIRE_REQUEST).write_text(limit)
         return True
 
-    def kill(self, job: str, sig: int = signal.SIGKILL) -> bool:
-        """Every process of the container dies of `sig` (an OOM kill, a crash)."""
+    def kill(self, job: str, sig: int = signal.SIGKILL, host: str | None = None) -> bool:
+        """Every process of the container dies of `sig` (an OOM kill, a crash): on instance `host`
+        (algo-2, …), by default the job's first."""
         deadline = time.monotonic() + 5  # the instance records its container a moment after Training starts
         pid = None
         while not pid_alive(pid) and time.monotonic() < deadline:
             state = read_json(job_dir(self.root, job) / "state.json", {})
             if state.get("TrainingJobStatus") not in (None, "InProgress"):
                 return False
-            pid = state.get("container_pid")
+            pid = (state.get("container_pids") or {}).get(host) if host else state.get("container_pid")
             time.sleep(0.05)
         if not pid_alive(pid):
             return False
