@@ -118,8 +118,12 @@ MOSTLY_WAITING = (
     "tests/test_groups_e2e.py::",
     "tests/test_azure_store.py::",
     "tests/test_eks_e2e.py::",
+    # the SageMaker stand-in's jobs, moved here when replicas of several nodes added a run to it and
+    # to the tests that train (tests/test_multinode.py), to keep the three processes even
+    "tests/test_sagemaker_e2e.py::",
     "tests/test_benches.py::test_the_bench_runs_in_quick_mode_and_prints_its_json[recovery.py]",
     "tests/test_benches.py::test_the_bench_runs_in_quick_mode_and_prints_its_json[scale.py]",
+    "tests/test_benches.py::test_the_bench_runs_in_quick_mode_and_prints_its_json[nodes.py]",
 )
 
 

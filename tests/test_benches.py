@@ -23,6 +23,7 @@ BENCHES = {
     "bytes.py": ["results", "bound_up"],
     "status_reads.py": ["results"],
     "lanes.py": ["results"],
+    "nodes.py": ["exchange", "lost_node", "targets"],
     "round_cost.py": ["rows"],
     "tiny_lm.py": ["diloco", "data_parallel", "diloco_vs_dp_eval_loss"],
     "sync_modes.py": ["rows", "targets"],

@@ -207,3 +207,12 @@ def test_diloco_scale_adds_a_replica_of_two_nodes(tmp_path, cli, lanes_env, stat
         assert len({x.state_digest for x in row.rows}) == 1 and row.diverged is None, row.round
     log = (state_dir / "local" / run_id / "rank-2.attempt-0.log").read_text()
     assert "[rank 2 process 1 attempt 0]" in log  # its second node's process exchanged its lane
+
+
+def test_the_nodes_example_dry_runs_as_the_readme_shows(tmp_path, state_dir):
+    dry = subprocess.run([sys.executable, "-m", "diloco", "dryrun", str(EXAMPLE / "diloco-nodes.toml")],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr
+    assert "2 replicas × 2 processes on 2 nodes" in dry.stderr and "per node per round" in dry.stderr
+    first = json.loads(dry.stdout)["processes"][0]["argv"]
+    assert first[first.index("--nnodes") + 1] == "2" and first[first.index("--nproc-per-node") + 1] == "1"
