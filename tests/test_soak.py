@@ -100,9 +100,10 @@ def soak_part(fault: str, run_index: int) -> str:
     """A fault aimed at shard o (`kind:round:o[:src]`) aimed at one of o's parts instead."""
     from diloco.store.wiresize import parts_per_shard
 
-    parts = parts_per_shard(470_528, 4, float(SOAK_PART_MB))  # the main job's model, 4 replicas
+    n = 4  # the main job's replicas
+    parts = parts_per_shard(470_528, n, float(SOAK_PART_MB))  # the main job's model
     kind, r, owner, *src = fault.split(":")
-    return ":".join([kind, r, str(int(owner) * parts + run_index % parts), *src])
+    return ":".join([kind, r, str(int(owner) + (run_index % parts) * n), *src])  # o's parts: o, o + N, ...
 
 
 def round_rows(uri: str, run_id: str) -> list[dict[str, Any]]:
