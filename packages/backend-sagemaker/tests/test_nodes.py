@@ -107,7 +107,7 @@ print("HOST", host, cfg["hosts"], sorted(json.loads(os.environ["DILOCO_SAGEMAKER
 if sys.argv[1] == "fail" and host == "algo-2":
     open(ml + "/output/failure", "w").write("exit code 3: node algo-2 broke")
     sys.exit(3)
-if sys.argv[1] == "fail":
+if sys.argv[1] in ("fail", "hold"):
     time.sleep(600)  # until SageMaker stops it
 print('diloco: replica result: {"result": "%s"}' % host, flush=True)
 '''
@@ -128,10 +128,15 @@ def test_each_instance_is_its_own_container_node_0_speaks_for_the_job_and_one_fa
     (the job fails at once with algo-2's cause: algo-1 was stopped with it). The account's quota
     counts their instances."""
     sagemaker.quota("ml.m5.xlarge", 4)
-    two_instance_job(aws, "island-ok", "ok")
-    two_instance_job(aws, "island-fail", "fail")
+    two_instance_job(aws, "island-hold-1", "hold")  # jobs that run until stopped: the quota is full
+    two_instance_job(aws, "island-hold-2", "hold")  # whatever the machine's pace
     with pytest.raises(ClientError, match="request delta of 2 Instances"):
         two_instance_job(aws, "island-over", "ok")
+    for name in ("island-hold-1", "island-hold-2"):
+        sm().stop_training_job(TrainingJobName=name)
+        wait_status(name, "Stopped")
+    two_instance_job(aws, "island-ok", "ok")
+    two_instance_job(aws, "island-fail", "fail")
     started = time.monotonic()
     job = wait_status("island-fail", "Failed")
     assert job["FailureReason"] == "AlgorithmError: exit code 3: node algo-2 broke"  # the failed instance's own

@@ -12,7 +12,8 @@ import re
 from diloco.bootstrap.failures import cause, cause_from_log, signal_cause
 
 
-_REPLICA_FAILED = re.compile(r"ReplicaFailed\((['\"]).*\(exit code (-?\d{1,3})\)\1\)", re.DOTALL)
+_REPLICA_FAILED = re.compile(r"ReplicaFailed\((['\"])(?P<message>.*?) ?\(exit code (?P<code>-?\d{1,3})\)\1\)",
+                             re.DOTALL)
 
 
 def replica_exit_code(exception: str) -> int | None:
@@ -21,7 +22,13 @@ def replica_exit_code(exception: str) -> int | None:
     else counts: the call's log text is the user's own output ("(exit code 78)" in a line of it
     is not how the call ended), and so is any other exception."""
     found = _REPLICA_FAILED.fullmatch(exception or "")
-    return int(found.group(2)) if found else None
+    return int(found.group("code")) if found else None
+
+
+def replica_message(exception: str) -> str:
+    """What run_replica's `ReplicaFailed` says happened (its cause, before "(exit code N)"), or ''."""
+    found = _REPLICA_FAILED.fullmatch(exception or "")
+    return cause(found.group("message")) if found else ""
 
 
 def exit_cause(code: int | None, object_id: str, said: str = "") -> str:
@@ -33,8 +40,9 @@ def exit_cause(code: int | None, object_id: str, said: str = "") -> str:
     killed = signal_cause(code)
     if killed:
         return killed
-    if code is not None:
-        return f"{object_id} exited with code {code}"
+    if code is not None:  # run_replica's own words when its log did not carry them (a cluster's, racing)
+        message = replica_message(said)
+        return f"{object_id} failed: {message}" if message else f"{object_id} exited with code {code}"
     return f"{object_id} failed: {cause(said)}" if cause(said) else f"{object_id} failed"
 
 
