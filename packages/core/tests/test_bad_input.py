@@ -54,12 +54,13 @@ def test_bad_spec_is_one_line_exit_2(cli, project, state_dir, text, expected):
     if "pip install diloco-backend-" in expected and importlib.util.find_spec("diloco_sagemaker"):
         pytest.skip("the backend is installed here (a development venv); the isolated core env checks the hint")
     spec = write_spec(project, text)
-    proc = cli("run", str(spec))
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert expected in lines[0]
-    assert "Traceback" not in proc.stdout + proc.stderr
+    for command in ("dryrun", "run"):  # what passes one passes the other
+        proc = cli(command, str(spec))
+        assert proc.returncode == 2, (command, proc.stdout + proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (command, proc.stderr)
+        assert expected in lines[0], command
+        assert "Traceback" not in proc.stdout + proc.stderr
     assert not (state_dir / "runs").exists() or not any((state_dir / "runs").iterdir())
 
 

@@ -103,7 +103,9 @@ def plan_run(spec: RunSpec, *, run_id: str | None = None, secrets: Secrets | Non
              executor: Executor | None = None) -> LaunchPlan:
     """The plan of the run's first launch: what `diloco dryrun` prints and `diloco run` submits.
 
-    A dry run refuses a listed secret that is not set, as `run` does: what passes one passes the other."""
+    A dry run refuses a listed secret that is not set, and a metric sink that is not installed, as
+    `run` does: what passes one passes the other."""
+    check_sinks_installed(spec.metrics, spec.source)
     executor = executor or executor_of_spec(spec)
     if secrets is None:
         secrets = secret_values(spec.secret_names(), spec.source)
@@ -117,7 +119,6 @@ def new_run(spec: RunSpec, **supervisor_kwargs: Any) -> Supervisor:
     executor = executor_of_spec(spec)
     secrets = secret_values(spec.secret_names(), spec.source)
     plan = plan_run(spec, secrets=secrets, executor=executor)  # anything wrong fails here, before a record exists
-    check_sinks_installed(spec.metrics, spec.source)
     request = plan.request
     record = RunRecord.create(request.run_id, {"spec": spec.to_dict(), "backend": spec.backend,
                                                "launch": request.to_dict(), "state": "INIT"})
