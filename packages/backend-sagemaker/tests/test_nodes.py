@@ -133,6 +133,7 @@ def test_each_instance_is_its_own_container_node_0_speaks_for_the_job_and_one_fa
     with pytest.raises(ClientError, match="request delta of 2 Instances"):
         two_instance_job(aws, "island-over", "ok")
     for name in ("island-hold-1", "island-hold-2"):
+        wait_status(name, "InProgress")  # reads lag behind a create (the service's, and the stand-in's)
         sm().stop_training_job(TrainingJobName=name)
         wait_status(name, "Stopped")
     two_instance_job(aws, "island-ok", "ok")
